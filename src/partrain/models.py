@@ -1,0 +1,140 @@
+"""Built-in models, and resolution of a model spec ("cnn", "pkg.mod:factory").
+
+A model spec is what `partrain train --model` takes and what a checkpoint records
+so that `partrain serve` and `--resume` can rebuild the module without unpickling
+code: ``{"name": str, "kwargs": dict}``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .errors import UsageError
+
+
+def cnn(in_channels: int = 1, num_classes: int = 10, image_size: int = 8, width: int = 32) -> nn.Module:
+    """A small CNN for 8x8 to 32x32 images (the default for the digits data)."""
+    pooled = image_size // 2
+    return nn.Sequential(
+        nn.Conv2d(in_channels, width, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(2 * width * pooled * pooled, 128),
+        nn.ReLU(),
+        nn.Linear(128, num_classes),
+    )
+
+
+def bn_cnn(in_channels: int = 1, num_classes: int = 10, image_size: int = 8, width: int = 32) -> nn.Module:
+    """The small CNN with BatchNorm after each convolution (for SyncBatchNorm)."""
+    pooled = image_size // 2
+    return nn.Sequential(
+        nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.Conv2d(width, 2 * width, 3, padding=1, bias=False),
+        nn.BatchNorm2d(2 * width),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(2 * width * pooled * pooled, num_classes),
+    )
+
+
+def mlp(in_features: int = 64, num_classes: int = 10, hidden: int = 256, depth: int = 2,
+        dropout: float = 0.0) -> nn.Module:
+    """A multi-layer perceptron; flattens its input first."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = in_features
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        if dropout:
+            layers.append(nn.Dropout(dropout))
+        width = hidden
+    layers.append(nn.Linear(width, num_classes))
+    return nn.Sequential(*layers)
+
+
+def lenet5(in_channels: int = 1, num_classes: int = 10, image_size: int = 28) -> nn.Module:
+    """LeNet-5 (about 61k parameters at 28x28 input), with ReLU and max pooling."""
+    s = ((image_size + 4 - 4) // 2 - 4) // 2  # conv5 pad 2, pool, conv5, pool
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 6, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * s * s, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, num_classes),
+    )
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "cnn": cnn,
+    "bn-cnn": bn_cnn,
+    "mlp": mlp,
+    "lenet5": lenet5,
+}
+
+
+def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
+    """Import ``"package.module:function"`` and return the function."""
+    if ":" not in spec:
+        raise UsageError(f"Expected a {what} as 'module:function'. Received: {spec!r}")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"Cannot import module {module_name!r} for {what} {spec!r}: {exc}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise UsageError(f"Expected {spec!r} to name a callable {what}. Received: {type(fn).__name__}")
+    return fn
+
+
+def build_model(name: str, **kwargs: Any) -> nn.Module:
+    """Build a model from a built-in name or ``module:function``."""
+    if name in MODELS:
+        factory = MODELS[name]
+    elif ":" in name:
+        factory = resolve_callable(name, "model factory")
+    else:
+        raise UsageError(
+            f"Expected a model among {sorted(MODELS)} or 'module:function'. Received: {name!r}"
+        )
+    try:
+        model = factory(**kwargs)
+    except TypeError as exc:
+        raise UsageError(f"Model {name!r} does not accept options {kwargs}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"Expected model {name!r} to return a torch.nn.Module. Received: {type(model).__name__}")
+    return model
+
+
+def model_kwargs_for(name: str, sample_shape: tuple[int, ...], num_classes: int) -> dict[str, Any]:
+    """Shape options a built-in model needs for samples of ``sample_shape``."""
+    if name == "mlp":
+        n = 1
+        for d in sample_shape:
+            n *= d
+        return {"in_features": n, "num_classes": num_classes}
+    if name in ("cnn", "bn-cnn", "lenet5"):
+        if len(sample_shape) != 3 or sample_shape[1] != sample_shape[2]:
+            raise UsageError(
+                f"Model {name!r} expects square images shaped (channels, size, size). "
+                f"Received samples of shape {tuple(sample_shape)}"
+            )
+        return {"in_channels": sample_shape[0], "num_classes": num_classes, "image_size": sample_shape[1]}
+    return {}
