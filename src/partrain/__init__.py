@@ -1,2 +1,22 @@
-"""partrain: train and serve PyTorch models in parallel with one training loop."""
+"""partrain: train and serve PyTorch models in parallel with one training loop.
+
+The user writes one loop; the way it runs on many processes is a strategy
+named on the command line or passed to `launch` / `fit`.
+"""
+
+from .env import DistEnv
+from .errors import UsageError, WorkerError
+from .launch import launch
+from .strategies import Strategy, get_strategy
+
 __version__ = "0.1.0"
+
+__all__ = ["DistEnv", "Strategy", "UsageError", "WorkerError", "fit", "get_strategy", "launch"]
+
+
+def __getattr__(name: str):  # noqa: ANN202 - lazy: the training loop pulls in more modules
+    if name in ("fit", "RunResult"):
+        from .train import loop
+
+        return getattr(loop, name)
+    raise AttributeError(name)

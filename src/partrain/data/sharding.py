@@ -1,0 +1,75 @@
+"""Which samples each worker sees: every sample exactly once per epoch across workers.
+
+`ShardedBatchSampler` yields this worker's batches. The shuffled order of an
+epoch (seeded by ``seed`` and the epoch) is cut into *global batches* of
+``batch_size * num_replicas`` samples, and each global batch into
+``num_replicas`` contiguous parts, one per worker. So:
+
+- concatenating the workers' batches of step ``i`` gives global batch ``i``
+  (what a single process training on the global batch would see);
+- every worker takes the same number of steps (no worker waits forever in a
+  collective), and no sample is repeated or dropped to make shards even
+  (unlike `DistributedSampler`, which pads by repeating samples); the last
+  global batch may be split unevenly, even leaving a worker with zero samples.
+  `global_batch_size(step)` tells the loop the global size so the loss can be
+  normalised exactly;
+- ``drop_last=True`` drops the final incomplete global batch instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+from ..errors import UsageError
+
+
+class ShardedBatchSampler(Sampler[list[int]]):
+    def __init__(self, num_samples: int, batch_size: int, rank: int = 0, num_replicas: int = 1,
+                 *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        if batch_size < 1:
+            raise UsageError(f"Expected a positive batch size. Received: batch_size={batch_size}")
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise UsageError(f"Expected 0 <= rank < num_replicas. Received: rank={rank}, num_replicas={num_replicas}")
+        if num_samples < 1:
+            raise UsageError(f"Expected a non-empty dataset. Received: {num_samples} samples")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.rank = rank
+        self.num_replicas = num_replicas
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.num_replicas
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for ``epoch`` (same order on every worker, different per epoch)."""
+        self.epoch = epoch
+
+    def order(self) -> torch.Tensor:
+        """This epoch's order of all sample indices (identical on every worker)."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.num_samples, generator=g)
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_samples, self.global_batch)
+        return full if self.drop_last or rest == 0 else full + 1
+
+    def global_batch_size(self, step: int) -> int:
+        """How many samples all workers together hold at ``step`` of an epoch."""
+        start = step * self.global_batch
+        return max(0, min(self.global_batch, self.num_samples - start))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.order()
+        for step in range(len(self)):
+            chunk = order[step * self.global_batch : step * self.global_batch + self.global_batch]
+            yield torch.tensor_split(chunk, self.num_replicas)[self.rank].tolist()

@@ -1,0 +1,287 @@
+"""`launch`: run a function in every process of a job, with a strategy set up.
+
+Three ways in, one function:
+
+- **Local spawn** (the default): ``launch(fn, workers=N)`` starts the
+  processes the strategy needs (N workers, plus e.g. parameter servers) with
+  the ``spawn`` start method. They meet through a FileStore in a temporary
+  directory: no port to pick, none to collide.
+- **Many machines without torchrun**: give ``master_addr``/``master_port``,
+  ``nnodes`` and ``node_rank``; node 0's launcher hosts a TCPStore there and
+  every process meets through it.
+- **Under torchrun** (or Slurm, Kubernetes... setting its variables):
+  nothing is spawned; this process joins the job torchrun made.
+
+Every rendezvous and every collective has ``timeout`` seconds. A process that
+raises or dies makes the launcher stop the others and raise `WorkerError`
+naming its rank, with its traceback - unless the strategy survives worker
+loss (an asynchronous parameter server), in which case a dead worker is
+reported and the job goes on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .env import DistEnv, default_backend, in_torchrun, pick_device
+from .errors import UsageError, WorkerError
+from .strategies.base import WORKER, Strategy, get_strategy
+
+DEFAULT_TIMEOUT = 300.0
+
+
+def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy | str = "allreduce",
+           backend: str | None = None, device: str | None = None, timeout: float = DEFAULT_TIMEOUT,
+           threads: int | None = None, nnodes: int = 1, node_rank: int = 0,
+           master_addr: str | None = None, master_port: int | None = None, **kwargs: Any) -> list[Any]:
+    """Run ``fn(strategy, *args, **kwargs)`` on every worker of a job.
+
+    Args:
+        workers: worker processes on this machine (under torchrun: ignored, torchrun decides).
+        strategy: a `Strategy` or a registered name ("allreduce", "ps", ...).
+        backend: "gloo" or "nccl"; default gloo on CPU, NCCL on CUDA.
+        device: "cpu", "cuda" or "auto" (default: CUDA when present).
+        timeout: seconds for rendezvous and for every collective.
+        threads: intra-op threads per process; default: the cores divided among the
+            processes on this machine (at least one).
+
+    Returns:
+        The return values of the workers, in worker-rank order, when this call spawned
+        them (they must be picklable). Under torchrun, a list holding this process's value.
+    """
+    if not isinstance(workers, int) or workers < 1:
+        raise UsageError(f"Expected a positive number of workers. Received: workers={workers!r}")
+    if timeout <= 0:
+        raise UsageError(f"Expected a positive timeout in seconds. Received: timeout={timeout!r}")
+    strat = get_strategy(strategy)
+    if in_torchrun():
+        env = DistEnv.from_environ(backend, device)
+        return [_run(fn, args, kwargs, strat, env, timeout, threads, store=None)]
+
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise UsageError(f"Expected 0 <= node_rank < nnodes. Received: node_rank={node_rank}, nnodes={nnodes}")
+    if nnodes > 1 and (master_addr is None or master_port is None):
+        raise UsageError("Expected master_addr and master_port with nnodes > 1. Received: none")
+    local = workers + (strat.extra_processes(workers * nnodes) if node_rank == 0 else 0)
+    world = workers * nnodes + strat.extra_processes(workers * nnodes)
+    first_rank = 0 if node_rank == 0 else local_offset(workers, strat, nnodes, node_rank)
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // local)
+
+    if world == 1 and master_addr is None:
+        # one process: no spawn, no process group
+        env = DistEnv(0, 1, 0, 1, pick_device(0, device), backend or default_backend(pick_device(0, device)))
+        return [_run(fn, args, kwargs, strat, env, timeout, None, store=None)]
+
+    with tempfile.TemporaryDirectory(prefix="partrain-") as tmp:
+        store_spec: tuple[str, ...]
+        host_store = None
+        if master_addr is None:
+            store_spec = ("file", os.path.join(tmp, "rendezvous"))
+        else:
+            if node_rank == 0:
+                try:
+                    host_store = dist.TCPStore(master_addr, int(master_port), world_size=None,
+                                               is_master=True, timeout=datetime.timedelta(seconds=timeout),
+                                               wait_for_workers=False)
+                except Exception as exc:
+                    raise UsageError(f"Expected to bind the master address {master_addr}:{master_port}. "
+                                     f"Received: {exc}") from None
+            else:
+                _wait_reachable(master_addr, int(master_port), timeout)
+            store_spec = ("tcp", master_addr, str(master_port))
+        try:
+            return _spawn(fn, args, kwargs, strat, store_spec, first_rank, local, world, workers * nnodes,
+                          backend, device, timeout, threads)
+        finally:
+            del host_store
+
+
+def local_offset(workers: int, strat: Strategy, nnodes: int, node_rank: int) -> int:
+    """Global rank of this node's first process (node 0 also hosts the extra processes)."""
+    return strat.extra_processes(workers * nnodes) + workers * node_rank
+
+
+def _wait_reachable(host: str, port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, timeout)):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise UsageError(
+                    f"Expected a reachable master at {host}:{port}. Received: no answer within "
+                    f"{timeout:g} s ({exc.strerror or exc})"
+                ) from None
+            time.sleep(0.2)
+
+
+def _spawn(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, store_spec: tuple[str, ...],
+           first_rank: int, local: int, world: int, total_workers: int, backend: str | None,
+           device: str | None, timeout: float, threads: int) -> list[Any]:
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    procs = {}
+    for local_rank in range(local):
+        rank = first_rank + local_rank
+        p = ctx.Process(
+            target=_worker_entry,
+            args=(fn, args, kwargs, strat, store_spec, rank, local_rank, local, world, backend, device,
+                  timeout, threads, results),
+            name=f"partrain-rank{rank}",
+            daemon=False,
+        )
+        p.start()
+        procs[rank] = p
+
+    roles = strat.roles(world)
+    worker_ranks = [r for r, role in enumerate(roles) if role == WORKER]
+    values: dict[int, Any] = {}
+    reported: set[int] = set()
+    lost: list[int] = []
+    try:
+        while True:
+            _drain(results, values, reported, roles, strat)
+            alive = [p for p in procs.values() if p.exitcode is None]
+            for rank, p in procs.items():
+                if p.exitcode is None or rank in reported or rank in lost:
+                    continue
+                # it ended without a report: give the queue a moment, then judge
+                _drain(results, values, reported, roles, strat, block=0.5)
+                if rank in reported:
+                    continue
+                summary = _describe_exit(p.exitcode)
+                if roles[rank] == WORKER and strat.survives_worker_loss:
+                    print(f"partrain: warning: worker rank {rank} {summary}; "
+                          f"strategy {strat.name!r} goes on without it", file=sys.stderr)
+                    lost.append(rank)
+                    continue
+                raise WorkerError(rank, summary, role=roles[rank])
+            if not alive:
+                break
+            wait([p.sentinel for p in alive], timeout=0.1)
+        _drain(results, values, reported, roles, strat, block=0.1)
+    except BaseException:
+        _stop(procs.values())
+        raise
+    finally:
+        for p in procs.values():
+            p.join(timeout=5)
+        _stop(procs.values())
+        results.close()
+    return [values.get(r) for r in worker_ranks if procs.get(r) is not None]
+
+
+def _drain(results: Any, values: dict[int, Any], reported: set[int], roles: list[str], strat: Strategy,
+           block: float = 0.0) -> None:
+    while True:
+        try:
+            kind, rank, payload = results.get(timeout=block) if block else results.get_nowait()
+        except queue_mod.Empty:
+            return
+        block = 0.0
+        reported.add(rank)
+        if kind == "ok":
+            values[rank] = payload
+        else:
+            summary, tb = payload
+            if roles[rank] == WORKER and strat.survives_worker_loss and not summary.startswith("UsageError"):
+                print(f"partrain: warning: worker rank {rank} failed ({summary}); "
+                      f"strategy {strat.name!r} goes on without it", file=sys.stderr)
+                continue
+            raise WorkerError(rank, summary, tb, role=roles[rank])
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"died with {name} (exit code {code})"
+    return f"exited with code {code} without reporting a result"
+
+
+def _stop(procs: Any) -> None:
+    procs = [p for p in procs if p.exitcode is None]
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(timeout=5)
+
+
+def _worker_entry(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy,
+                  store_spec: tuple[str, ...], rank: int, local_rank: int, local: int, world: int,
+                  backend: str | None, device: str | None, timeout: float, threads: int,
+                  results: Any) -> None:
+    try:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank),
+                          LOCAL_WORLD_SIZE=str(local))
+        dev = pick_device(local_rank, device)
+        env = DistEnv(rank, world, local_rank, local, dev, backend or default_backend(dev))
+        td = datetime.timedelta(seconds=timeout)
+        if store_spec[0] == "file":
+            store = dist.FileStore(store_spec[1], world)
+        else:
+            store = dist.TCPStore(store_spec[1], int(store_spec[2]), world_size=None, is_master=False,
+                                  timeout=td)
+        value = _run(fn, args, kwargs, strat, env, timeout, threads, store=store)
+        results.put(("ok", rank, value))
+    except BaseException as exc:  # report, then exit non-zero: the parent stops the others
+        summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+        results.put(("error", rank, (summary, traceback.format_exc())))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+
+
+def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, env: DistEnv, timeout: float,
+         threads: int | None, store: Any) -> Any:
+    """Inside one process: threads, process group, strategy, then the role's body."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if env.device.type == "cuda":
+        torch.cuda.set_device(env.device)
+    own_group = False
+    if env.world_size > 1 and not dist.is_initialized():
+        td = datetime.timedelta(seconds=timeout)
+        if store is None:
+            dist.init_process_group(env.backend, init_method="env://", rank=env.rank,
+                                    world_size=env.world_size, timeout=td)
+        else:
+            dist.init_process_group(env.backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=td)
+        own_group = True
+    try:
+        strat.setup(env)
+        role = strat.role
+        if role == WORKER:
+            return fn(strat, *args, **kwargs)
+        return strat.run_role(role)
+    finally:
+        try:
+            strat.close()
+        finally:
+            if own_group and dist.is_initialized():
+                dist.destroy_process_group()

@@ -1,0 +1,252 @@
+"""The `Strategy` interface and the registry of strategies by name.
+
+A strategy decides how gradients and parameters move between processes; it
+never launches processes (that is `partrain.launch`) and never owns the
+training loop (that is the user's, or `partrain.fit`). Its life in each
+process of a job:
+
+1. ``roles(world_size)`` - the role of every global rank. Most strategies run
+   only ``"worker"`` ranks; a parameter server asks for ``"server"`` ranks too
+   (``extra_processes(workers)`` tells the launcher how many to add).
+2. ``setup(env)`` - after the process group is up; builds the workers' group.
+3. On worker ranks the user's function runs: ``model, optimizer =
+   strategy.prepare(model, optimizer)``, ``strategy.shard(...)`` for the data,
+   then forward / backward / ``optimizer.step()`` as usual. On other ranks the
+   launcher calls ``run_role(role)`` instead.
+4. ``close()``.
+
+Vocabulary: *rank* is a process's global rank in the job; *worker rank* is its
+index among the workers (``strategy.rank``), what data sharding and logging use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from abc import ABC
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from .. import comm
+from ..data.sharding import ShardedBatchSampler
+from ..env import DistEnv
+from ..errors import UsageError
+
+WORKER = "worker"
+
+
+class Strategy(ABC):
+    """How one training loop runs on many processes. Subclasses set ``name``."""
+
+    name: ClassVar[str] = ""
+    #: the launcher keeps the job running when a worker process dies
+    survives_worker_loss: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self.env = DistEnv()
+        self.group: Any = None  # the workers' process group; None = the default group
+        self.worker_ranks: list[int] = [0]
+        #: exposed communication time (seconds the loop waited on the network)
+        self.comm_seconds = 0.0
+        #: bytes this worker put into collectives / messages
+        self.comm_bytes = 0
+
+    # ----- topology -------------------------------------------------------------------
+    def extra_processes(self, workers: int) -> int:
+        """Processes the launcher starts besides ``workers`` (e.g. parameter servers)."""
+        return 0
+
+    def roles(self, world_size: int) -> list[str]:
+        """The role of each global rank."""
+        return [WORKER] * world_size
+
+    def run_role(self, role: str) -> Any:
+        """Body of a non-worker rank (e.g. a parameter server's serving loop)."""
+        raise NotImplementedError(f"strategy {self.name!r} has no role {role!r}")
+
+    def setup(self, env: DistEnv) -> None:
+        """Called in every process once the process group is initialized (if any)."""
+        self.env = env
+        roles = self.roles(env.world_size)
+        self.worker_ranks = [r for r, role in enumerate(roles) if role == WORKER]
+        if not self.worker_ranks:
+            raise UsageError(f"Expected at least one worker. Received roles {roles}")
+        if comm.is_distributed() and len(self.worker_ranks) < env.world_size:
+            # every rank must take part in creating a group, workers or not
+            self.group = dist.new_group(self.worker_ranks)
+
+    @property
+    def role(self) -> str:
+        return self.roles(self.env.world_size)[self.env.rank]
+
+    @property
+    def rank(self) -> int:
+        """This process's index among the workers."""
+        return self.worker_ranks.index(self.env.rank) if self.env.rank in self.worker_ranks else -1
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.worker_ranks)
+
+    @property
+    def is_main(self) -> bool:
+        """True on worker 0: the process that logs, shows progress and writes files."""
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    # ----- the training loop's side -------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
+        """Wrap ``model`` and ``optimizer`` for this strategy (they keep their interfaces)."""
+        return model.to(self.device), optimizer
+
+    def shard(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+              drop_last: bool = False) -> ShardedBatchSampler:
+        """This worker's batches of an epoch: every sample once per epoch across workers."""
+        return ShardedBatchSampler(num_samples, batch_size, max(self.rank, 0), self.num_workers,
+                                   shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Inner steps of gradient accumulation: skip communication when the strategy can."""
+        yield
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside whatever wrapper ``prepare`` added."""
+        return getattr(model, "module", model)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The full, current parameters for a checkpoint (strategies holding them elsewhere override)."""
+        return self.unwrap(model).state_dict()
+
+    def metrics(self) -> dict[str, float]:
+        """Strategy-specific figures for logs (staleness, dropped gradients, ...)."""
+        return {}
+
+    # ----- collectives over the workers ---------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce_sum(tensor, self.group)
+
+    def barrier(self) -> None:
+        comm.barrier(self.group)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``src`` is a worker rank."""
+        return comm.broadcast_object(obj, self.worker_ranks[src], self.group)
+
+    # ----- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def options(self) -> dict[str, Any]:
+        """The constructor options this instance was built with (for logs and checkpoints)."""
+        sig = inspect.signature(type(self).__init__)
+        return {k: getattr(self, k) for k in sig.parameters if k != "self" and hasattr(self, k)}
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({opts})"
+
+
+_REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make a strategy available by its ``name``."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a non-empty name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def get_strategy(strategy: Strategy | str, **options: Any) -> Strategy:
+    """A strategy instance from a name and options (or the instance itself)."""
+    if isinstance(strategy, Strategy):
+        if options:
+            raise UsageError(f"Expected options only with a strategy name. Received an instance and {options}")
+        return strategy
+    _load_builtin()
+    if strategy not in _REGISTRY:
+        raise UsageError(f"Expected a strategy among {sorted(_REGISTRY)}. Received: {strategy!r}")
+    cls = _REGISTRY[strategy]
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise UsageError(
+            f"Expected options of strategy {strategy!r} among {accepted or '(none)'}. Received: {', '.join(unknown)}"
+        )
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"Bad options for strategy {strategy!r}: {exc}") from None
+
+
+def parse_options(strategy: str, pairs: list[str]) -> dict[str, Any]:
+    """``["staleness=2", "outer=nesterov"]`` -> typed options, using the constructor's defaults."""
+    _load_builtin()
+    cls = _REGISTRY.get(strategy)
+    params = inspect.signature(cls.__init__).parameters if cls else {}
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise UsageError(f"Expected a strategy option as KEY=VALUE. Received: {pair!r}")
+        default = params[key].default if key in params else None
+        out[key] = _coerce(raw.strip(), default, key)
+    return out
+
+
+def _coerce(raw: str, default: Any, key: str) -> Any:
+    try:
+        if isinstance(default, bool):
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if isinstance(default, int) and not raw.lower() in ("inf", "infinity"):
+            return int(raw)
+        if isinstance(default, (int, float)):
+            value = float(raw)
+            return math.inf if math.isinf(value) else value
+        if default is None:
+            for conv in (int, float):
+                with contextlib.suppress(ValueError):
+                    return conv(raw)
+        return raw
+    except ValueError:
+        raise UsageError(
+            f"Expected option {key} to be a {type(default).__name__}. Received: {raw!r}"
+        ) from None
+
+
+def _load_builtin() -> None:
+    # importing the modules registers their strategies
+    import importlib
+
+    for mod in ("single", "allreduce", "parameter_server", "hogwild", "local_sgd", "pipeline"):
+        try:
+            importlib.import_module(f"partrain.strategies.{mod}")
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith("partrain.strategies"):
+                raise
