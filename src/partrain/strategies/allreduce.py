@@ -14,6 +14,7 @@ did *not* overlap with compute); ``comm_bytes`` the bytes all-reduced.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -43,14 +44,20 @@ class AllReduce(Strategy):
         model = model.to(self.device)
         if self.num_workers == 1:
             return model, optimizer  # nothing to synchronise: skip DDP's bookkeeping
+        kwargs: dict[str, Any] = {}
+        # torch 2.13 renamed broadcast_buffers; older releases only know the old name
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+            kwargs["forward_sync_buffers"] = self.broadcast_buffers
+        else:
+            kwargs["broadcast_buffers"] = self.broadcast_buffers
         ddp = DistributedDataParallel(
             model,
             device_ids=[self.device] if self.device.type == "cuda" else None,
             process_group=self.group,
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
-            broadcast_buffers=self.broadcast_buffers,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
+            **kwargs,
         )
         ddp.register_comm_hook(self, _timed_allreduce)
         return ddp, optimizer
@@ -64,7 +71,7 @@ class AllReduce(Strategy):
             yield
 
 
-def _timed_allreduce(strategy: AllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _timed_allreduce(strategy, bucket):  # noqa: ANN001, ANN202 - DDP inspects these annotations
     """DDP's averaging all-reduce, timed: the last bucket's wait is what backward blocks on."""
     tensor = bucket.buffer()
     strategy.comm_bytes += tensor.numel() * tensor.element_size()
