@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_mod
 import signal
 import socket
@@ -198,7 +199,7 @@ def _drain(results: Any, values: dict[int, Any], reported: set[int], roles: list
         block = 0.0
         reported.add(rank)
         if kind == "ok":
-            values[rank] = payload
+            values[rank] = pickle.loads(payload)
         else:
             summary, tb = payload
             if roles[rank] == WORKER and strat.survives_worker_loss and not summary.startswith("UsageError"):
@@ -247,7 +248,9 @@ def _worker_entry(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Stra
             store = dist.TCPStore(store_spec[1], int(store_spec[2]), world_size=None, is_master=False,
                                   timeout=td)
         value = _run(fn, args, kwargs, strat, env, timeout, threads, store=store)
-        results.put(("ok", rank, value))
+        # plain pickle: tensors go by value (torch's queue reducers would pass shared-memory
+        # handles that die with this process before the parent reads them)
+        results.put(("ok", rank, pickle.dumps(value)))
     except BaseException as exc:  # report, then exit non-zero: the parent stops the others
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
         results.put(("error", rank, (summary, traceback.format_exc())))

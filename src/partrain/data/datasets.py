@@ -7,6 +7,7 @@ int64 class labels, so the training loop can index them without a DataLoader.
 from __future__ import annotations
 
 import os
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,8 @@ def load_npz(path: str, test_fraction: float = 0.2, seed: int = 0) -> tuple[Tens
     """An ``.npz`` file with arrays ``x`` (N, ...) and ``y`` (N,) of integer labels."""
     if not os.path.exists(path):
         raise UsageError(f"Expected an existing .npz file with arrays 'x' and 'y'. Received: {path!r} (no such file)")
+    if not zipfile.is_zipfile(path):
+        raise UsageError(f"Expected {path!r} to be an .npz archive (numpy.savez). Received: a file that is not one")
     try:
         with np.load(path, allow_pickle=False) as f:
             keys = set(f.files)

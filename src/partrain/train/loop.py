@@ -102,7 +102,8 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         max_steps: int | None = None, drop_last: bool = False, return_state: bool = False,
         model_spec: dict[str, Any] | None = None, timeout: float = DEFAULT_TIMEOUT,
         backend: str | None = None, device: str | None = None, threads: int | None = None,
-        eval_batch_size: int = 512, checkpoint: bool = True) -> RunResult:
+        eval_batch_size: int = 512, checkpoint: bool = True, nnodes: int = 1, node_rank: int = 0,
+        master_addr: str | None = None, master_port: int | None = None) -> RunResult | None:
     """Train ``model_fn()`` on ``data`` with ``optimizer_fn(params)`` under ``strategy``.
 
     Args:
@@ -121,6 +122,11 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
             if it exists).
         max_steps: stop after this many optimizer steps in total.
         return_state: put the final model ``state_dict`` in the result.
+        timeout, backend, device, threads, nnodes, node_rank, master_addr, master_port:
+            passed to `partrain.launch`.
+
+    Returns:
+        Worker 0's `RunResult` (``None`` on the other machines of a multi-node job).
     """
     if epochs < 1:
         raise UsageError(f"Expected a positive number of epochs. Received: epochs={epochs}")
@@ -143,7 +149,8 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         _check_picklable(name, obj)
     results = launch(_fit_worker, model_fn, data, optimizer_fn, loss_fn, scheduler_fn, cfg,
                      workers=workers, strategy=strat, timeout=timeout, backend=backend, device=device,
-                     threads=threads)
+                     threads=threads, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                     master_port=master_port)
     return results[0]
 
 

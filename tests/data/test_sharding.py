@@ -1,0 +1,57 @@
+"""Sharding: every sample exactly once per epoch across workers, same step count everywhere.
+
+The allreduce equivalence tests rely on the property checked last: the workers'
+batches of step i, concatenated, are the single-process batch i.
+"""
+
+import pytest
+import torch
+
+from partrain.data.sharding import ShardedBatchSampler
+from partrain.errors import UsageError
+
+
+@pytest.mark.parametrize("n,batch,world", [(1797, 32, 2), (100, 7, 3), (10, 4, 4), (5, 2, 3), (64, 8, 2)])
+def test_every_sample_exactly_once_per_epoch(n, batch, world):
+    for epoch in range(3):
+        samplers = [ShardedBatchSampler(n, batch, r, world, seed=1) for r in range(world)]
+        for s in samplers:
+            s.set_epoch(epoch)
+        per_rank = [list(s) for s in samplers]
+        assert len({len(b) for b in per_rank}) == 1, "every worker must take the same number of steps"
+        seen = [i for batches in per_rank for b in batches for i in b]
+        assert sorted(seen) == list(range(n))
+        for step in range(len(samplers[0])):
+            assert sum(len(per_rank[r][step]) for r in range(world)) == samplers[0].global_batch_size(step)
+
+
+def test_reshuffled_per_epoch_and_seed():
+    s = ShardedBatchSampler(100, 10, 0, 2, seed=0)
+    first = list(s)
+    s.set_epoch(1)
+    assert list(s) != first
+    s.set_epoch(0)
+    assert list(s) == first
+    assert list(ShardedBatchSampler(100, 10, 0, 2, seed=1)) != first
+
+
+def test_drop_last_drops_only_the_incomplete_global_batch():
+    s = [ShardedBatchSampler(45, 10, r, 2, drop_last=True) for r in range(2)]
+    seen = sorted(i for x in s for b in x for i in b)
+    assert len(seen) == 40 and len(set(seen)) == 40
+
+
+def test_concatenated_worker_batches_are_the_single_process_batches():
+    world, batch = 3, 5
+    single = list(ShardedBatchSampler(53, batch * world, 0, 1, seed=4))
+    workers = [list(ShardedBatchSampler(53, batch, r, world, seed=4)) for r in range(world)]
+    for step, expected in enumerate(single):
+        assert sum((w[step] for w in workers), []) == expected
+
+
+def test_bad_arguments_are_one_clear_error():
+    with pytest.raises(UsageError, match="batch_size=0"):
+        ShardedBatchSampler(10, 0)
+    with pytest.raises(UsageError, match="rank=2"):
+        ShardedBatchSampler(10, 2, 2, 2)
+    assert torch.is_tensor(ShardedBatchSampler(10, 2).order())
