@@ -22,9 +22,11 @@ reported and the job goes on.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import pickle
 import queue as queue_mod
+import re
 import signal
 import socket
 import sys
@@ -32,6 +34,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -154,30 +157,36 @@ def _spawn(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, s
     roles = strat.roles(world)
     worker_ranks = [r for r, role in enumerate(roles) if role == WORKER]
     values: dict[int, Any] = {}
-    reported: set[int] = set()
-    lost: list[int] = []
+    failures: list[_Failure] = []
+    lost: set[int] = set()
+    first_failure = 0.0
     try:
         while True:
-            _drain(results, values, reported, roles, strat)
-            alive = [p for p in procs.values() if p.exitcode is None]
+            _drain(results, values, failures)
             for rank, p in procs.items():
-                if p.exitcode is None or rank in reported or rank in lost:
+                if p.exitcode is None or rank in values or rank in lost or any(f.rank == rank for f in failures):
                     continue
-                # it ended without a report: give the queue a moment, then judge
-                _drain(results, values, reported, roles, strat, block=0.5)
-                if rank in reported:
-                    continue
-                summary = _describe_exit(p.exitcode)
-                if roles[rank] == WORKER and strat.survives_worker_loss:
-                    print(f"partrain: warning: worker rank {rank} {summary}; "
-                          f"strategy {strat.name!r} goes on without it", file=sys.stderr)
-                    lost.append(rank)
-                    continue
-                raise WorkerError(rank, summary, role=roles[rank])
-            if not alive:
+                _drain(results, values, failures, block=0.5)  # it may have reported just before exiting
+                if rank not in values and not any(f.rank == rank for f in failures):
+                    failures.append(_Failure(rank, _describe_exit(p.exitcode), "", died=True))
+            for f in [f for f in failures if f.rank not in lost]:
+                if roles[f.rank] == WORKER and strat.survives_worker_loss and not f.summary.startswith("UsageError"):
+                    print(f"partrain: warning: worker rank {f.rank} {f.summary}; strategy {strat.name!r} goes on "
+                          f"without it", file=sys.stderr)
+                    lost.add(f.rank)
+            fatal = [f for f in failures if f.rank not in lost]
+            if fatal:
+                # peers of a failed rank fail too (connection closed): wait a moment so the
+                # error names the rank that failed first, not one of its victims
+                first_failure = first_failure or time.monotonic()
+                if time.monotonic() - first_failure > _GRACE or all(p.exitcode is not None for p in procs.values()):
+                    root = min(fatal, key=lambda f: (not f.died and _is_peer_loss(f.summary), f.order))
+                    raise WorkerError(root.rank, root.summary, root.traceback, role=roles[root.rank])
+            alive = [p for p in procs.values() if p.exitcode is None]
+            if not alive and not fatal:
                 break
             wait([p.sentinel for p in alive], timeout=0.1)
-        _drain(results, values, reported, roles, strat, block=0.1)
+        _drain(results, values, failures, block=0.1)
     except BaseException:
         _stop(procs.values())
         raise
@@ -189,24 +198,38 @@ def _spawn(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, s
     return [values.get(r) for r in worker_ranks if procs.get(r) is not None]
 
 
-def _drain(results: Any, values: dict[int, Any], reported: set[int], roles: list[str], strat: Strategy,
-           block: float = 0.0) -> None:
+_GRACE = 1.5
+_PEER_LOSS = re.compile(r"gloo|nccl|connection|closed|reset by peer|timed out|timeout|broken pipe", re.I)
+
+
+def _is_peer_loss(summary: str) -> bool:
+    """An error that is the echo of another rank's failure rather than a cause."""
+    return bool(_PEER_LOSS.search(summary))
+
+
+@dataclass
+class _Failure:
+    rank: int
+    summary: str
+    traceback: str
+    died: bool = False
+    order: int = field(default_factory=lambda: next(_ORDER))
+
+
+_ORDER = itertools.count()
+
+
+def _drain(results: Any, values: dict[int, Any], failures: list[_Failure], block: float = 0.0) -> None:
     while True:
         try:
             kind, rank, payload = results.get(timeout=block) if block else results.get_nowait()
         except queue_mod.Empty:
             return
         block = 0.0
-        reported.add(rank)
         if kind == "ok":
             values[rank] = pickle.loads(payload)
         else:
-            summary, tb = payload
-            if roles[rank] == WORKER and strat.survives_worker_loss and not summary.startswith("UsageError"):
-                print(f"partrain: warning: worker rank {rank} failed ({summary}); "
-                      f"strategy {strat.name!r} goes on without it", file=sys.stderr)
-                continue
-            raise WorkerError(rank, summary, tb, role=roles[rank])
+            failures.append(_Failure(rank, *payload))
 
 
 def _describe_exit(code: int | None) -> str:

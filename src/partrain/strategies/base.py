@@ -224,7 +224,7 @@ def _coerce(raw: str, default: Any, key: str) -> Any:
             if raw.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError
-        if isinstance(default, int) and not raw.lower() in ("inf", "infinity"):
+        if isinstance(default, int) and raw.lower() not in ("inf", "infinity"):
             return int(raw)
         if isinstance(default, (int, float)):
             value = float(raw)

@@ -270,7 +270,7 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         correct = torch.zeros((), dtype=torch.float64, device=device)
         seen = 0
-        comm0, bytes0 = strategy.comm_seconds, strategy.comm_bytes
+        bytes0 = strategy.comm_bytes
         t_epoch = time.perf_counter()
         bar = _progress(len(batches), epoch, cfg.epochs) if show_bar else None
         n_batches = len(batches)
