@@ -56,16 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         if args.verbose:
             raise
-        print(f"partrain {args.command}: error: {exc}", file=sys.stderr)
+        print(f"partrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except WorkerError as exc:
         if args.verbose and exc.traceback:
             print(exc.traceback, file=sys.stderr)
-        print(f"partrain {args.command}: error: {exc}", file=sys.stderr)
+        print(f"partrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"partrain {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

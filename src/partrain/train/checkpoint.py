@@ -47,7 +47,8 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise UsageError(f"Expected {path!r} to be a partrain checkpoint. Received: {type(exc).__name__}: {exc}") from None
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise UsageError(f"Expected {path!r} to be a partrain checkpoint. Received: {type(exc).__name__}: {first}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise UsageError(f"Expected a partrain checkpoint (format {FORMAT!r}) in {path!r}. Received something else")
     return state

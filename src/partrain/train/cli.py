@@ -110,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
     kwargs = model_kwargs_for(args.model, shape, classes) if args.model in MODELS else {}
     model = build_cli_model(args.model, kwargs)
     check_model_takes(model, train_ds, f"model {args.model!r}", f"dataset {args.dataset!r}")
+    optimizer_fn = functools.partial(make_optimizer, args.optimizer, lr=args.lr, momentum=args.momentum,
+                                     weight_decay=args.weight_decay)
+    optimizer_fn(model.parameters())  # bad optimizer settings: one line, before any process starts
     if args.sync_bn:
         build_cli_model(args.model, kwargs, sync_bn=True)  # fails here if the conversion cannot apply
     resume = args.resume
@@ -125,8 +128,7 @@ def run(args: argparse.Namespace) -> int:
     result = fit(
         functools.partial(build_cli_model, args.model, kwargs, args.sync_bn),
         spec,
-        functools.partial(make_optimizer, args.optimizer, lr=args.lr, momentum=args.momentum,
-                          weight_decay=args.weight_decay),
+        optimizer_fn,
         strategy=strategy, workers=workers, epochs=args.epochs, batch_size=args.batch_size,
         accumulate=args.accumulate, scale_lr=args.scale_lr, out_dir=args.out, resume=resume, seed=args.seed,
         quiet=args.quiet, max_steps=args.max_steps, timeout=args.timeout, backend=args.backend,

@@ -1,0 +1,20 @@
+"""User-side factories for `module:function` specs in the CLI tests."""
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def tiny_dataset():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(120, 6, generator=g)
+    y = (x[:, 0] > 0).long()
+    return TensorDataset(x, y)
+
+
+def tiny_model():
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def wrong_model():
+    return nn.Linear(99, 2)
