@@ -1,0 +1,650 @@
+"""The project's one dynamic batcher: many callers, one model call per batch, no I/O.
+
+Vocabulary used throughout: a *request* is one caller's input, a tensor (or a
+tuple of tensors for a model with several inputs) whose dim 0 holds its *rows*;
+a *batch* is the rows of several requests concatenated along dim 0 and passed to
+the model in one call.
+
+Two faces (as in TorchBeast's dynamic batcher and LitServe's loop):
+
+- callers ``await batcher.submit(x)`` (asyncio) or ``batcher.submit_blocking(x)``
+  (any thread) and get back exactly their own rows of the output;
+- the dispatch loop asks the *policy* how long to wait, takes the next batch
+  off the queue with the plain function `collect_batch` (a test calls it with a
+  bare deque), runs the model in a worker thread and hands each caller its slice.
+
+The HTTP server, central inference for RL actors and streaming training all use
+this class; none of them batches on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from torch import Tensor
+
+Inputs = Union[Tensor, tuple[Tensor, ...]]  # noqa: UP007 - runtime alias, py3.10
+Outputs = Union[Tensor, tuple[Tensor, ...]]  # noqa: UP007 - runtime alias, py3.10
+
+
+class QueueFull(RuntimeError):
+    """The batcher's queue holds ``max_queue`` requests: retry later (HTTP 503)."""
+
+
+class BatcherClosed(RuntimeError):
+    """The batcher is stopped or stopping and accepts no new requests."""
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(eq=False)
+class Pending:
+    """One accepted request waiting in the queue.
+
+    ``inputs`` is always a tuple of tensors (one per model input); ``key`` groups
+    requests that may share a batch (see `batch_key`).
+    """
+
+    inputs: tuple[Tensor, ...]
+    rows: int
+    future: Any  # asyncio.Future or concurrent.futures.Future; set exactly once
+    deadline: float | None = None  # time.monotonic() value; None = no deadline
+    enqueued: float = field(default_factory=time.monotonic)
+    key: tuple = ()
+    dead: bool = False  # cancelled or timed out by its caller: drop, never run
+    dispatched: bool = False
+
+
+def as_inputs(x: Inputs) -> tuple[Tensor, ...]:
+    """Normalise a request to a tuple of tensors sharing their leading (row) dim."""
+    inputs = (x,) if isinstance(x, Tensor) else tuple(x)
+    if not inputs or not all(isinstance(t, Tensor) for t in inputs):
+        raise TypeError(
+            "Expected a Tensor or a non-empty tuple of Tensors. "
+            f"Received: {type(x).__name__}"
+        )
+    if any(t.dim() == 0 for t in inputs):
+        raise ValueError("Expected tensors with a leading row dimension. Received: a 0-d tensor")
+    rows = inputs[0].shape[0]
+    if rows < 1 or any(t.shape[0] != rows for t in inputs):
+        raise ValueError(
+            "Expected every input to carry the same number (>= 1) of rows in dim 0. "
+            f"Received: shapes {[tuple(t.shape) for t in inputs]}"
+        )
+    return inputs
+
+
+def batch_key(inputs: tuple[Tensor, ...], pad: bool) -> tuple:
+    """Requests with equal keys may share a batch.
+
+    Without padding the key is every input's trailing shape and dtype (grouping by
+    shape); with padding only the rank and dtype must agree, trailing sizes may differ.
+    """
+    if pad:
+        return tuple((t.dim(), t.dtype, t.device) for t in inputs)
+    return tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in inputs)
+
+
+def collect_batch(queue: deque[Pending], max_batch_size: int, now: float) -> tuple[list[Pending], list[Pending]]:
+    """Take the next batch off ``queue``: a plain function, no server needed.
+
+    Drops dead requests (their callers cancelled or gave up), moves expired ones
+    into the second list (the caller answers them with `TimeoutError`; they never
+    run), and takes requests in arrival order whose key equals the first live
+    request's key while their rows fit in ``max_batch_size``. A request larger than
+    ``max_batch_size`` runs alone. Requests of another shape group stay queued in
+    order, so the oldest request is always in the batch taken.
+    """
+    batch: list[Pending] = []
+    expired: list[Pending] = []
+    skipped: list[Pending] = []
+    rows = 0
+    key = None
+    while queue:
+        item = queue.popleft()
+        if item.dead:
+            continue
+        if item.deadline is not None and item.deadline <= now:
+            expired.append(item)
+            continue
+        if key is None:
+            key = item.key
+        elif item.key != key:
+            skipped.append(item)
+            continue
+        if batch and rows + item.rows > max_batch_size:
+            queue.appendleft(item)
+            break
+        batch.append(item)
+        rows += item.rows
+        if rows >= max_batch_size:
+            break
+    queue.extendleft(reversed(skipped))
+    return batch, expired
+
+
+def stack_batch(batch: Sequence[Pending], pad_value: float = 0.0) -> tuple[tuple[Tensor, ...], list[list[tuple[int, ...]]]]:
+    """Concatenate the requests' rows per input, padding trailing dims to the largest.
+
+    Returns the batched inputs and, per request, each input's own trailing shape
+    (used to cut padded outputs back).
+    """
+    n_inputs = len(batch[0].inputs)
+    own = [[tuple(p.inputs[i].shape[1:]) for i in range(n_inputs)] for p in batch]
+    stacked = []
+    for i in range(n_inputs):
+        parts = [p.inputs[i] for p in batch]
+        target = [max(s) for s in zip(*(t.shape[1:] for t in parts))] if parts[0].dim() > 1 else []
+        padded = []
+        for t in parts:
+            if list(t.shape[1:]) != target:
+                widths: list[int] = []
+                for have, want in zip(reversed(t.shape[1:]), reversed(target)):
+                    widths += [0, want - have]
+                t = torch.nn.functional.pad(t, widths, value=pad_value)
+            padded.append(t)
+        stacked.append(padded[0] if len(padded) == 1 else torch.cat(padded, 0))
+    return tuple(stacked), own
+
+
+def split_outputs(
+    output: Outputs, batch: Sequence[Pending], batched_inputs: tuple[Tensor, ...],
+    own_shapes: list[list[tuple[int, ...]]], padded: bool,
+) -> list[Outputs]:
+    """Give each request its own rows of ``output`` (and cut padding back).
+
+    Cutting rule (only when padding was applied): for every output dim ``d >= 1``
+    whose size equals the padded size of input 0 at the same dim ``d``, the
+    request's slice is cut to its own size of input 0 at ``d`` - the contract of a
+    sequence model whose output keeps the padded dims in place.
+    """
+    outs = (output,) if isinstance(output, Tensor) else tuple(output)
+    total = sum(p.rows for p in batch)
+    for o in outs:
+        if not isinstance(o, Tensor) or o.dim() == 0 or o.shape[0] != total:
+            got = tuple(o.shape) if isinstance(o, Tensor) else type(o).__name__
+            raise RuntimeError(
+                f"Expected the model to return {total} rows in dim 0 (one per input row). "
+                f"Received: {got}"
+            )
+    results: list[Outputs] = []
+    start = 0
+    ref = batched_inputs[0].shape
+    for p, own in zip(batch, own_shapes):
+        mine = []
+        for o in outs:
+            piece = o[start:start + p.rows]
+            if padded:
+                for d in range(1, min(o.dim(), len(ref))):
+                    mine_size = own[0][d - 1]
+                    if o.shape[d] == ref[d] and mine_size != ref[d]:
+                        piece = piece.narrow(d, 0, mine_size)
+            mine.append(piece)
+        start += p.rows
+        results.append(mine[0] if isinstance(output, Tensor) else tuple(mine))
+    return results
+
+
+# --------------------------------------------------------------------------- policies
+
+
+class Policy:
+    """Decides how long the dispatcher waits before taking a batch.
+
+    The dispatcher calls `wait_time` whenever the model is idle and requests are
+    queued; it dispatches when the answer is 0, otherwise waits that long or until
+    the next arrival, then asks again. `observe_arrival` and `observe_batch` feed
+    measurements.
+    """
+
+    name = "policy"
+
+    def observe_arrival(self, now: float) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def observe_batch(self, rows: int, seconds: float) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def wait_time(self, *, queued_requests: int, queued_rows: int, oldest_age: float,
+                  since_last_arrival: float, max_batch_size: int) -> float:
+        raise NotImplementedError
+
+
+class FixedPolicy(Policy):
+    """Wait up to ``max_wait`` seconds after the oldest request (or until the batch is full)."""
+
+    name = "fixed"
+
+    def __init__(self, max_wait: float):
+        if not (max_wait >= 0 and math.isfinite(max_wait)):
+            raise ValueError(f"Expected max_wait >= 0 seconds. Received: max_wait={max_wait}")
+        self.max_wait = float(max_wait)
+
+    def wait_time(self, *, queued_requests: int, queued_rows: int, oldest_age: float,
+                  since_last_arrival: float, max_batch_size: int) -> float:
+        if queued_rows >= max_batch_size:
+            return 0.0
+        return max(0.0, self.max_wait - oldest_age)
+
+    def __repr__(self) -> str:
+        return f"FixedPolicy(max_wait={self.max_wait})"
+
+
+class AdaptivePolicy(Policy):
+    """Wait only when the next request is expected sooner than waiting costs.
+
+    Measured online: ``gap``, an EWMA of the time between request arrivals, and
+    ``L(b)``, an EWMA of the model's latency per batch-size bucket (powers of two;
+    an unmeasured bucket borrows the nearest measured one). The rule, asked each
+    time the model is idle and ``q`` requests are queued:
+
+    1. dispatch now if the queued rows fill a batch;
+    2. dispatch now if ``q * gap >= L(rows)``: waiting one gap delays ``q`` callers
+       by ``gap`` each, while the request it would catch saves at most one model
+       run ``L``. A lone request at low load (``gap`` long) therefore waits for
+       nothing;
+    3. otherwise wait for the next arrival, at most ``2 * gap`` after the latest
+       one (a burst that has ended is not waited for), and never longer than
+       ``L(max_batch_size)`` after the oldest queued request.
+
+    While the model runs (one batch in flight) requests simply accumulate, so a
+    busy server fills its batches without waiting at all.
+    """
+
+    name = "adaptive"
+
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha
+        self.gap: float | None = None
+        self._last_arrival: float | None = None
+        self._latency: dict[int, float] = {}
+
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return 1 << max(0, (max(1, rows) - 1).bit_length())
+
+    def observe_arrival(self, now: float) -> None:
+        if self._last_arrival is not None:
+            gap = max(0.0, now - self._last_arrival)
+            self.gap = gap if self.gap is None else self.gap + self.alpha * (gap - self.gap)
+        self._last_arrival = now
+
+    def observe_batch(self, rows: int, seconds: float) -> None:
+        b = self._bucket(rows)
+        old = self._latency.get(b)
+        self._latency[b] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def latency(self, rows: int) -> float | None:
+        """Estimated model latency for a batch of ``rows`` rows (None before any batch)."""
+        if not self._latency:
+            return None
+        b = self._bucket(rows)
+        if b in self._latency:
+            return self._latency[b]
+        nearest = min(self._latency, key=lambda k: abs(math.log2(k) - math.log2(b)))
+        return self._latency[nearest]
+
+    def wait_time(self, *, queued_requests: int, queued_rows: int, oldest_age: float,
+                  since_last_arrival: float, max_batch_size: int) -> float:
+        if queued_rows >= max_batch_size or self.gap is None:
+            return 0.0
+        lat = self.latency(queued_rows)
+        if lat is None or queued_requests * self.gap >= lat:
+            return 0.0
+        budget = (self.latency(max_batch_size) or lat) - oldest_age
+        window = 2.0 * self.gap - since_last_arrival
+        return max(0.0, min(budget, window))
+
+    def __repr__(self) -> str:
+        return f"AdaptivePolicy(gap={self.gap}, latency={self._latency})"
+
+
+def make_policy(policy: str | Policy) -> Policy:
+    """``"adaptive"``, ``"fixed:MS"`` / ``"fixed(MS)"`` (milliseconds), ``"none"``, or a Policy."""
+    if isinstance(policy, Policy):
+        return policy
+    text = str(policy).strip().lower()
+    if text == "adaptive":
+        return AdaptivePolicy()
+    if text in ("none", "off"):
+        return FixedPolicy(0.0)
+    if text.startswith("fixed"):
+        arg = text[5:].strip(":()= ")
+        try:
+            ms = float(arg)
+        except ValueError:
+            ms = -1.0
+        if ms >= 0 and math.isfinite(ms):
+            return FixedPolicy(ms / 1000.0)
+    raise ValueError(
+        "Expected a batching policy 'adaptive', 'none' or 'fixed:MS' (milliseconds). "
+        f"Received: {policy!r}"
+    )
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclass
+class BatcherStats:
+    """Counters since start; ``batch_sizes`` maps rows per batch to how many batches."""
+
+    submitted: int = 0
+    answered: int = 0
+    rejected: int = 0
+    expired: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    batches: int = 0
+    rows: int = 0
+    model_seconds: float = 0.0
+    batch_sizes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.rows / self.batches if self.batches else 0.0
+
+
+# --------------------------------------------------------------------------- batcher
+
+
+class Batcher:
+    """Dynamic batcher: concurrent callers share one model call per batch.
+
+    ``fn(batch)`` gets a Tensor (or a tuple of Tensors for a multi-input model)
+    whose dim 0 stacks the rows of several requests, and returns a Tensor (or a
+    tuple of Tensors) with the same number of rows. It runs in one worker thread
+    (never on the event loop) under ``torch.inference_mode``; one batch is in
+    flight at a time, and requests arriving meanwhile accumulate for the next one.
+
+    Batching rule: see `AdaptivePolicy` (default) and `FixedPolicy`. Shapes:
+    requests whose trailing shapes differ are grouped by shape (never mixed)
+    unless ``pad=True``, which pads them to the largest size with ``pad_value``
+    and cuts each answer back (see `split_outputs`). A request with more rows
+    than ``max_batch_size`` runs alone.
+
+    Guarantees: each accepted request is answered exactly once - with its rows of
+    the output, the exception ``fn`` raised for its batch, `TimeoutError` if its
+    deadline passed before dispatch (it never runs), or `BatcherClosed` when
+    stopped without draining. A cancelled caller's rows are dropped if not yet
+    dispatched. `QueueFull` is raised by ``submit`` when ``max_queue`` requests wait.
+
+    ``on_batch(rows, requests, seconds)`` is called after each model run (metrics).
+    """
+
+    def __init__(self, fn: Callable[[Inputs], Outputs], *, max_batch_size: int = 64,
+                 policy: str | Policy = "adaptive", max_queue: int = 4096,
+                 pad_value: float = 0.0, name: str = "model", pad: bool = False,
+                 on_batch: Callable[[int, int, float], None] | None = None):
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"Expected max_batch_size >= 1. Received: max_batch_size={max_batch_size!r}")
+        if not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"Expected max_queue >= 1. Received: max_queue={max_queue!r}")
+        self.fn = fn
+        self.max_batch_size = max_batch_size
+        self.policy = make_policy(policy)
+        self.max_queue = max_queue
+        self.pad_value = pad_value
+        self.pad = pad
+        self.name = name
+        self.on_batch = on_batch
+        self.stats = BatcherStats()
+        self._queue: deque[Pending] = deque()
+        self._queued = 0  # live requests in the queue
+        self._queued_rows = 0
+        self._last_arrival = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._accepting = False
+        self._draining = True
+        self._busy = False
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def running(self) -> bool:
+        return self._accepting
+
+    @property
+    def queue_depth(self) -> int:
+        """Live requests waiting for a batch (not counting the one in flight)."""
+        return self._queued
+
+    async def start(self) -> None:
+        """Start the dispatch loop on the running event loop."""
+        if self._task is not None:
+            raise RuntimeError(f"Batcher {self.name!r} is already started")
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"batcher-{self.name}")
+        self._accepting = True
+        self._task = asyncio.create_task(self._dispatch_loop(), name=f"batcher-{self.name}")
+
+    async def stop(self, drain: bool = True) -> None:
+        """Stop accepting; answer every queued request (run it if ``drain``), then end."""
+        if self._task is None:
+            return
+        self._accepting = False
+        self._draining = drain
+        assert self._wakeup is not None
+        self._wakeup.set()
+        try:
+            await self._task
+        finally:
+            self._task = None
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    async def __aenter__(self) -> Batcher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop(drain=True)
+
+    def start_background(self) -> Batcher:
+        """Run the batcher on its own event-loop thread (for synchronous users)."""
+        if self._thread is not None:
+            raise RuntimeError(f"Batcher {self.name!r} is already running in the background")
+        started = threading.Event()
+        loop = asyncio.new_event_loop()
+
+        def main() -> None:
+            asyncio.set_event_loop(loop)
+            loop.run_until_complete(self.start())
+            started.set()
+            loop.run_forever()
+            loop.close()
+
+        self._thread = threading.Thread(target=main, name=f"batcher-loop-{self.name}", daemon=True)
+        self._thread.start()
+        started.wait()
+        return self
+
+    def stop_background(self, drain: bool = True, timeout: float | None = 60.0) -> None:
+        """Stop a batcher started with `start_background` (drains by default)."""
+        if self._thread is None:
+            return
+        loop = self._loop
+        assert loop is not None
+        asyncio.run_coroutine_threadsafe(self.stop(drain), loop).result(timeout)
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(timeout)
+        self._thread = None
+
+    # ---------------------------------------------------------------- callers
+
+    async def submit(self, x: Inputs, *, deadline: float | None = None) -> Outputs:
+        """Queue ``x`` (n >= 1 rows) and return its rows of the model's output.
+
+        ``deadline`` is an absolute `time.monotonic()` time: if the request is not
+        dispatched by then it never runs and `TimeoutError` is raised. Cancelling
+        the awaiting task drops the request if it was not dispatched yet.
+        """
+        if not self._accepting:
+            raise BatcherClosed(f"Batcher {self.name!r} is not accepting requests (stopped or stopping)")
+        if asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError(
+                "Expected submit() on the batcher's event loop. Received a call from another loop; "
+                "use submit_blocking() from other threads"
+            )
+        inputs = as_inputs(x)
+        if self._queued >= self.max_queue:
+            self.stats.rejected += 1
+            raise QueueFull(f"Batcher {self.name!r} queue is full ({self.max_queue} requests waiting)")
+        now = time.monotonic()
+        assert self._loop is not None and self._wakeup is not None
+        item = Pending(inputs, inputs[0].shape[0], self._loop.create_future(), deadline, now,
+                       batch_key(inputs, self.pad))
+        self._queue.append(item)
+        self._queued += 1
+        self._queued_rows += item.rows
+        self.stats.submitted += 1
+        self.policy.observe_arrival(now)
+        self._last_arrival = now
+        self._wakeup.set()
+        try:
+            if deadline is None:
+                return await asyncio.shield(item.future)
+            while True:
+                remaining = deadline - time.monotonic()
+                if item.dispatched or item.future.done() or remaining <= 0:
+                    if not item.dispatched and not item.future.done():
+                        self._drop(item)
+                        self.stats.expired += 1
+                        raise TimeoutError(f"Request expired before dispatch (batcher {self.name!r})")
+                    return await asyncio.shield(item.future)
+                await asyncio.wait({item.future}, timeout=remaining)
+        except asyncio.CancelledError:
+            if not item.dispatched and not item.future.done():
+                self._drop(item)
+                self.stats.cancelled += 1
+            raise
+
+    def submit_blocking(self, x: Inputs, *, timeout: float | None = None) -> Outputs:
+        """Thread-safe `submit` from any thread but the batcher's loop thread.
+
+        ``timeout`` (seconds) becomes the request's deadline; raises `TimeoutError`.
+        """
+        loop = self._loop
+        if loop is None or not self._accepting:
+            raise BatcherClosed(f"Batcher {self.name!r} is not running")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise RuntimeError("submit_blocking() called on the batcher's own event loop: use submit()")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fut = asyncio.run_coroutine_threadsafe(self.submit(x, deadline=deadline), loop)
+        return fut.result()
+
+    # ---------------------------------------------------------------- dispatcher
+
+    def _drop(self, item: Pending) -> None:
+        if not item.dead:
+            item.dead = True
+            self._queued -= 1
+            self._queued_rows -= item.rows
+
+    def _answer_expired(self, expired: list[Pending]) -> None:
+        for item in expired:
+            self._drop(item)
+            if not item.future.done():
+                self.stats.expired += 1
+                item.future.set_exception(TimeoutError(f"Request expired before dispatch (batcher {self.name!r})"))
+
+    async def _dispatch_loop(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            if not self._queued:
+                self._queue.clear()  # only dead (cancelled / timed-out) requests are left
+                if not self._accepting:
+                    break
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if self._accepting:
+                now = time.monotonic()
+                oldest = next((p for p in self._queue if not p.dead), None)
+                wait = self.policy.wait_time(
+                    queued_requests=self._queued, queued_rows=self._queued_rows,
+                    oldest_age=now - oldest.enqueued if oldest else 0.0,
+                    since_last_arrival=now - self._last_arrival,
+                    max_batch_size=self.max_batch_size,
+                )
+                if wait > 0:
+                    self._wakeup.clear()
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), wait)
+                    except asyncio.TimeoutError:
+                        pass  # window over: dispatch what is queued
+                    else:
+                        continue  # a new arrival (or stop): ask the policy again
+            elif not self._draining:
+                for item in self._queue:
+                    if not item.dead and not item.future.done():
+                        item.future.set_exception(BatcherClosed(f"Batcher {self.name!r} stopped"))
+                self._queue.clear()
+                self._queued = self._queued_rows = 0
+                break
+            batch, expired = collect_batch(self._queue, self.max_batch_size, time.monotonic())
+            self._answer_expired(expired)
+            if batch:
+                await self._run(batch)
+
+    async def _run(self, batch: list[Pending]) -> None:
+        for item in batch:
+            item.dispatched = True
+            self._queued -= 1
+            self._queued_rows -= item.rows
+        rows = sum(p.rows for p in batch)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            results = await loop.run_in_executor(self._executor, self._compute, batch)
+        except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
+            self.stats.failed += len(batch)
+            for item in batch:
+                if not item.future.done():
+                    item.future.set_exception(exc)
+            results = None
+        seconds = time.perf_counter() - t0
+        self.policy.observe_batch(rows, seconds)
+        st = self.stats
+        st.batches += 1
+        st.rows += rows
+        st.model_seconds += seconds
+        st.batch_sizes[rows] = st.batch_sizes.get(rows, 0) + 1
+        if results is not None:
+            for item, result in zip(batch, results):
+                if not item.future.done():
+                    item.future.set_result(result)
+                    st.answered += 1
+        if self.on_batch is not None:
+            try:
+                self.on_batch(rows, len(batch), seconds)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                pass
+
+    def _compute(self, batch: list[Pending]) -> list[Outputs]:
+        """Runs in the worker thread: stack, call the model, split."""
+        padded = self.pad and len({tuple(tuple(t.shape[1:]) for t in p.inputs) for p in batch}) > 1
+        inputs, own = stack_batch(batch, self.pad_value)
+        with torch.inference_mode():
+            output = self.fn(inputs[0] if len(inputs) == 1 else inputs)
+        return split_outputs(output, batch, inputs, own, padded)
