@@ -1,0 +1,133 @@
+"""``partrain population``: train N members on the bundled digits data, with PBT.
+
+Writes to ``--out``: ``leaderboard.csv`` (also printed), ``history.csv`` (every
+member at every evaluation), ``lineage.jsonl`` (who copied whom, when, with which
+hyperparameters), ``curves.png``, ``best.pt`` (the best member as a partrain
+checkpoint that ``partrain train --resume`` and ``partrain serve`` load) and
+``population.pt`` (the whole population, for ``--resume``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from typing import Any
+
+from ..errors import UsageError
+
+DEFAULT_SPACES = {
+    "sgd": ["lr=loguniform:1e-3:3e-1", "momentum=choice:0.0,0.5,0.9"],
+    "adam": ["lr=loguniform:1e-4:1e-2"],
+    "adamw": ["lr=loguniform:1e-4:1e-2", "weight_decay=loguniform:1e-4:1e-1"],
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "population",
+        help="train many models at once in one process, with population-based training",
+        description="Train --members copies of a model on scikit-learn's digits, each with its own "
+        "seed, data order and hyperparameters drawn from --space, stepped together by a vectorized "
+        "(vmap) or loop engine (auto: the faster one, measured). With --pbt-interval K, every K "
+        "steps the worst quantile copies the best members (weights and optimizer state) and "
+        "perturbs or resamples their hyperparameters.",
+        epilog="Example: partrain population --members 16 --space lr=loguniform:1e-3:1e-1 "
+        "--space momentum=choice:0.0,0.9 --steps 400 --pbt-interval 50 --out runs/pbt",
+    )
+    p.add_argument("--members", type=int, default=8, help="population size (default 8)")
+    p.add_argument("--space", action="append", default=[], metavar="NAME=KIND:ARGS",
+                   help="a hyperparameter's search space, repeatable: loguniform:LOW:HIGH, "
+                   "uniform:LOW:HIGH, randint:LOW:HIGH, choice:V1,V2,... or a number. Names: lr, "
+                   "momentum, weight_decay (sgd); lr, beta1, beta2, eps, weight_decay (adam, adamw); "
+                   "batch_size. Default: lr and momentum (sgd) or lr (adam)")
+    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
+    p.add_argument("--nesterov", action="store_true", help="Nesterov momentum (sgd)")
+    p.add_argument("--model", default="cnn", help="built-in model or module:function (default cnn)")
+    p.add_argument("--engine", choices=["auto", "vmap", "loop"], default="auto",
+                   help="how members are stepped; auto times both on the first steps (default)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="steps per member in total (default 300)")
+    length.add_argument("--epochs", type=float, help="epochs per member (at --batch-size)")
+    p.add_argument("--batch-size", type=int, default=32, help="per-member batch size (default 32)")
+    p.add_argument("--pbt-interval", type=int, default=50, metavar="K",
+                   help="steps between PBT rounds; 0 turns PBT off (default 50)")
+    p.add_argument("--eval-interval", type=int, help="steps between evaluations (default: K, or steps/10)")
+    p.add_argument("--quantile-fraction", type=float, default=0.25, help="PBT quantile (default 0.25)")
+    p.add_argument("--perturbation-factors", default="1.2,0.8", help="PBT factors (default 1.2,0.8)")
+    p.add_argument("--resample-probability", type=float, default=0.25, help="PBT resampling (default 0.25)")
+    p.add_argument("--metric", choices=["accuracy", "loss"], default="accuracy",
+                   help="validation metric PBT ranks members by (default accuracy)")
+    p.add_argument("--workers", type=int, default=1, help="processes to spread members over (default 1)")
+    p.add_argument("--out", default="runs/population", help="output directory (default runs/population)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/population.pt up to --steps")
+    p.add_argument("--quiet", action="store_true", help="print only the leaderboard")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate the options into a JSON-able config (one line UsageError on bad input)."""
+    from .space import describe, parse_space_entry
+
+    if args.members < 1:
+        raise UsageError(f"Expected a positive number of members. Received: --members {args.members}")
+    if args.batch_size < 1:
+        raise UsageError(f"Expected a positive batch size. Received: --batch-size {args.batch_size}")
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"Expected a positive number of steps. Received: --steps {args.steps}")
+    if args.epochs is not None and args.epochs <= 0:
+        raise UsageError(f"Expected a positive number of epochs. Received: --epochs {args.epochs}")
+    if args.pbt_interval < 0:
+        raise UsageError(f"Expected --pbt-interval >= 0 (0: off). Received: {args.pbt_interval}")
+    if args.workers < 1 or args.workers > args.members:
+        raise UsageError(f"Expected 1 <= --workers <= --members. Received: --workers {args.workers}")
+    try:
+        factors = [float(f) for f in args.perturbation_factors.split(",")]
+    except ValueError:
+        raise UsageError(f"Expected --perturbation-factors as numbers separated by commas. "
+                         f"Received: {args.perturbation_factors!r}") from None
+    entries = args.space or DEFAULT_SPACES[args.optimizer]
+    space = dict(parse_space_entry(e) for e in entries)
+    return {
+        "members": args.members, "space": {k: describe(v) for k, v in space.items()},
+        "space_args": list(entries), "optimizer": args.optimizer, "nesterov": args.nesterov,
+        "model": args.model, "engine": args.engine, "steps": args.steps, "epochs": args.epochs,
+        "batch_size": args.batch_size, "pbt_interval": args.pbt_interval,
+        "eval_interval": args.eval_interval, "quantile_fraction": args.quantile_fraction,
+        "perturbation_factors": factors, "resample_probability": args.resample_probability,
+        "metric": args.metric, "workers": args.workers, "out": args.out, "seed": args.seed,
+        "resume": args.resume, "quiet": args.quiet,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    from .run import run_population
+
+    summary = run_population(cfg)
+    if not cfg["quiet"]:
+        print(f"engine: {summary['engine_line']}", file=sys.stderr)
+    print(summary["leaderboard_text"])
+    print(f"best member {summary['best']}: test accuracy {summary['best_test_accuracy']:.4f} -> "
+          f"{os.path.join(cfg['out'], 'best.pt')}")
+    return 0
+
+
+def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    keys = list(rows[0])
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+

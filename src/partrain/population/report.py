@@ -1,0 +1,49 @@
+"""Human-readable outputs of a population run: the leaderboard table and the curves PNG."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..bench.common import format_table
+
+
+def format_leaderboard(rows: list[dict[str, Any]], limit: int = 20) -> str:
+    """The leaderboard as a plain-text table (best first, at most ``limit`` rows)."""
+    if not rows:
+        return "(no members)"
+    headers = list(rows[0])
+    body = []
+    for r in rows[:limit]:
+        body.append([(f"{v:.4g}" if isinstance(v, float) and k not in ("val_accuracy", "test_accuracy",
+                                                                         "val_loss", "test_loss")
+                      else v) for k, v in r.items()])
+    text = format_table(headers, body)
+    if len(rows) > limit:
+        text += f"\n... {len(rows) - limit} more in leaderboard.csv"
+    return text
+
+
+def plot_curves(history: list[dict[str, Any]], lineage: list[dict[str, Any]], path: str) -> None:
+    """Per-member validation accuracy and training loss against steps; PBT copies marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    members = sorted({r["member"] for r in history})
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.5))
+    cmap = plt.get_cmap("viridis", max(2, len(members)))
+    for i, m in enumerate(members):
+        recs = [r for r in history if r["member"] == m]
+        steps = [r["step"] for r in recs]
+        ax_acc.plot(steps, [r["val_accuracy"] for r in recs], color=cmap(i), lw=1, label=f"member {m}")
+        ax_loss.plot(steps, [r["train_loss"] for r in recs], color=cmap(i), lw=1)
+    for rec in lineage:
+        ax_acc.axvline(rec["step"], color="0.85", lw=0.5, zorder=0)
+    ax_acc.set(xlabel="step", ylabel="validation accuracy", title="validation accuracy per member")
+    ax_loss.set(xlabel="step", ylabel="training loss", title="training loss per member", yscale="log")
+    if len(members) <= 12:
+        ax_acc.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
