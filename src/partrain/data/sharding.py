@@ -69,7 +69,12 @@ class ShardedBatchSampler(Sampler[list[int]]):
         return max(0, min(self.global_batch, self.num_samples - start))
 
     def __iter__(self) -> Iterator[list[int]]:
+        for index in self.iter_tensors():
+            yield index.tolist()
+
+    def iter_tensors(self) -> Iterator[torch.Tensor]:
+        """The same batches as index tensors (no round trip through Python lists)."""
         order = self.order()
         for step in range(len(self)):
             chunk = order[step * self.global_batch : step * self.global_batch + self.global_batch]
-            yield torch.tensor_split(chunk, self.num_replicas)[self.rank].tolist()
+            yield torch.tensor_split(chunk, self.num_replicas)[self.rank]

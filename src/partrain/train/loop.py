@@ -206,8 +206,7 @@ class _Batches:
         non_blocking = self.device.type == "cuda"
         if self.tensors is not None:
             x_all, y_all = self.tensors[0], self.tensors[1]
-            for idx in self.sampler:
-                index = torch.as_tensor(idx, dtype=torch.long)
+            for index in self.sampler.iter_tensors():
                 yield (x_all.index_select(0, index).to(self.device, non_blocking=non_blocking),
                        y_all.index_select(0, index).to(self.device, non_blocking=non_blocking))
         else:
