@@ -1,0 +1,466 @@
+"""Open Inference Protocol v2 (KServe / Triton) codec: JSON and binary tensors <-> torch.
+
+No HTTP here: the functions take bytes and return tensors (and back), raising
+`ProtocolError` with the HTTP status a bad request deserves. The app
+(`partrain.serve.app`) only moves bytes.
+
+Wire format, per the protocol and Triton's binary tensor data extension:
+
+- request: ``{"id"?, "parameters"?, "inputs": [{"name", "shape", "datatype",
+  "parameters"?, "data"}], "outputs"?: [{"name", "parameters"?}]}``. ``data`` is
+  flat or nested, row-major. With the binary extension an input has
+  ``"parameters": {"binary_data_size": N}`` instead of ``data``, the JSON header is
+  followed by the raw little-endian bytes of those inputs in order, and the HTTP
+  header ``Inference-Header-Content-Length`` gives the JSON header's length.
+- outputs are returned as binary when the request output has
+  ``"parameters": {"binary_data": true}`` or the request has
+  ``"parameters": {"binary_data_output": true}``; the response then carries
+  ``binary_data_size`` per binary output and ``Inference-Header-Content-Length``.
+- request parameter ``"timeout"`` (microseconds, as in Triton) bounds the time a
+  request may wait for its batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+HEADER = "Inference-Header-Content-Length"
+
+# OIP datatype -> (torch dtype, little-endian numpy dtype)
+DATATYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
+    "BOOL": (torch.bool, np.dtype("?")),
+    "UINT8": (torch.uint8, np.dtype("u1")),
+    "UINT16": (torch.uint16, np.dtype("<u2")),
+    "UINT32": (torch.uint32, np.dtype("<u4")),
+    "UINT64": (torch.uint64, np.dtype("<u8")),
+    "INT8": (torch.int8, np.dtype("i1")),
+    "INT16": (torch.int16, np.dtype("<i2")),
+    "INT32": (torch.int32, np.dtype("<i4")),
+    "INT64": (torch.int64, np.dtype("<i8")),
+    "FP16": (torch.float16, np.dtype("<f2")),
+    "FP32": (torch.float32, np.dtype("<f4")),
+    "FP64": (torch.float64, np.dtype("<f8")),
+}
+TORCH_TO_DATATYPE = {t: name for name, (t, _) in DATATYPES.items()}
+
+
+class ProtocolError(Exception):
+    """A request the protocol rejects; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def datatype_of(dtype: torch.dtype) -> str:
+    """The OIP datatype name of a torch dtype (``torch.float32`` -> ``"FP32"``)."""
+    try:
+        return TORCH_TO_DATATYPE[dtype]
+    except KeyError:
+        raise ValueError(
+            f"Expected a tensor dtype among {sorted(str(t) for t in TORCH_TO_DATATYPE)}. "
+            f"Received: {dtype}"
+        ) from None
+
+
+# --------------------------------------------------------------------------- model metadata
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, OIP datatype and shape of one model input or output (-1 = variable dim)."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+@dataclass
+class ServedModel:
+    """One model the server exposes: its callable, metadata and batching settings.
+
+    ``fn(batch)`` takes a Tensor (a tuple for several inputs) with the batch in dim
+    0 and returns a Tensor or a tuple of Tensors, one per entry of ``outputs``.
+    Shapes include the batch dim as -1. Build one from an ``nn.Module`` and an
+    example sample shape with `from_module`.
+    """
+
+    name: str
+    fn: Callable[..., Any]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    version: str = "1"
+    platform: str = "pytorch"
+    max_batch_size: int = 64
+    policy: Any = "adaptive"
+    max_queue: int = 4096
+    pad: bool = False
+    pad_value: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_module(
+        cls, name: str, module: Callable[..., Any], input_shape: Sequence[int] | Sequence[Sequence[int]],
+        *, dtype: torch.dtype | Sequence[torch.dtype] = torch.float32, version: str = "1",
+        device: torch.device | str | None = None, **settings: Any,
+    ) -> ServedModel:
+        """Describe ``module`` by running it once on zeros of ``(2, *input_shape)``.
+
+        ``input_shape`` is one sample's shape (no batch dim), or a list of them for a
+        model with several inputs. Outputs are named ``output`` (``output__k`` when
+        several), inputs likewise. ``device``: where the model runs; inputs are
+        moved there and outputs back to the CPU.
+        """
+        shapes = _shape_list(input_shape)
+        dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
+        if len(dtypes) != len(shapes):
+            raise ValueError(f"Expected one dtype per input. Received: {len(dtypes)} dtypes for {len(shapes)} inputs")
+        if isinstance(module, nn.Module):
+            module.eval()
+        dev = torch.device(device) if device is not None else None
+        if dev is not None and isinstance(module, nn.Module):
+            module.to(dev)
+
+        def fn(batch: Any) -> Any:
+            args = batch if isinstance(batch, tuple) else (batch,)
+            if dev is not None:
+                args = tuple(a.to(dev, non_blocking=True) for a in args)
+            out = module(*args)
+            if dev is not None and dev.type != "cpu":
+                out = out.cpu() if isinstance(out, Tensor) else tuple(o.cpu() for o in out)
+            return out
+
+        example = tuple(torch.zeros((2, *s), dtype=d) for s, d in zip(shapes, dtypes))
+        with torch.inference_mode():
+            out = fn(example if len(example) > 1 else example[0])
+        outs = (out,) if isinstance(out, Tensor) else tuple(out)
+        if not outs or not all(isinstance(o, Tensor) and o.dim() >= 1 and o.shape[0] == 2 for o in outs):
+            raise ValueError(
+                f"Expected model {name!r} to return a Tensor (or tuple of Tensors) with the batch in dim 0. "
+                f"Received: {[getattr(o, 'shape', type(o).__name__) for o in outs]}"
+            )
+        inputs = [TensorSpec(_io_name("input", i, len(shapes)), datatype_of(d), (-1, *s))
+                  for i, (s, d) in enumerate(zip(shapes, dtypes))]
+        outputs = [TensorSpec(_io_name("output", i, len(outs)), datatype_of(o.dtype), (-1, *o.shape[1:]))
+                   for i, o in enumerate(outs)]
+        return cls(name=name, fn=fn, inputs=inputs, outputs=outputs, version=version, **settings)
+
+    def metadata(self) -> dict[str, Any]:
+        """The model metadata response of the protocol."""
+        return {
+            "name": self.name,
+            "versions": [self.version],
+            "platform": self.platform,
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+        }
+
+
+def _io_name(kind: str, i: int, n: int) -> str:
+    return kind if n == 1 else f"{kind}__{i}"
+
+
+def _shape_list(input_shape: Sequence[int] | Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    items = list(input_shape)
+    if items and all(isinstance(s, (list, tuple)) for s in items):
+        shapes = [tuple(int(d) for d in s) for s in items]
+    else:
+        shapes = [tuple(int(d) for d in items)]
+    for s in shapes:
+        if any(d < 1 for d in s):
+            raise ValueError(f"Expected positive sample dims (no batch dim). Received: input_shape={list(s)}")
+    return shapes
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass
+class InferRequest:
+    """A decoded inference request: model inputs in the model's order, requested outputs."""
+
+    id: str | None
+    inputs: tuple[Tensor, ...]
+    outputs: list[tuple[str, bool]]  # (output name, send as binary)
+    timeout: float | None = None  # seconds, from the "timeout" parameter (microseconds)
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError(message, 400)
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
+    """Split a request body into its JSON header (parsed) and the binary part."""
+    if header_length is None:
+        n = len(body)
+    else:
+        try:
+            n = int(header_length)
+        except ValueError:
+            n = -1
+        if not 0 <= n <= len(body):
+            raise _bad(f"Expected {HEADER} between 0 and the body length {len(body)}. "
+                       f"Received: {header_length!r}")
+    try:
+        header = json.loads(bytes(memoryview(body)[:n]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _bad(f"Expected a JSON object as the request header. Received invalid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise _bad(f"Expected a JSON object as the request. Received: {type(header).__name__}")
+    return header, memoryview(body)[n:]
+
+
+def _tensor_from_json(name: str, data: Any, datatype: str, shape: list[int]) -> Tensor:
+    torch_dtype, np_dtype = DATATYPES[datatype]
+    if not isinstance(data, list):
+        data = [data]
+    try:
+        raw = np.array(data)
+    except (ValueError, OverflowError) as exc:
+        raise _bad(f"Expected input {name!r} data as a (nested) list of numbers. Received: {exc}") from None
+    kind = raw.dtype.kind
+    count = math.prod(shape)
+    if raw.size != count:
+        raise _bad(f"Expected {count} elements for input {name!r} of shape {shape}. Received: {raw.size}")
+    if raw.size:
+        if datatype == "BOOL":
+            ok = kind == "b"
+        elif datatype.startswith(("INT", "UINT")):
+            ok = kind in "iu"
+            if ok:
+                info = np.iinfo(np_dtype)
+                if raw.min() < info.min or raw.max() > info.max:
+                    raise _bad(f"Expected {datatype} values in [{info.min}, {info.max}] for input {name!r}. "
+                               f"Received: values in [{raw.min()}, {raw.max()}]")
+        else:
+            ok = kind in "iuf"
+        if not ok:
+            want = {"BOOL": "true/false"}.get(datatype, "integers" if "INT" in datatype else "numbers")
+            raise _bad(f"Expected {want} for input {name!r} of datatype {datatype}. "
+                       f"Received: elements of numpy kind {raw.dtype.name}")
+    arr = raw.astype(np_dtype.newbyteorder("="), copy=False).reshape(shape)
+    return torch.from_numpy(np.ascontiguousarray(arr)).to(torch_dtype)
+
+
+def _tensor_from_bytes(name: str, blob: memoryview, datatype: str, shape: list[int]) -> Tensor:
+    torch_dtype, np_dtype = DATATYPES[datatype]
+    want = math.prod(shape) * np_dtype.itemsize
+    if len(blob) != want:
+        raise _bad(f"Expected {want} bytes for input {name!r} ({datatype} of shape {shape}). "
+                   f"Received: binary_data_size={len(blob)}")
+    arr = np.frombuffer(bytearray(blob), dtype=np_dtype)
+    if datatype == "BOOL":
+        arr = arr.view(np.uint8) != 0
+    elif not np_dtype.isnative:
+        arr = arr.astype(np_dtype.newbyteorder("="))
+    return torch.from_numpy(arr.reshape(shape)).to(torch_dtype)
+
+
+def _check_shape(name: str, shape: Any) -> list[int]:
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                               for d in shape):
+        raise _bad(f"Expected input {name!r} shape as a list of non-negative integers. Received: {shape!r}")
+    return shape
+
+
+def decode_infer_request(body: bytes, header_length: str | None, model: ServedModel) -> InferRequest:
+    """Decode and validate an inference request for ``model`` (raises `ProtocolError`)."""
+    header, binary = split_body(body, header_length)
+    inputs = header.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise _bad("Expected 'inputs' as a non-empty list of tensors. "
+                   f"Received: {json.dumps(inputs)[:80] if inputs is not None else 'no inputs'}")
+    params = header.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise _bad(f"Expected request 'parameters' as an object. Received: {type(params).__name__}")
+    specs = {t.name: t for t in model.inputs}
+    by_name: dict[str, Tensor] = {}
+    offset = 0
+    for i, item in enumerate(inputs):
+        if not isinstance(item, dict):
+            raise _bad(f"Expected inputs[{i}] as an object. Received: {type(item).__name__}")
+        name = item.get("name")
+        if not isinstance(name, str):
+            raise _bad(f"Expected inputs[{i}].name as a string. Received: {name!r}")
+        spec = specs.get(name)
+        if spec is None:
+            raise _bad(f"Expected inputs named {sorted(specs)} for model {model.name!r}. Received: {name!r}")
+        if name in by_name:
+            raise _bad(f"Expected each input once. Received: {name!r} twice")
+        datatype = item.get("datatype")
+        if datatype not in DATATYPES:
+            raise _bad(f"Expected input {name!r} datatype among {sorted(DATATYPES)}. Received: {datatype!r}")
+        if datatype != spec.datatype:
+            raise _bad(f"Expected datatype {spec.datatype} for input {name!r}. Received: {datatype}")
+        shape = _check_shape(name, item.get("shape"))
+        if len(shape) != len(spec.shape) or any(w not in (-1, d) for w, d in zip(spec.shape, shape)):
+            raise _bad(f"Expected input {name!r} of shape {list(spec.shape)} (-1: any). Received: {shape}")
+        if shape[0] < 1:
+            raise _bad(f"Expected at least one row (dim 0) in input {name!r}. Received: shape {shape}")
+        iparams = item.get("parameters") or {}
+        if not isinstance(iparams, dict):
+            raise _bad(f"Expected input {name!r} parameters as an object. Received: {type(iparams).__name__}")
+        size = iparams.get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise _bad(f"Expected binary_data_size of input {name!r} as a non-negative integer. "
+                           f"Received: {size!r}")
+            if "data" in item:
+                raise _bad(f"Expected either 'data' or binary_data_size for input {name!r}. Received: both")
+            if offset + size > len(binary):
+                raise _bad(f"Expected {offset + size} bytes of binary data after the JSON header. "
+                           f"Received: {len(binary)}")
+            tensor = _tensor_from_bytes(name, binary[offset:offset + size], datatype, shape)
+            offset += size
+        else:
+            if "data" not in item:
+                raise _bad(f"Expected 'data' (or binary_data_size) for input {name!r}. Received: neither")
+            tensor = _tensor_from_json(name, item["data"], datatype, shape)
+        by_name[name] = tensor
+    if offset != len(binary):
+        raise _bad(f"Expected {offset} bytes of binary input data after the JSON header. "
+                   f"Received: {len(binary)}")
+    missing = [n for n in specs if n not in by_name]
+    if missing:
+        raise _bad(f"Expected inputs {sorted(specs)} for model {model.name!r}. Received no {missing}")
+    rows = {t.shape[0] for t in by_name.values()}
+    if len(rows) > 1:
+        raise _bad(f"Expected every input to have the same batch size (dim 0). Received: {sorted(rows)}")
+
+    default_binary = params.get("binary_data_output", False)
+    if not isinstance(default_binary, bool):
+        raise _bad(f"Expected binary_data_output as true/false. Received: {default_binary!r}")
+    out_names = [t.name for t in model.outputs]
+    requested = header.get("outputs")
+    outputs: list[tuple[str, bool]]
+    if requested is None:
+        outputs = [(n, default_binary) for n in out_names]
+    else:
+        if not isinstance(requested, list):
+            raise _bad(f"Expected 'outputs' as a list. Received: {type(requested).__name__}")
+        outputs = []
+        for j, out in enumerate(requested):
+            if not isinstance(out, dict) or not isinstance(out.get("name"), str):
+                raise _bad(f"Expected outputs[{j}] as an object with a name. Received: {out!r}"[:200])
+            if out["name"] not in out_names:
+                raise _bad(f"Expected outputs among {out_names}. Received: {out['name']!r}")
+            oparams = out.get("parameters") or {}
+            if not isinstance(oparams, dict):
+                raise _bad(f"Expected output {out['name']!r} parameters as an object. Received: {oparams!r}")
+            as_binary = oparams.get("binary_data", default_binary)
+            if not isinstance(as_binary, bool):
+                raise _bad(f"Expected binary_data as true/false. Received: {as_binary!r}")
+            outputs.append((out["name"], as_binary))
+    timeout = params.get("timeout")
+    if timeout is not None:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout < 0:
+            raise _bad(f"Expected parameter timeout as non-negative microseconds. Received: {timeout!r}")
+        timeout = timeout / 1e6
+    request_id = header.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise _bad(f"Expected 'id' as a string. Received: {type(request_id).__name__}")
+    ordered = tuple(by_name[t.name] for t in model.inputs)
+    return InferRequest(request_id, ordered, outputs, timeout)
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def encode_infer_response(model: ServedModel, request: InferRequest, result: Any) -> tuple[bytes, dict[str, str]]:
+    """Encode ``result`` (the model's rows for this request) as a response body + headers."""
+    outs = (result,) if isinstance(result, Tensor) else tuple(result)
+    if len(outs) != len(model.outputs):
+        raise ProtocolError(f"Model {model.name!r} returned {len(outs)} outputs; expected {len(model.outputs)}", 500)
+    by_name = {spec.name: t for spec, t in zip(model.outputs, outs)}
+    json_outputs = []
+    blobs: list[bytes] = []
+    for name, as_binary in request.outputs:
+        t = by_name[name].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        datatype = datatype_of(t.dtype)
+        arr = t.contiguous().numpy()
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(t.shape)}
+        if as_binary:
+            np_dtype = DATATYPES[datatype][1]
+            blob = arr.astype(np_dtype, copy=False).tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = arr.reshape(-1).tolist()
+        json_outputs.append(entry)
+    response: dict[str, Any] = {"model_name": model.name, "model_version": model.version,
+                                "outputs": json_outputs}
+    if request.id is not None:
+        response["id"] = request.id
+    head = json.dumps(response, separators=(",", ":")).encode()
+    if not blobs:
+        return head, {"content-type": "application/json"}
+    return b"".join([head, *blobs]), {"content-type": "application/octet-stream", HEADER: str(len(head))}
+
+
+def encode_request(inputs: dict[str, Tensor], *, binary: bool = False, binary_output: bool = False,
+                   request_id: str | None = None, outputs: Sequence[str] | None = None,
+                   timeout_us: int | None = None) -> tuple[bytes, dict[str, str]]:
+    """Client side: an inference request body + headers for ``inputs`` (used by tests and loadtest)."""
+    items = []
+    blobs = []
+    for name, t in inputs.items():
+        datatype = datatype_of(t.dtype)
+        arr = t.detach().cpu().contiguous().numpy()
+        item: dict[str, Any] = {"name": name, "shape": list(t.shape), "datatype": datatype}
+        if binary:
+            blob = arr.astype(DATATYPES[datatype][1], copy=False).tobytes()
+            item["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            item["data"] = arr.reshape(-1).tolist()
+        items.append(item)
+    request: dict[str, Any] = {"inputs": items}
+    if request_id is not None:
+        request["id"] = request_id
+    params: dict[str, Any] = {}
+    if binary_output:
+        params["binary_data_output"] = True
+    if timeout_us is not None:
+        params["timeout"] = timeout_us
+    if params:
+        request["parameters"] = params
+    if outputs is not None:
+        request["outputs"] = [{"name": n, "parameters": {"binary_data": binary_output}} for n in outputs]
+    head = json.dumps(request, separators=(",", ":")).encode()
+    if not blobs:
+        return head, {"content-type": "application/json"}
+    return b"".join([head, *blobs]), {"content-type": "application/octet-stream", HEADER: str(len(head))}
+
+
+def decode_response(body: bytes, header_length: str | None = None) -> dict[str, Tensor]:
+    """Client side: the output tensors of an inference response (JSON or binary)."""
+    header, binary = split_body(body, header_length)
+    if "error" in header:
+        raise ProtocolError(str(header["error"]), 500)
+    result = {}
+    offset = 0
+    for out in header["outputs"]:
+        shape = out["shape"]
+        size = (out.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            result[out["name"]] = _tensor_from_bytes(out["name"], binary[offset:offset + size],
+                                                     out["datatype"], shape)
+            offset += size
+        else:
+            result[out["name"]] = _tensor_from_json(out["name"], out["data"], out["datatype"], shape)
+    return result
