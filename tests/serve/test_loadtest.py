@@ -112,11 +112,11 @@ def fake_app(model: torch.nn.Module, misbehave: dict[str, int] | None = None):
 class ServerThread:
     """uvicorn serving ``app`` on a free loopback port in a thread; stopped in `close`."""
 
-    def __init__(self, app):
+    def __init__(self, app, lifespan: str = "off"):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="error", lifespan="off")
+        config = uvicorn.Config(app, log_level="error", lifespan=lifespan)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
@@ -137,6 +137,25 @@ def serve():
 
     def start(misbehave=None, model=None):
         server = ServerThread(fake_app(model or tiny_model(), misbehave))
+        servers.append(server)
+        return server.url
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+@pytest.fixture()
+def serve_partrain():
+    """partrain's own OIP app (`partrain.serve.create_app`) with the tiny model, batching on."""
+    app_module = pytest.importorskip("partrain.serve.app")
+    from partrain.serve.protocol import ServedModel
+
+    servers = []
+
+    def start(**settings):
+        model = ServedModel.from_module("tiny", tiny_model(), (4,), **settings)
+        server = ServerThread(app_module.create_app([model]), lifespan="on")
         servers.append(server)
         return server.url
 
@@ -301,3 +320,21 @@ def test_checker_compares_with_tolerance():
     assert checker.compare(0, {"output": y + 5e-4}) == ""
     assert "differs" in checker.compare(0, {"output": y + 2e-3})
     assert "shape" in checker.compare(0, {"output": y.reshape(-1)})
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+@pytest.mark.parametrize("loop", [{"concurrency": 8, "requests": 64}, {"rate": 500.0, "requests": 64}],
+                         ids=["closed", "open"])
+def test_partrain_server_answers_each_request_once_and_right(serve_partrain, binary, loop):
+    """The real app with adaptive batching: the load generator sees no lost or wrong answer."""
+    url = serve_partrain(max_batch_size=8)
+    report = checked_run(url, binary=binary, **loop)
+    assert (report.sent, report.ok, report.failed) == (64, 64, 0)
+    assert (report.lost, report.checked, report.wrong) == (0, 64, 0)
+
+
+def test_partrain_server_unknown_model_is_one_line(serve_partrain, capsys):
+    url = serve_partrain()
+    assert main(["loadtest", url, "-m", "nope", "-n", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "Expected a model named 'nope'" in err and err.count("\n") == 1
