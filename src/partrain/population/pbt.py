@@ -67,6 +67,8 @@ class PBT:
         self.custom_explore_fn = custom_explore_fn
         self.generator = torch.Generator().manual_seed(seed)
         self.lineage: list[dict[str, Any]] = []
+        #: the step of the last round (-1: none yet)
+        self.last_round = -1
 
     def due(self, step: int) -> bool:
         """Whether an exploit/explore round happens after ``step`` steps."""
@@ -121,11 +123,14 @@ class PBT:
                 "hparams_after": population.member_hparams(dst),
             })
         self.lineage.extend(records)
+        self.last_round = step
         return records
 
     def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state(), "lineage": [dict(r) for r in self.lineage]}
+        return {"generator": self.generator.get_state(), "lineage": [dict(r) for r in self.lineage],
+                "last_round": self.last_round}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.generator.set_state(state["generator"])
         self.lineage = [dict(r) for r in state["lineage"]]
+        self.last_round = int(state.get("last_round", -1))

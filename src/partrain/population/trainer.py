@@ -92,6 +92,8 @@ def train_population(population: Population, train: TensorDataset, val: TensorDa
     loader = loader or MemberLoader(train, population.members, seed, population.device)
     history = history if history is not None else []
     vx, vy = val.tensors[0].to(population.device), val.tensors[1].to(population.device)
+    if pbt is not None and population.steps < steps:
+        _pending_round(population, pbt, history)
     running = torch.zeros(len(population.members), dtype=torch.float64)
     since = 0
     t0 = time.perf_counter()
@@ -123,3 +125,16 @@ def train_population(population: Population, train: TensorDataset, val: TensorDa
             if on_eval is not None:
                 on_eval(step, records)
     return history
+
+
+def _pending_round(population: Population, pbt: PBT, history: list[dict[str, Any]]) -> None:
+    """Run the PBT round a previous run skipped because it ended on that step (resume = straight run)."""
+    step = population.steps
+    if not pbt.due(step) or pbt.last_round == step:
+        return
+    records = {r["member"]: r for r in history if r["step"] == step}
+    if len(records) != population.size:
+        return
+    key = "val_accuracy" if pbt.metric == "accuracy" else "val_loss"
+    scores = torch.tensor([records[m][key] for m in range(population.size)], dtype=torch.float64)
+    pbt.update(population, scores, step)
