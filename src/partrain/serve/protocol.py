@@ -127,7 +127,10 @@ class ServedModel:
         if len(dtypes) != len(shapes):
             raise ValueError(f"Expected one dtype per input. Received: {len(dtypes)} dtypes for {len(shapes)} inputs")
         if isinstance(module, nn.Module):
-            module.eval()
+            try:
+                module.eval()
+            except NotImplementedError:
+                pass  # torch.export's module: train/eval was fixed at export time
         dev = torch.device(device) if device is not None else None
         if dev is not None and isinstance(module, nn.Module):
             module.to(dev)

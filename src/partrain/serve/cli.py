@@ -1,0 +1,92 @@
+"""``partrain serve MODEL...``: serve models over the Open Inference Protocol v2 (HTTP)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+
+from ..errors import UsageError
+from .app import DEFAULT_MAX_BODY_BYTES
+from .batcher import make_policy
+from .loading import load_models, parse_shape
+from .protocol import DATATYPES
+from .replicas import run_server
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve models over HTTP (Open Inference Protocol v2) with dynamic batching",
+        description=(
+            "Serve one or more models over the Open Inference Protocol v2 REST API (KServe/Triton) "
+            "with dynamic batching. MODEL is [name=]PATH where PATH is a checkpoint written by "
+            "'partrain train', a TorchScript file or a torch.export .pt2 file, or module:factory. "
+            "See docs/serve-api.md."
+        ),
+    )
+    p.add_argument("models", nargs="+", metavar="MODEL", help="[name=]checkpoint|torchscript|.pt2|module:factory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; default 8000)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="most rows per model call (default 64)")
+    p.add_argument("--policy", default="adaptive",
+                   help="batching window: adaptive (default), fixed:MS (wait up to MS milliseconds), none")
+    p.add_argument("--max-queue", type=int, default=4096,
+                   help="requests that may wait per model before answering 503 (default 4096)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body accepted, else 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="processes serving on the same port, each with its own model copy (default 1; "
+                        "with --device cuda: one per GPU)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per replica (default: cores // replicas)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--token", default=os.environ.get("PARTRAIN_SERVE_TOKEN"),
+                   help="require 'Authorization: Bearer TOKEN' (default: $PARTRAIN_SERVE_TOKEN; health "
+                        "endpoints stay open)")
+    p.add_argument("--input-shape", default=None,
+                   help="one sample's shape, e.g. 1,28,28, for models that do not record it")
+    p.add_argument("--input-dtype", default="FP32", choices=sorted(DATATYPES),
+                   help="input datatype for models that do not record it (default FP32)")
+    p.set_defaults(func=run)
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise UsageError(f"Expected {name} >= 1. Received: {name}={value}")
+
+
+def run(args: argparse.Namespace) -> int:
+    _positive("--max-batch-size", args.max_batch_size)
+    _positive("--max-queue", args.max_queue)
+    _positive("--max-body-bytes", args.max_body_bytes)
+    _positive("--replicas", args.replicas)
+    _positive("--threads", args.threads)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"Expected --port in 0..65535. Received: {args.port}")
+    if args.device not in ("cpu", "cuda"):
+        raise UsageError(f"Expected --device cpu or cuda. Received: {args.device!r}")
+    try:
+        make_policy(args.policy)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    parse_shape(args.input_shape)
+    make_models = functools.partial(
+        load_models, list(args.models), input_shape=args.input_shape, input_dtype=args.input_dtype,
+        max_batch_size=args.max_batch_size, policy=args.policy, max_queue=args.max_queue,
+    )
+    if args.replicas > 1 or args.device == "cuda":
+        # fail fast in the parent on a bad MODEL instead of once per replica
+        for model in make_models():
+            del model
+
+    def announce(url: str) -> None:
+        names = ", ".join(args.models)
+        print(f"partrain serve: serving {names} at {url} (OIP v2: {url}/v2/models/NAME/infer)", flush=True)
+
+    return run_server(
+        make_models, host=args.host, port=args.port, replicas=args.replicas, device=args.device,
+        threads=args.threads,
+        app_options={"token": args.token, "max_body_bytes": args.max_body_bytes},
+        announce=announce,
+    )

@@ -1,0 +1,175 @@
+"""Turn ``partrain serve`` MODEL arguments into `ServedModel` descriptions.
+
+A MODEL is ``[name=]source`` where source is one of (checked in this order):
+
+- a ``.pt2`` file: a ``torch.export`` program (`torch.export.load`); its input
+  shapes and dtypes are read from the program, and its batch dim must be dynamic;
+- a TorchScript archive (``torch.jit.save``; recognised by its ``code/`` entries);
+- a checkpoint written by ``partrain train`` (read with ``weights_only=True``; the
+  recorded model spec rebuilds the module, its ``input_shape`` describes inputs);
+- ``module:factory``: a function returning an ``nn.Module`` (or a `ServedModel`).
+
+None of these unpickles arbitrary code: checkpoints load with ``weights_only``,
+TorchScript and exported programs carry their own graph format, and a factory
+is code the user names explicitly. Models whose input shape is not recorded
+(TorchScript, factories) need ``input_shape`` (``--input-shape``) unless the
+module has an ``example_input_shape`` attribute.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UsageError
+from .protocol import DATATYPES, ServedModel
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def parse_model_arg(text: str) -> tuple[str | None, str]:
+    """Split ``"name=source"`` (name optional) into its parts."""
+    head, sep, tail = text.partition("=")
+    if sep and _NAME.match(head) and "/" not in head:
+        return head, tail
+    return None, text
+
+
+def default_name(source: str) -> str:
+    """A model name from a file (its stem) or factory (the function name)."""
+    if os.path.exists(source) or ":" not in source:
+        stem = os.path.basename(source).split(".")[0]
+    else:
+        stem = source.rsplit(":", 1)[1]
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", stem).strip("._-")
+    return cleaned or "model"
+
+
+def parse_shape(text: str | Sequence[int] | None) -> tuple[int, ...] | None:
+    """``"1,28,28"`` -> ``(1, 28, 28)`` (one sample's shape, no batch dim)."""
+    if text is None:
+        return None
+    if isinstance(text, str):
+        parts = [p for p in re.split(r"[,x ]+", text.strip()) if p]
+        try:
+            shape = tuple(int(p) for p in parts)
+        except ValueError:
+            shape = ()
+    else:
+        shape = tuple(int(d) for d in text)
+    if not shape or any(d < 1 for d in shape):
+        raise UsageError(f"Expected --input-shape as positive integers like 1,28,28 (no batch dim). Received: {text!r}")
+    return shape
+
+
+def _is_torchscript(path: str) -> bool:
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as zf:
+        return any("/code/" in n or n.endswith("constants.pkl") for n in zf.namelist())
+
+
+def _exported(path: str, device: torch.device | None) -> tuple[nn.Module, list[tuple[int, ...]], list[torch.dtype], int | None]:
+    """Load a ``torch.export`` program: its module, sample shapes, dtypes, static batch (or None)."""
+    try:
+        ep = torch.export.load(path)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not a valid .pt2"
+        raise UsageError(f"Expected {path!r} to be a torch.export program (.pt2). Received: {type(exc).__name__}: {exc}") from None
+    user_inputs = set(ep.graph_signature.user_inputs)
+    shapes, dtypes, batch = [], [], set()
+    for node in ep.graph.nodes:
+        if node.op != "placeholder" or node.name not in user_inputs:
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() < 1:
+            raise UsageError(f"Expected tensor inputs with a batch dim in {path!r}. Received input {node.name!r}: {val!r}")
+        dims = list(val.shape)
+        batch.add(dims[0] if isinstance(dims[0], int) else None)
+        if not all(isinstance(d, int) for d in dims[1:]):
+            raise UsageError(f"Expected static sample dims in {path!r} (only the batch dim may be dynamic). "
+                             f"Received input {node.name!r} of shape {dims}")
+        shapes.append(tuple(int(d) for d in dims[1:]))
+        dtypes.append(val.dtype)
+    static = batch.pop() if len(batch) == 1 else None
+    module = ep.module()
+    if device is not None:
+        module.to(device)
+    return module, shapes, dtypes, static
+
+
+def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None, input_dtype: str = "FP32",
+                    device: torch.device | str | None = None, **settings: Any) -> ServedModel:
+    """Load one MODEL argument as a `ServedModel` (``settings``: batching options).
+
+    Raises `UsageError` with one clear line for anything the user can fix.
+    """
+    name, source = parse_model_arg(text)
+    name = name or default_name(source)
+    shape = parse_shape(input_shape)
+    if input_dtype not in DATATYPES:
+        raise UsageError(f"Expected --input-dtype among {sorted(DATATYPES)}. Received: {input_dtype!r}")
+    dtype = DATATYPES[input_dtype][0]
+    dev = torch.device(device) if device is not None else None
+    module: Any
+    shapes: list[tuple[int, ...]] | tuple[int, ...] | None = shape
+    dtypes: Any = dtype
+    if os.path.isfile(source):
+        if source.endswith(".pt2"):
+            module, found, found_dtypes, static = _exported(source, dev)
+            if static is not None and static != 1:
+                raise UsageError(f"Expected {source!r} exported with a dynamic batch dim (torch.export.Dim). "
+                                 f"Received: a static batch of {static}")
+            if static == 1:
+                settings["max_batch_size"] = 1  # a static batch of 1: batching is impossible
+            if shape is None:
+                shapes, dtypes = (found if len(found) > 1 else found[0]), (found_dtypes if len(found) > 1 else found_dtypes[0])
+        elif _is_torchscript(source):
+            try:
+                module = torch.jit.load(source, map_location=dev or "cpu")
+            except Exception as exc:  # noqa: BLE001
+                raise UsageError(f"Expected {source!r} to be a TorchScript archive. Received: {type(exc).__name__}: {exc}") from None
+            shapes = shape or getattr(module, "example_input_shape", None)
+        else:
+            from ..train.checkpoint import load_model
+
+            module, spec = load_model(source)
+            shapes = shape or (tuple(spec["input_shape"]) if spec.get("input_shape") else None)
+    elif ":" in source and not os.path.exists(source):
+        from ..models import resolve_callable
+
+        factory = resolve_callable(source, "model factory")
+        module = factory()
+        if isinstance(module, ServedModel):
+            module.name = name
+            for key, value in settings.items():
+                setattr(module, key, value)
+            return module
+        if not isinstance(module, nn.Module) and not callable(module):
+            raise UsageError(f"Expected {source!r} to return an nn.Module or ServedModel. Received: {type(module).__name__}")
+        shapes = shape or getattr(module, "example_input_shape", None)
+    else:
+        raise UsageError(f"Expected MODEL as [name=]PATH (checkpoint, TorchScript, .pt2) or module:factory. "
+                         f"Received: {text!r} (no such file)")
+    if shapes is None:
+        raise UsageError(f"Model {name!r} does not record its input shape. Expected --input-shape like 1,28,28. "
+                         "Received: none")
+    try:
+        return ServedModel.from_module(name, module, shapes, dtype=dtypes, device=dev, **settings)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise UsageError(f"Model {name!r} failed on an example input of shape {shapes}: {type(exc).__name__}: {exc}") from None
+
+
+def load_models(specs: Sequence[str], *, device: torch.device | str | None = None, **options: Any) -> list[ServedModel]:
+    """Load several MODEL arguments; names must be distinct (picklable, for replicas)."""
+    models = [load_model_spec(s, device=device, **options) for s in specs]
+    names = [m.name for m in models]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UsageError(f"Expected distinct model names (use name=PATH). Received: {dupes} more than once")
+    return models

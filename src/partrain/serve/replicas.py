@@ -1,0 +1,190 @@
+"""Run the app with uvicorn: one process, or N replica processes behind one port.
+
+Replicas (CPU: ``--replicas N``; CUDA: one per GPU) are separate processes, each
+with its own copy of the models, its own batchers and ``cores // N`` torch
+threads. They share one TCP port through ``SO_REUSEPORT`` (Linux, BSD): each
+replica binds and listens on the same address and the kernel spreads incoming
+connections across them, so no process is a proxy in the data path. The parent
+binds the port first (without listening) to reserve it and learn it when
+``port=0``, waits until every replica is ready, forwards SIGINT/SIGTERM for a
+graceful shutdown (each replica finishes its in-flight requests and drains its
+batchers) and reports a replica that dies.
+
+``make_models(device)`` must be picklable (a module-level function or a
+``functools.partial`` of one): replicas are started with the ``spawn`` method
+and build their own models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import UsageError
+from .protocol import ServedModel
+
+MakeModels = Callable[..., Sequence[ServedModel]]
+
+
+def _bind(host: str, port: int, *, reuse_port: bool, listen: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        if not hasattr(socket, "SO_REUSEPORT"):
+            raise UsageError("Expected a platform with SO_REUSEPORT for --replicas > 1. Received: none here")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"Expected a free address to bind. Received: {host}:{port} ({exc.strerror})") from None
+    if listen:
+        sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def url_of(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+async def serve_app(app: Any, sock: socket.socket, *, on_ready: Callable[[], None] | None = None,
+                    graceful_timeout: float | None = 30.0) -> None:
+    """Serve ``app`` with uvicorn on a listening ``sock`` until SIGINT/SIGTERM (graceful)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=graceful_timeout, backlog=2048)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.02)
+    if server.started and on_ready is not None:
+        on_ready()
+    await task
+
+
+def build_app(make_models: MakeModels, device: str | None, app_options: dict[str, Any]) -> Any:
+    from .app import create_app
+
+    models = make_models(device=device) if device is not None else make_models()
+    return create_app(list(models), **app_options)
+
+
+def _replica_main(make_models: MakeModels, index: int, host: str, port: int, threads: int,
+                  device: str | None, app_options: dict[str, Any], ready: Any) -> None:
+    """Entry point of one replica process."""
+    torch.set_num_threads(threads)
+    try:
+        app = build_app(make_models, device, app_options)
+        sock = _bind(host, port, reuse_port=True, listen=True)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
+        ready.put((index, f"{type(exc).__name__}: {exc}"))
+        return
+    asyncio.run(serve_app(app, sock, on_ready=lambda: ready.put((index, None))))
+
+
+def default_threads(processes: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, processes))
+
+
+def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 8000, replicas: int = 1,
+               device: str = "cpu", threads: int | None = None, app_options: dict[str, Any] | None = None,
+               announce: Callable[[str], None] | None = None, start_timeout: float = 300.0) -> int:
+    """Serve until interrupted; returns an exit status. ``announce(url)`` once all replicas are ready."""
+    app_options = app_options or {}
+    if replicas < 1:
+        raise UsageError(f"Expected --replicas >= 1. Received: {replicas}")
+    devices: list[str | None]
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise UsageError("Expected a CUDA device for --device cuda. Received: none visible")
+        replicas = count if replicas == 1 else min(replicas, count)
+        devices = [f"cuda:{i}" for i in range(replicas)]
+    else:
+        devices = [None] * replicas
+    threads = threads or default_threads(replicas)
+
+    if replicas == 1:
+        torch.set_num_threads(threads)
+        app = build_app(make_models, devices[0], app_options)
+        sock = _bind(host, port, reuse_port=False, listen=True)
+        bound = sock.getsockname()[1]
+        asyncio.run(serve_app(app, sock, on_ready=lambda: announce and announce(url_of(host, bound))))
+        return 0
+
+    reserve = _bind(host, port, reuse_port=True, listen=False)  # holds the port; never accepts
+    bound = reserve.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    procs = [ctx.Process(target=_replica_main, name=f"partrain-replica-{i}",
+                         args=(make_models, i, host, bound, threads, devices[i], app_options, ready))
+             for i in range(replicas)]
+    stopping = False
+
+    def forward(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for p in procs:
+            if p.is_alive() and p.pid:
+                os.kill(p.pid, signal.SIGTERM)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for p in procs:
+            p.start()
+        waiting = set(range(replicas))
+        deadline = time.monotonic() + start_timeout
+        while waiting:
+            if stopping:
+                return 130
+            dead = [i for i in waiting if not procs[i].is_alive()]
+            if dead:
+                raise UsageError(f"Replica {dead[0]} exited with status {procs[dead[0]].exitcode} while starting")
+            if time.monotonic() > deadline:
+                raise UsageError(f"Expected {replicas} replicas ready within {start_timeout:.0f} s. "
+                                 f"Received: {replicas - len(waiting)}")
+            try:
+                index, error = ready.get(timeout=0.2)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                continue
+            if error:
+                raise UsageError(f"Replica {index} failed to start: {error}")
+            waiting.discard(index)
+        if announce:
+            announce(url_of(host, bound))
+        status = 0
+        while any(p.is_alive() for p in procs):
+            for i, p in enumerate(procs):
+                p.join(0.2)
+                if not p.is_alive() and p.exitcode not in (0, None) and not stopping:
+                    print(f"partrain serve: replica {i} exited with status {p.exitcode}; stopping",
+                          file=sys.stderr)
+                    status = 1
+                    forward(signal.SIGTERM, None)
+        return status
+    finally:
+        forward(signal.SIGTERM, None)
+        for p in procs:
+            if p.pid is None:
+                continue  # never started
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        reserve.close()
