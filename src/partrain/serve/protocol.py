@@ -241,11 +241,18 @@ def _tensor_from_json(name: str, data: Any, datatype: str, shape: list[int]) -> 
             ok = kind == "b"
         elif datatype.startswith(("INT", "UINT")):
             ok = kind in "iu"
+            if not ok and kind in "fO":
+                # numpy turns ints beyond int64 (UINT64's upper half) into floats or objects
+                values = np.array(data, dtype=object).reshape(-1)
+                ok = all(type(v) is int for v in values)
+                if ok:
+                    raw = np.array(values.tolist(), dtype=object)
             if ok:
                 info = np.iinfo(np_dtype)
-                if raw.min() < info.min or raw.max() > info.max:
+                low, high = raw.min(), raw.max()
+                if low < info.min or high > info.max:
                     raise _bad(f"Expected {datatype} values in [{info.min}, {info.max}] for input {name!r}. "
-                               f"Received: values in [{raw.min()}, {raw.max()}]")
+                               f"Received: values in [{low}, {high}]")
         else:
             ok = kind in "iuf"
         if not ok:

@@ -1,0 +1,49 @@
+"""Shared fixtures: small served models and an app over them (no sockets)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # starlette nags about httpx vs httpx2; both work here
+    from starlette.testclient import TestClient
+
+from partrain.models import cnn
+from partrain.serve import DATATYPES, ServedModel, TensorSpec, create_app
+
+
+def echo_model(datatype: str) -> ServedModel:
+    """Returns its input unchanged: a round trip of one datatype through the server."""
+    spec = TensorSpec("input", datatype, (-1, 3))
+    return ServedModel(name=f"echo_{datatype.lower()}", fn=lambda x: x.clone(), inputs=[spec],
+                       outputs=[TensorSpec("output", datatype, (-1, 3))])
+
+
+@pytest.fixture(scope="module")
+def digits_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return cnn().eval()
+
+
+@pytest.fixture(scope="module")
+def served(digits_model: torch.nn.Module) -> list[ServedModel]:
+    def two_heads(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a + b, (a * b).sum(dim=1)
+
+    return [
+        ServedModel.from_module("digits", digits_model, (1, 8, 8), max_batch_size=16),
+        ServedModel.from_module("pair", two_heads, [(4,), (4,)], dtype=[torch.float64, torch.float64],
+                                version="7"),
+        *[echo_model(dt) for dt in DATATYPES],
+    ]
+
+
+@pytest.fixture(scope="module")
+def client(served: list[ServedModel]) -> Iterator[TestClient]:
+    app = create_app(served, max_body_bytes=64 * 1024)
+    with TestClient(app) as c:  # the context manager runs the lifespan: batchers start and drain
+        yield c
