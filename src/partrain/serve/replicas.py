@@ -64,9 +64,16 @@ async def serve_app(app: Any, sock: socket.socket, *, on_ready: Callable[[], Non
     """Serve ``app`` with uvicorn on a listening ``sock`` until SIGINT/SIGTERM (graceful)."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            super().handle_exit(sig, frame)
+            # SIGINT/SIGTERM mean "stop gracefully": exit normally afterwards instead of
+            # having uvicorn re-raise the signal (status -15 / KeyboardInterrupt).
+            getattr(self, "_captured_signals", []).clear()
+
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=graceful_timeout, backlog=2048)
-    server = uvicorn.Server(config)
+    server = Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)

@@ -1,0 +1,209 @@
+"""The HTTP app around the batcher: concurrency, queue full, auth, metrics, CLI.
+
+Concurrent requests go through httpx's ASGITransport in one event loop (no
+sockets) so that they really share batches; each answer is compared with the
+model run locally. The last test starts ``partrain serve`` as a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from partrain.serve import ServedModel, TensorSpec, create_app
+from partrain.serve.protocol import HEADER, decode_response, encode_request
+from partrain.train.checkpoint import save_checkpoint
+
+from .conftest import TestClient
+
+
+def test_concurrent_requests_share_batches_and_get_their_own_answers(served, digits_model) -> None:
+    app = create_app([served[0]])
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            xs = [torch.randn(1 + i % 3, 1, 8, 8) for i in range(60)]
+
+            async def one(i: int, x: torch.Tensor) -> torch.Tensor:
+                body, headers = encode_request({"input": x}, binary=i % 2 == 0, binary_output=i % 3 == 0)
+                r = await c.post("/v2/models/digits/infer", content=body, headers=headers)
+                assert r.status_code == 200, r.text
+                return decode_response(r.content, r.headers.get(HEADER))["output"]
+
+            outs = await asyncio.gather(*(one(i, x) for i, x in enumerate(xs)))
+            with torch.inference_mode():
+                for x, y in zip(xs, outs):
+                    torch.testing.assert_close(y, digits_model(x), rtol=1e-5, atol=1e-5)
+            stats = app.state.batchers["digits"].stats
+            assert stats.answered == 60 and stats.batches < 60  # batching happened
+            await app.state.batchers["digits"].stop()
+
+    asyncio.run(main())
+
+
+def test_queue_full_is_503_with_retry_after() -> None:
+    release = threading.Event()
+
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        release.wait(10)
+        return x
+
+    spec = [TensorSpec("input", "FP32", (-1, 2))]
+    model = ServedModel("slow", slow, spec, [TensorSpec("output", "FP32", (-1, 2))], max_batch_size=1,
+                        max_queue=1, policy="none")
+    app = create_app([model])
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            body, headers = encode_request({"input": torch.ones(1, 2)})
+            first = asyncio.create_task(c.post("/v2/models/slow/infer", content=body, headers=headers))
+            await asyncio.sleep(0.1)  # first in flight
+            second = asyncio.create_task(c.post("/v2/models/slow/infer", content=body, headers=headers))
+            await asyncio.sleep(0.1)  # second queued: the queue (1) is full
+            r = await c.post("/v2/models/slow/infer", content=body, headers=headers)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queue is full" in r.json()["error"]
+            release.set()
+            assert (await first).status_code == 200 and (await second).status_code == 200
+            await app.state.batchers["slow"].stop()
+
+    asyncio.run(main())
+
+
+def test_request_timeout_parameter_gives_504_and_model_error_gives_500() -> None:
+    release = threading.Event()
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        if (x < 0).any():
+            raise ValueError("negative")
+        release.wait(10)
+        return x
+
+    spec = [TensorSpec("input", "FP32", (-1, 1))]
+    app = create_app([ServedModel("m", model, spec, [TensorSpec("output", "FP32", (-1, 1))],
+                                  max_batch_size=1, policy="none")])
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            body, headers = encode_request({"input": torch.ones(1, 1)})
+            first = asyncio.create_task(c.post("/v2/models/m/infer", content=body, headers=headers))
+            await asyncio.sleep(0.1)
+            body2, headers2 = encode_request({"input": torch.ones(1, 1)}, timeout_us=20_000)
+            r = await c.post("/v2/models/m/infer", content=body2, headers=headers2)
+            assert r.status_code == 504 and "timeout" in r.json()["error"]
+            release.set()
+            assert (await first).status_code == 200
+            body3, headers3 = encode_request({"input": -torch.ones(1, 1)})
+            r = await c.post("/v2/models/m/infer", content=body3, headers=headers3)
+            assert r.status_code == 500 and "negative" in r.json()["error"]
+            await app.state.batchers["m"].stop()
+
+    asyncio.run(main())
+
+
+def test_bearer_token_guards_all_but_health(served) -> None:
+    app = create_app([served[0]], token="s3cret")
+    with TestClient(app) as c:
+        assert c.get("/v2/health/live").status_code == 200
+        assert c.get("/v2/health/ready").status_code == 200
+        for path in ("/v2", "/v2/models/digits", "/metrics"):
+            r = c.get(path)
+            assert r.status_code == 401 and "Bearer" in r.json()["error"]
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert c.get(path, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        body, headers = encode_request({"input": torch.zeros(1, 1, 8, 8)})
+        assert c.post("/v2/models/digits/infer", content=body, headers=headers).status_code == 401
+        headers["Authorization"] = "Bearer s3cret"
+        assert c.post("/v2/models/digits/infer", content=body, headers=headers).status_code == 200
+
+
+def test_metrics_count_requests_errors_batches_and_queue(served) -> None:
+    app = create_app([served[0]])
+    with TestClient(app) as c:
+        body, headers = encode_request({"input": torch.zeros(2, 1, 8, 8)})
+        for _ in range(3):
+            assert c.post("/v2/models/digits/infer", content=body, headers=headers).status_code == 200
+        assert c.post("/v2/models/digits/infer", content=b"{").status_code == 400
+        text = c.get("/metrics").text
+    assert 'partrain_inference_requests_total{model="digits"} 4.0' in text
+    assert 'partrain_inference_errors_total{code="400",model="digits"} 1.0' in text
+    assert 'partrain_batch_size_sum{model="digits"} 6.0' in text
+    assert 'partrain_request_latency_seconds_count{model="digits"} 4.0' in text
+    assert 'partrain_queue_depth{model="digits"} 0.0' in text
+
+
+def test_create_app_validates_its_arguments(served) -> None:
+    with pytest.raises(ValueError, match="at least one model"):
+        create_app([])
+    with pytest.raises(ValueError, match="distinct"):
+        create_app([served[0], served[0]])
+    with pytest.raises(ValueError, match="keyed by their name"):
+        create_app({"other": served[0]})
+
+
+# ----------------------------------------------------------------- partrain serve (subprocess)
+
+
+def _wait_for_url(proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                break
+            continue
+        lines.append(line)
+        m = re.search(r"http://127\.0\.0\.1:\d+", line)
+        if m:
+            return m.group(0)
+    raise AssertionError(f"partrain serve did not print its URL: {''.join(lines)}")
+
+
+def test_partrain_serve_checkpoint_starts_and_answers(tmp_path, digits_model) -> None:
+    ckpt = tmp_path / "digits.pt"
+    save_checkpoint(str(ckpt), {"model": digits_model.state_dict(),
+                                "model_spec": {"name": "cnn", "kwargs": {}, "input_shape": [1, 8, 8],
+                                               "num_classes": 10}})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "partrain", "serve", f"net={ckpt}", "--port", "0", "--threads", "1",
+         "--token", "tok"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        url = _wait_for_url(proc, 60)
+        x = torch.randn(3, 1, 8, 8)
+        body, headers = encode_request({"input": x}, binary=True, binary_output=True)
+        headers["Authorization"] = "Bearer tok"
+        with httpx.Client(base_url=url, timeout=10) as c:
+            assert c.get("/v2/health/ready").json() == {"ready": True}
+            r = c.post("/v2/models/net/infer", content=body, headers=headers)
+            assert r.status_code == 200, r.text
+            got = decode_response(r.content, r.headers.get(HEADER))["output"]
+        with torch.inference_mode():
+            torch.testing.assert_close(got, digits_model(x), rtol=1e-5, atol=1e-5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_partrain_serve_bad_model_is_one_line_exit_2(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "partrain", "serve", str(tmp_path / "missing.pt"), "--port", "0"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "no such file" in r.stderr
