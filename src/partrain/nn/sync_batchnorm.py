@@ -1,0 +1,321 @@
+"""SyncBatchNorm that runs on every torch.distributed backend (gloo on CPU, NCCL on CUDA).
+
+``torch.nn.SyncBatchNorm`` refuses CPU tensors, so CPU clusters and CPU CI
+cannot keep batch statistics in sync. This module computes the statistics of
+the *global* batch - every rank's batch of the process group, concatenated -
+with torch.distributed collectives only, so one code path serves both backends.
+
+Vocabulary: a *channel* is dimension 1 of the input; its *values* are all the
+entries of that channel over the batch and spatial dimensions; a rank's
+*count* is how many values per channel it holds (batch size times spatial
+size, possibly 0).
+
+Forward in training mode, per layer call, one collective:
+
+1. each rank computes its local count, per-channel mean and M2 (sum of squared
+   deviations from the local mean) by shifted sums around its own mean
+   (`local_stats`);
+2. one ``all_gather`` of the flat float64 tensor ``[count, mean, M2]`` (2C+1
+   numbers) gives every rank every rank's statistics;
+3. they are combined with Chan's parallel formula,
+   ``M2 = sum(M2_i) + sum(n_i * (mean_i - mean)^2)``, which never subtracts two
+   large numbers: stable when the mean is large against the spread, unlike
+   ``E[x^2] - E[x]^2`` (see `naive_variance` for what that would cost).
+
+Backward, one collective: the per-channel sums of ``grad_out`` and
+``grad_out * x_hat`` are all-reduced so every input gradient equals that of
+BatchNorm on the concatenated batch. Weight and bias gradients stay local sums,
+as in ``torch.nn.SyncBatchNorm``: DistributedDataParallel averages them like any
+parameter gradient, which makes training under ``allreduce`` equal to a single
+process running BatchNorm on the global batch.
+
+Every rank must call forward and backward of every SyncBatchNorm layer the
+same number of times (a rank with an empty batch included); collectives use
+the process group's timeout, so a rank that does not turn up becomes an error,
+never a hang.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
+
+from ..errors import UsageError
+
+Group = Any  # torch.distributed.ProcessGroup | None (None = the default group)
+
+# torch 2.10+ lets an affine batch norm go without bias (``bias=False``)
+_HAS_BIAS_OPTION = "bias" in inspect.signature(_BatchNorm.__init__).parameters
+
+
+def _group_size(group: Group) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalization over the global batch of a process group, on any backend.
+
+    A drop-in replacement for ``torch.nn.BatchNorm1d/2d/3d`` (inputs of 2 to 5
+    dimensions, ``(N, C, ...)``) and ``torch.nn.SyncBatchNorm``; same parameters,
+    buffers and ``state_dict`` keys, so checkpoints move freely between them.
+
+    Args:
+        num_features: C, the number of channels.
+        eps: added to the variance for numerical stability.
+        momentum: weight of the new batch in the running statistics; ``None``
+            for a cumulative moving average (as ``torch.nn.BatchNorm``).
+        affine: learnable per-channel weight and bias.
+        track_running_stats: keep running mean and variance for eval mode;
+            when False, batch statistics are used in eval mode too (local to
+            each rank in eval mode, as ``torch.nn.SyncBatchNorm`` does).
+        process_group: the ranks whose batches are pooled; ``None`` = the
+            default group.
+        bias: with ``affine``, a learnable bias too (False: weight only, where torch offers it).
+
+    Synchronisation happens in training mode only, when the group has more
+    than one rank. Otherwise (a single process, no initialized process group,
+    eval mode) the layer is exactly ``torch.nn.BatchNorm``.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group: Group = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, *,
+                 bias: bool = True) -> None:
+        if not isinstance(num_features, int) or num_features < 1:
+            raise UsageError(f"Expected a positive number of features. Received: num_features={num_features!r}")
+        extra: dict[str, Any] = {}
+        if not bias:
+            if not _HAS_BIAS_OPTION:
+                raise UsageError("Expected bias=True: this torch release has no batch norm without bias. "
+                                 "Received: bias=False")
+            extra["bias"] = False
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
+                         **extra)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if not 2 <= input.dim() <= 5:
+            raise UsageError(f"Expected a 2D to 5D input (N, C, ...). Received: {input.dim()}D input "
+                             f"of shape {tuple(input.shape)}")
+        if input.shape[1] != self.num_features:
+            raise UsageError(f"Expected an input with {self.num_features} channels (dimension 1). "
+                             f"Received: shape {tuple(input.shape)}")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        use_batch_stats = self.training or self.running_mean is None
+        if not (self.training and use_batch_stats and _group_size(self.process_group) > 1):
+            # one process, or eval: nothing to synchronise; exactly torch.nn.BatchNorm
+            return super().forward(input)
+
+        # running-statistics bookkeeping exactly as torch.nn.BatchNorm
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        tracked = self.track_running_stats  # buffers are only updated when tracked
+        return _SyncBatchNormFunction.apply(input, self.weight, self.bias,
+                                            self.running_mean if tracked else None,
+                                            self.running_var if tracked else None,
+                                            self.eps, factor, self.process_group)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.process_group is None else ", process_group=...")
+
+
+# ----- the statistics -----------------------------------------------------------------------
+
+def local_stats(x: torch.Tensor) -> torch.Tensor:
+    """This rank's ``[count, mean (C), M2 (C)]`` as one flat float64 tensor of 2C+1 numbers.
+
+    Shifted sums around the rank's own float32 mean ``m``: ``d = x - m`` is
+    exact for values near the mean, so ``mean = m + sum(d)/n`` and
+    ``M2 = sum(d^2) - sum(d)^2/n`` keep full precision however large the mean
+    is against the spread (the correction ``sum(d)`` is tiny, nothing cancels).
+    Half-precision inputs are promoted to float32 first. An empty batch gives zeros.
+    """
+    c = x.shape[1]
+    count = x.numel() // c if c else 0
+    out = torch.empty(2 * c + 1, dtype=torch.float64, device=x.device)
+    out[0] = count
+    if count == 0:
+        out[1:].zero_()
+        return out
+    xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    dims = (0, *range(2, x.dim()))
+    shift = xs.mean(dims, keepdim=True)
+    d = xs - shift
+    s1 = d.sum(dims, dtype=torch.float64)
+    s2 = d.mul_(d).sum(dims, dtype=torch.float64)
+    torch.add(shift.view(c), s1, alpha=1.0 / count, out=out[1 : c + 1])
+    torch.addcmul(s2, s1, s1, value=-1.0 / count, out=out[c + 1 :]).clamp_(min=0)
+    return out
+
+
+def combine_stats(gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chan's parallel combination of per-rank ``[count, mean, M2]`` rows (shape ``(W, 2C+1)``).
+
+    Returns ``(count, mean, M2)`` of the union, in float64. Rows with count 0
+    contribute nothing.
+    """
+    c = (gathered.shape[1] - 1) // 2
+    counts = gathered[:, :1]
+    means, m2s = gathered[:, 1 : c + 1], gathered[:, c + 1 :]
+    total = counts.sum()
+    mean = (counts.t() @ means).view(c).div_(total.clamp(min=1))
+    m2 = (counts.t() @ (means - mean).square_()).view(c).add_(m2s.sum(0))
+    return total, mean, m2
+
+
+def naive_variance(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The textbook one-pass ``E[x^2] - E[x]^2`` in ``x``'s dtype: what NOT to do.
+
+    Kept for tests and docs, to show how far it is off when the mean is large
+    against the spread (float32, mean 1e4, std 1: the squares are ~1e8, whose
+    spacing is 8, so the variance of ~1 drowns in rounding).
+    """
+    return (x * x).mean(dims) - x.mean(dims).square()
+
+
+def _all_gather_flat(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's ``t`` (same size everywhere) as rows of a ``(W, len(t))`` tensor, one collective."""
+    world = _group_size(group)
+    if world == 1:
+        return t.unsqueeze(0)
+    out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
+    gather(out, t, group=group)
+    return out.view(world, t.numel())
+
+
+def _all_reduce_sum(t: torch.Tensor, group: Group) -> torch.Tensor:
+    if _group_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
+    return (x.shape[1],) + (1,) * (x.dim() - 2)
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Forward and backward of batch normalization over the global batch of ``group``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float,
+                momentum: float, group: Group) -> torch.Tensor:
+        gathered = _all_gather_flat(local_stats(x), group)
+        count, mean64, m264 = combine_stats(gathered)
+        n = int(count.item())
+        if n < 2:
+            # every rank sees the same counts, so every rank raises: no rank is left waiting
+            raise UsageError("Expected more than 1 value per channel over the global batch when training. "
+                             f"Received: {n} (per-rank input shape {tuple(x.shape)})")
+        stat_dtype = weight.dtype if weight is not None else (
+            torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype)
+        mean = mean64.to(stat_dtype)
+        var = (m264 / n).to(stat_dtype)
+        if running_mean is not None and running_var is not None:
+            # the unbiased variance, as nn.BatchNorm; identical on every rank (same gathered numbers)
+            running_mean.lerp_(mean64.to(running_mean.dtype), momentum)
+            running_var.lerp_((m264 / (n - 1)).to(running_var.dtype), momentum)
+        # normalise with the global statistics: PyTorch's own eval-mode kernel does it in one pass
+        out = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        invstd = (var + eps).rsqrt_()
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.count = n
+        ctx.eps = eps
+        ctx.group = group
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        c = x.shape[1]
+        grad_out = grad_out.contiguous(memory_format=_memory_format(x))
+        if x.numel() > 0:
+            # per-channel sum(grad_out * x_hat) and sum(grad_out), local, in one fused kernel
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                grad_out, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+        else:
+            sum_dy_xhat = torch.zeros(c, dtype=mean.dtype, device=x.device)
+            sum_dy = torch.zeros(c, dtype=mean.dtype, device=x.device)
+
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            sums = _all_reduce_sum(torch.cat([sum_dy, sum_dy_xhat]), ctx.group).view(2, c)
+            # dx = k * (dy - mean(dy) - x_hat * mean(dy * x_hat)), k = weight * invstd,
+            # x_hat = (x - mean) * invstd; (x - mean) is formed first: exact when the mean is large
+            # against the spread. coef[0] = -k * mean(dy), coef[1] = -k * invstd * mean(dy * x_hat)
+            k = invstd if weight is None else invstd * weight
+            coef = sums.mul_(k).mul_(-1.0 / ctx.count)
+            coef[1].mul_(invstd)
+            shape = _channel_shape(x)
+            grad_input = torch.addcmul(coef[0].view(shape), x - mean.view(shape), coef[1].view(shape))
+            grad_input.addcmul_(grad_out, k.view(shape))
+            grad_input = grad_input.to(x.dtype)
+        grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def _memory_format(x: torch.Tensor) -> torch.memory_format:
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    if x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+# ----- conversion ---------------------------------------------------------------------------
+
+def convert_sync_batchnorm(model: nn.Module, process_group: Group = None) -> nn.Module:
+    """Replace every batch-norm layer of ``model`` by `SyncBatchNorm`; returns the converted model.
+
+    Converts ``torch.nn.BatchNorm1d/2d/3d``, ``torch.nn.SyncBatchNorm`` and any
+    other ``_BatchNorm`` subclass (a `SyncBatchNorm` is kept, with its group
+    replaced when ``process_group`` is given). The new layer takes over the same
+    parameter and buffer tensors - weights, running statistics,
+    ``num_batches_tracked``, ``requires_grad``, device and dtype stay as they
+    were, and an optimizer built before the conversion still holds the right
+    parameters - plus eps, momentum, affine, track_running_stats and the
+    training flag. A ``torch.nn.SyncBatchNorm``'s own group is kept unless
+    ``process_group`` is given. Modules are replaced in place inside their
+    parents; when ``model`` itself is a batch-norm layer the new one is returned.
+    """
+    if isinstance(model, SyncBatchNorm):
+        if process_group is not None:
+            model.process_group = process_group
+        return model
+    if isinstance(model, _BatchNorm):
+        if isinstance(model, _LazyNormBase) and model.has_uninitialized_params():
+            raise UsageError("Expected initialized batch-norm layers to convert. Received: a lazy batch-norm "
+                             "layer that has not seen an input yet (run one forward pass first)")
+        group = process_group if process_group is not None else getattr(model, "process_group", None)
+        extra = {} if not model.affine or model.bias is not None else {"bias": False}
+        new = SyncBatchNorm(model.num_features, model.eps, model.momentum, model.affine,
+                            model.track_running_stats, group, device="meta", **extra)
+        # take over the very tensors (no copy): values, requires_grad, device and dtype are kept
+        new._parameters.update(model._parameters)
+        new._buffers.update(model._buffers)
+        new._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+        new.train(model.training)
+        if hasattr(model, "qconfig"):
+            new.qconfig = model.qconfig
+        return new
+    for name, child in model.named_children():
+        converted = convert_sync_batchnorm(child, process_group)
+        if converted is not child:
+            setattr(model, name, converted)
+    return model
