@@ -59,9 +59,13 @@ def url_of(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
-async def serve_app(app: Any, sock: socket.socket, *, on_ready: Callable[[], None] | None = None,
+async def serve_app(app: Any, sock: socket.socket, *, on_ready: Callable[[Any], None] | None = None,
                     graceful_timeout: float | None = 30.0) -> None:
-    """Serve ``app`` with uvicorn on a listening ``sock`` until SIGINT/SIGTERM (graceful)."""
+    """Serve ``app`` with uvicorn on a listening ``sock`` until SIGINT/SIGTERM (graceful).
+
+    ``on_ready(server)`` is called once the server accepts connections; setting
+    ``server.should_exit = True`` stops it gracefully (what the signals do).
+    """
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -78,7 +82,7 @@ async def serve_app(app: Any, sock: socket.socket, *, on_ready: Callable[[], Non
     while not server.started and not task.done():
         await asyncio.sleep(0.02)
     if server.started and on_ready is not None:
-        on_ready()
+        on_ready(server)
     await task
 
 
@@ -99,7 +103,7 @@ def _replica_main(make_models: MakeModels, index: int, host: str, port: int, thr
     except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
         ready.put((index, f"{type(exc).__name__}: {exc}"))
         return
-    asyncio.run(serve_app(app, sock, on_ready=lambda: ready.put((index, None))))
+    asyncio.run(serve_app(app, sock, on_ready=lambda _server: ready.put((index, None))))
 
 
 def default_threads(processes: int) -> int:
@@ -130,7 +134,7 @@ def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 
         app = build_app(make_models, devices[0], app_options)
         sock = _bind(host, port, reuse_port=False, listen=True)
         bound = sock.getsockname()[1]
-        asyncio.run(serve_app(app, sock, on_ready=lambda: announce and announce(url_of(host, bound))))
+        asyncio.run(serve_app(app, sock, on_ready=lambda _server: announce and announce(url_of(host, bound))))
         return 0
 
     reserve = _bind(host, port, reuse_port=True, listen=False)  # holds the port; never accepts
