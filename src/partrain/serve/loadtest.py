@@ -88,7 +88,7 @@ class LoadConfig:
     npz: str | None = None  # inputs from a file instead of random ones
     samples: int = 64  # size of the pool of random inputs
     seed: int = 0
-    connections: int | None = None  # HTTP connections; default: concurrency, or 256 open loop
+    connections: int | None = None  # open loop: HTTP connections (default 256); closed: one per client
     headers: dict[str, str] = field(default_factory=dict)  # e.g. Authorization
 
     def validate(self) -> None:
@@ -561,20 +561,24 @@ async def _send(client: Any, url: str, encoder: RequestEncoder, index: int, samp
     recorder.answered(index, latency, sample, outputs, keep)
 
 
-async def _closed_loop(client: Any, url: str, cfg: LoadConfig, encoder: RequestEncoder,
+async def _closed_loop(make_client: Any, url: str, cfg: LoadConfig, encoder: RequestEncoder,
                        recorder: _Recorder, keep: bool, t0: float) -> int:
     counter = iter(range(cfg.requests if cfg.requests is not None else 2**62))
     end = t0 + cfg.duration if cfg.duration is not None else math.inf
     sent = 0
 
     async def client_loop() -> None:
+        # each client owns one connection: like N independent users, and it spares
+        # httpx's pool a scan over all N connections on every request
         nonlocal sent
-        for index in counter:
-            now = time.perf_counter()
-            if now >= end:
-                return
-            sent += 1
-            await _send(client, url, encoder, index, index % len(encoder), now, cfg.timeout, recorder, keep)
+        async with make_client(1) as client:
+            for index in counter:
+                now = time.perf_counter()
+                if now >= end:
+                    return
+                sent += 1
+                await _send(client, url, encoder, index, index % len(encoder), now, cfg.timeout, recorder,
+                            keep)
 
     assert cfg.concurrency is not None
     await asyncio.gather(*(client_loop() for _ in range(cfg.concurrency)))
@@ -623,10 +627,13 @@ async def run_load_async(cfg: LoadConfig, samples: Sequence[dict[str, np.ndarray
 
     cfg.validate()
     base, model = parse_target(cfg.url, cfg.model)
-    connections = cfg.connections or cfg.concurrency or 256
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     timeout = httpx.Timeout(cfg.timeout, connect=min(cfg.connect_timeout, cfg.timeout))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=cfg.headers, trust_env=False) as client:
+
+    def make_client(connections: int) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        return httpx.AsyncClient(limits=limits, timeout=timeout, headers=cfg.headers, trust_env=False)
+
+    async with make_client(cfg.connections or 256) as client:
         if samples is None:
             if info is None:
                 info = await fetch_model_info(client, base, model, cfg.connect_timeout)
@@ -643,7 +650,7 @@ async def run_load_async(cfg: LoadConfig, samples: Sequence[dict[str, np.ndarray
         keep = checker is not None
         if cfg.concurrency is not None:
             mode = f"closed loop, concurrency {cfg.concurrency}"
-            loop = _closed_loop(client, url, cfg, encoder, recorder, keep, time.perf_counter())
+            loop = _closed_loop(make_client, url, cfg, encoder, recorder, keep, time.perf_counter())
         else:
             mode = f"open loop, {cfg.arrivals} arrivals at {cfg.rate:g}/s"
             loop = _open_loop(client, url, cfg, encoder, recorder, keep, time.perf_counter())

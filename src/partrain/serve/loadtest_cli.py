@@ -59,8 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--samples", type=int, default=64, help="distinct random inputs to cycle through "
                    "(default 64)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs and arrivals")
-    p.add_argument("--connections", type=int, help="HTTP connections (default: the concurrency; 256 "
-                   "open loop)")
+    p.add_argument("--connections", type=int, help="open loop: HTTP connections shared by all requests "
+                   "(default 256); closed loop: always one per client")
     p.add_argument("--check", metavar="MODEL", help="check every answer against MODEL run locally: a "
                    "partrain checkpoint, TorchScript or .pt2 file, or module:factory (as partrain serve)")
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance of --check (default 1e-4)")
