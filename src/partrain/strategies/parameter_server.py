@@ -1,0 +1,496 @@
+"""``ps``: a sharded parameter server - synchronous, bounded-staleness or asynchronous.
+
+K server processes (the first K ranks) each own a shard of the parameters,
+balanced by size, and run the optimizer for that shard; N workers compute
+gradients. The user's loop does not change: `prepare` returns the model and
+an optimizer *proxy* (a real `torch.optim.Optimizer` over the same parameter
+groups, so LR schedulers work) whose ``step()`` pushes the gradients, with the
+current hyperparameters of every group, to the servers and asks for the new
+parameters. The servers rebuild the worker's optimizer class with the same
+hyperparameters over their shard (class path and JSON, never pickle).
+
+One knob, ``staleness``:
+
+- ``0`` - synchronous: a server averages one gradient per live worker per
+  version and applies it once; equal to all-reduce SGD on the global batch.
+  ``backup_workers=b`` applies once N-b gradients arrived; late ones are
+  dropped and counted.
+- ``s > 0`` - bounded staleness: gradients are applied as they arrive; a
+  worker may be at most ``s`` steps ahead of the slowest live worker, else it
+  blocks.
+- ``inf`` - fully asynchronous.
+
+Where a worker blocks: ``optimizer.step()`` only *posts* the push and the
+receive of the next parameters, then returns; the wait happens at the next
+forward pass of the model (a forward pre-hook), so loading the next batch
+overlaps with the round trip and, in sync mode, with the slowest worker.
+`model_state_dict`, `state_dict`, `metrics`, `close` and the next ``step()``
+also complete an outstanding pull first. ``comm_seconds`` counts only those
+waits. ``staleness_lr=True`` divides a gradient's learning rate by its
+staleness (updates the shard received between the pull the gradient was
+computed on and this one; at least 1).
+
+In bounded and async modes a dead worker does not stop training (servers and
+the launcher carry on; the workers' ``all_reduce_sum``/``barrier`` then go
+through server 0 so they skip it); in sync mode it is an error naming it. A
+server that dies is an error naming it on every worker waiting on it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from .. import comm
+from ..env import DistEnv
+from ..errors import UsageError
+from . import _ps_wire as wire
+from ._ps_server import Server
+from .base import WORKER, Strategy, register
+
+SERVER = "server"
+
+
+@register
+class ParameterServer(Strategy):
+    """Sharded parameter server. See the module docstring."""
+
+    name = "ps"
+
+    def __init__(self, servers: int = 1, staleness: float = 0, backup_workers: int = 0,
+                 staleness_lr: bool = False) -> None:
+        super().__init__()
+        if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
+            raise UsageError(f"Expected a positive number of servers. Received: servers={servers!r}")
+        if isinstance(staleness, bool) or not isinstance(staleness, (int, float)) or math.isnan(staleness) \
+                or staleness < 0:
+            raise UsageError(f"Expected staleness >= 0 (0 sync, inf async). Received: staleness={staleness!r}")
+        if isinstance(backup_workers, bool) or not isinstance(backup_workers, int) or backup_workers < 0:
+            raise UsageError(f"Expected backup_workers >= 0. Received: backup_workers={backup_workers!r}")
+        if backup_workers and staleness != 0:
+            raise UsageError(f"Expected backup_workers only in sync mode (staleness=0). Received: "
+                             f"backup_workers={backup_workers}, staleness={staleness}")
+        self.servers = servers
+        self.staleness = staleness
+        self.backup_workers = backup_workers
+        self.staleness_lr = bool(staleness_lr)
+        #: bounded and async modes go on without a worker that died
+        self.survives_worker_loss = staleness > 0  # type: ignore[misc]
+        self.timeout = 300.0
+        self.server_ranks: list[int] = []
+        self._pg: Any = None  # gloo group for the servers' traffic (None: the default group)
+        self._model: nn.Module | None = None
+        self._params: list[torch.Tensor] = []
+        self._plan: list[list[int]] = []
+        self._dtype = torch.float32
+        self._hp_slots: list[tuple[int, str, int | None, bool]] = []
+        self._optimizer: _ServerOptimizer | None = None
+        self._versions: list[int] = []
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, list[Any]]] | None = None
+        self._pending_push = False
+        self._sends: list[Any] = []
+        self._reductions = 0
+        self._closed = False
+        #: per pushed gradient, from server 0's reply: (staleness, applied 1/dropped 0, lead)
+        self.trace: list[tuple[int, int, int]] = []
+        self._staleness = Counter[int]()
+        self._dropped = 0
+        self._bytes_pulled = 0
+
+    # ----- topology ------------------------------------------------------------------------------
+    def extra_processes(self, workers: int) -> int:
+        return self.servers
+
+    def roles(self, world_size: int) -> list[str]:
+        k = min(self.servers, world_size)
+        return [SERVER] * k + [WORKER] * (world_size - k)
+
+    def setup(self, env: DistEnv) -> None:
+        if not comm.is_distributed():
+            raise UsageError("Expected the ps strategy to run under partrain.launch or torchrun. Received: no "
+                             "process group (one process)")
+        super().setup(env)
+        self.server_ranks = list(range(self.servers))
+        if self.backup_workers >= self.num_workers:
+            raise UsageError(f"Expected backup_workers < workers. Received: backup_workers={self.backup_workers}, "
+                             f"workers={self.num_workers}")
+        if env.backend != "gloo":  # e.g. NCCL workers: the servers speak gloo, on CPU
+            self._pg = dist.new_group(list(range(env.world_size)), backend="gloo")
+        self.timeout = _group_timeout(self._pg)
+
+    def run_role(self, role: str) -> Any:
+        if role != SERVER:
+            return super().run_role(role)
+        server = Server(index=self.env.rank, worker_ranks=self.worker_ranks, group=self._pg,
+                        staleness=self.staleness, backup_workers=self.backup_workers,
+                        staleness_lr=self.staleness_lr, timeout=self.timeout)
+        return server.run()
+
+    # ----- the training loop's side -----------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
+        if self._model is not None:
+            raise UsageError("Expected prepare() once per ps strategy. Received: a second call")
+        model = model.to(self.device)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        groups_of = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
+        if not params:
+            raise UsageError("Expected an optimizer with parameters. Received: none")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise UsageError(f"Expected parameters of one floating dtype for the ps strategy. Received: "
+                             f"{sorted(str(d) for d in dtypes)}")
+        self._dtype = params[0].dtype
+        self._params = params
+        self._plan = wire.plan_shards([p.numel() for p in params], self.servers)
+        opt_meta, self._hp_slots = _describe_optimizer(optimizer)
+        self._optimizer = _ServerOptimizer(self, optimizer)
+        self._model = model
+        self._versions = [0] * self.servers
+        # hello: worker 0 brings the initial parameters, every worker then pulls them
+        replies = self._post_replies()
+        for s, owned in enumerate(self._plan):
+            shard = [params[i] for i in owned]
+            meta = {"shapes": [list(p.shape) for p in shard], "groups_of": [groups_of[i] for i in owned],
+                    "dtype": wire.dtype_name(self._dtype), "numel": sum(p.numel() for p in shard),
+                    "optimizer": opt_meta, "hp_slots": self._hp_slots}
+            payload = wire.encode_json(meta)
+            tensors = [wire.header(wire.HELLO, 0, 0, 0, payload.numel(), 1 if self.rank == 0 else 0), payload]
+            if self.rank == 0:
+                tensors.append(self._flat(shard, grads=False))
+            self._isend(s, tensors)
+        self._pending = replies
+        self._finish_pull()
+        model.register_forward_pre_hook(self._before_forward)
+        return model, self._optimizer
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        self._finish_pull()
+
+    # ----- messages -------------------------------------------------------------------------------
+    def _isend(self, s: int, tensors: list[torch.Tensor]) -> None:
+        dst = self.server_ranks[s]
+        self._sends.extend(wire.isend_tensors(tensors, dst, self._pg))
+        self.comm_bytes += sum(wire.nbytes(t) for t in tensors)
+
+    def _post_replies(self) -> list[tuple[torch.Tensor, torch.Tensor, list[Any]]]:
+        """Post the receives of every server's next parameters (before sending the request)."""
+        out = []
+        for s, owned in enumerate(self._plan):
+            head = torch.empty(wire.HEADER, dtype=torch.float64)
+            flat = torch.empty(sum(self._params[i].numel() for i in owned), dtype=self._dtype)
+            works = [dist.irecv(t, self.server_ranks[s], group=self._pg, tag=wire.TAG) for t in (head, flat)]
+            out.append((head, flat, works))
+        return out
+
+    def _wait(self, work: Any, s: int, what: str) -> None:
+        try:
+            work.wait(wire.seconds(self.timeout))
+        except Exception as exc:
+            raise RuntimeError(
+                f"parameter server {s} (rank {self.server_ranks[s]}) failed to {what} within "
+                f"{self.timeout:g} s: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            ) from None
+
+    def _wait_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for work in sends:
+            try:
+                work.wait(wire.seconds(self.timeout))
+            except Exception as exc:
+                raise RuntimeError(f"parameter server did not take a message within {self.timeout:g} s: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+
+    def _finish_pull(self) -> None:
+        """Wait for the outstanding pull (if any) and load the parameters into the model."""
+        if self._pending is None:
+            return
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, None
+        self._wait_sends()
+        for s, (head, flat, works) in enumerate(pending):
+            for work in works:
+                self._wait(work, s, "send parameters")
+            self._versions[s] = int(head[1])
+            self._bytes_pulled += wire.nbytes(flat)
+            if s == 0 and self._pending_push:
+                tau, applied, lead = int(head[2]), int(head[3]), int(head[4])
+                self.trace.append((tau, applied, lead))
+                if applied:
+                    self._staleness[tau] += 1
+                else:
+                    self._dropped += 1
+            with torch.no_grad():
+                _unflatten(flat, [self._params[i] for i in self._plan[s]])
+        self._pending_push = False
+        self.comm_seconds += time.perf_counter() - t0
+
+    def push(self) -> None:
+        """The proxy optimizer's ``step()``: send gradients, post the receive of the next parameters."""
+        self._check_open()
+        self._finish_pull()
+        assert self._optimizer is not None
+        hp = _hp_values(self._optimizer.param_groups, self._hp_slots)
+        replies = self._post_replies()
+        for s, owned in enumerate(self._plan):
+            grad = self._flat([self._params[i] for i in owned], grads=True)
+            self._isend(s, [wire.header(wire.PUSH, self._versions[s], hp.numel(), grad.numel()), hp, grad])
+        self._pending = replies
+        self._pending_push = True
+
+    def pull(self) -> None:
+        """Fetch the servers' current parameters into the model now."""
+        self._check_open()
+        self._finish_pull()
+        replies = self._post_replies()
+        for s in range(self.servers):
+            self._isend(s, [wire.header(wire.PULL)])
+        self._pending = replies
+        self._finish_pull()
+
+    def _request_json(self, s: int, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        """Send a request to server ``s``; its reply is a header and a JSON payload."""
+        head = torch.empty(wire.HEADER, dtype=torch.float64)
+        recv = self._post_raw([head], s)
+        self._isend(s, tensors)
+        self._wait_sends()
+        self._wait(recv[0], s, "answer")
+        payload = torch.empty(int(head[4]), dtype=torch.uint8)
+        self._wait(self._post_raw([payload], s)[0], s, "answer")
+        return head, wire.decode_json(payload)
+
+    def _flat(self, tensors: list[torch.Tensor], grads: bool) -> torch.Tensor:
+        parts = []
+        for p in tensors:
+            t = p.grad if grads else p
+            parts.append((torch.zeros_like(p) if t is None else t).detach().reshape(-1))
+        if not parts:
+            return torch.empty(0, dtype=self._dtype)
+        return torch.cat(parts).to("cpu", self._dtype)
+
+    def _check_open(self) -> None:
+        if self._model is None:
+            raise UsageError("Expected strategy.prepare(model, optimizer) before training. Received: no prepare")
+        if self._closed:
+            raise UsageError("Expected an open ps strategy. Received: a step after close()")
+
+    # ----- what the loop reads --------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The servers' current parameters, with this worker's buffers (e.g. BatchNorm statistics)."""
+        if self._model is not None and not self._closed:
+            self.pull()
+        return self.unwrap(model).state_dict()
+
+    def metrics(self) -> dict[str, float]:
+        """Staleness histogram per worker, updates/s per server, bytes, dropped gradients, lost workers."""
+        out: dict[str, float] = {"bytes_pushed": float(self.comm_bytes), "bytes_pulled": float(self._bytes_pulled)}
+        if self._model is None or self._closed:
+            return out
+        self._finish_pull()
+        for s in range(self.servers):
+            _, st = self._request_json(s, [wire.header(wire.STATS)])
+            out[f"server{s}_updates_per_s"] = st["updates_per_s"]
+            out[f"server{s}_version"] = float(st["version"])
+            out[f"server{s}_bytes_in"] = float(st["bytes_in"])
+            out[f"server{s}_bytes_out"] = float(st["bytes_out"])
+            if s == 0:
+                out["dropped"] = float(sum(st["dropped"]))
+                out["dead_workers"] = float(len(st["dead_workers"]))
+                all_taus: Counter[int] = Counter()
+                for w, hist in enumerate(st["staleness_hist"]):
+                    h = Counter({int(k): v for k, v in hist.items()})
+                    all_taus.update(h)
+                    n = sum(h.values())
+                    out[f"worker{w}_staleness_mean"] = sum(k * v for k, v in h.items()) / n if n else 0.0
+                    out[f"worker{w}_staleness_max"] = float(max(h, default=0))
+                    out[f"worker{w}_dropped"] = float(st["dropped"][w])
+                    out[f"worker{w}_max_lead"] = float(st["max_lead"][w])
+                    for k, v in sorted(h.items()):
+                        out[f"worker{w}_staleness_hist_{k}"] = float(v)
+                n = sum(all_taus.values())
+                out["staleness_mean"] = sum(k * v for k, v in all_taus.items()) / n if n else 0.0
+                out["staleness_max"] = float(max(all_taus, default=0))
+        return out
+
+    # ----- collectives over the workers -----------------------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the workers; through server 0 in bounded/async modes so a dead worker is skipped."""
+        if not self.survives_worker_loss or self._model is None or self._closed:
+            return super().all_reduce_sum(tensor)
+        self._finish_pull()
+        self._reductions += 1
+        data = tensor.detach().to("cpu", torch.float64).reshape(-1).clone()
+        result = torch.empty_like(data)
+        recv = self._post_raw([torch.empty(wire.HEADER, dtype=torch.float64), result])
+        self._isend(0, [wire.header(wire.REDUCE, self._reductions, data.numel()), data])
+        self._wait_sends()
+        for work in recv:
+            self._wait(work, 0, "reduce")
+        with torch.no_grad():
+            tensor.copy_(result.view_as(tensor).to(tensor.dtype))
+        return tensor
+
+    def barrier(self) -> None:
+        if not self.survives_worker_loss or self._model is None or self._closed:
+            return super().barrier()
+        self.all_reduce_sum(torch.zeros(1))
+
+    def _post_raw(self, tensors: list[torch.Tensor], s: int = 0) -> list[Any]:
+        return [dist.irecv(t, self.server_ranks[s], group=self._pg, tag=wire.TAG) for t in tensors]
+
+    # ----- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every server's parameters, optimizer state, version and counters (gathered on worker 0)."""
+        if self.rank != 0 or self._model is None or self._closed:
+            return {}
+        self._finish_pull()
+        shards = []
+        for s in range(self.servers):
+            head = torch.empty(wire.HEADER, dtype=torch.float64)
+            recv = self._post_raw([head], s)
+            self._isend(s, [wire.header(wire.STATE_GET)])
+            self._wait_sends()
+            self._wait(recv[0], s, "send its state")
+            payload = torch.empty(int(head[4]), dtype=torch.uint8)
+            self._wait(self._post_raw([payload], s)[0], s, "send its state")
+            meta = wire.decode_json(payload)
+            tensors = wire.recv_described(meta["tensors"], self.server_ranks[s], self._pg, self.timeout)
+            shards.append({"meta": payload.numpy().tobytes().decode(), "tensors": tensors})
+        return {"format": "partrain.ps/1", "servers": shards}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the servers' state (worker 0 sends it), then every worker pulls the parameters."""
+        if not state:
+            return
+        self._check_open()
+        shards = state.get("servers")
+        if state.get("format") != "partrain.ps/1" or not isinstance(shards, list):
+            raise UsageError(f"Expected a ps strategy state (format partrain.ps/1). Received: "
+                             f"{state.get('format')!r}")
+        if len(shards) != self.servers:
+            raise UsageError(f"Expected a checkpoint of {self.servers} parameter servers. Received: one of "
+                             f"{len(shards)}")
+        self._finish_pull()
+        if self.rank == 0:
+            for s, shard in enumerate(shards):
+                payload = torch.frombuffer(bytearray(shard["meta"].encode()), dtype=torch.uint8)
+                tensors = list(shard["tensors"])
+                head = torch.empty(wire.HEADER, dtype=torch.float64)
+                recv = self._post_raw([head], s)
+                self._isend(s, [wire.header(wire.STATE_SET, 0, 0, 0, payload.numel(), len(tensors)), payload,
+                                *[t.contiguous() for t in tensors]])
+                self._wait_sends()
+                self._wait(recv[0], s, "load its state")
+        self.barrier()
+        self.pull()
+
+    def close(self) -> None:
+        """Tell the servers this worker is done (they stop once every live worker is)."""
+        if self._closed or self._model is None or self.role != WORKER:
+            self._closed = True
+            return
+        try:
+            self._finish_pull()
+            for s in range(self.servers):
+                self._isend(s, [wire.header(wire.DONE)])
+            self._wait_sends()
+        except Exception as exc:  # never mask the error that brought us here
+            import sys
+
+            print(f"partrain: warning: ps worker {self.rank} could not say goodbye to the servers: {exc}",
+                  file=sys.stderr)
+        finally:
+            self._closed = True
+
+
+class _ServerOptimizer(Optimizer):
+    """The worker's optimizer proxy: same parameter groups, ``step()`` talks to the servers.
+
+    A real `Optimizer` subclass so ``torch.optim.lr_scheduler`` accepts it; the
+    hyperparameters a scheduler writes into ``param_groups`` travel with every
+    push. Its ``state_dict()`` holds the groups' hyperparameters only; the
+    optimizer state itself lives on the servers (`ParameterServer.state_dict`).
+    """
+
+    def __init__(self, strategy: ParameterServer, inner: Optimizer) -> None:
+        self._strategy = strategy
+        self.inner_class = type(inner)
+        super().__init__([dict(g) for g in inner.param_groups], dict(inner.defaults))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._strategy.push()
+        return loss
+
+
+def _describe_optimizer(optimizer: Optimizer) -> tuple[dict[str, Any], list[tuple[int, str, int | None, bool]]]:
+    """The class path and JSON hyperparameters the servers rebuild it from, and the numeric slots."""
+    cls = type(optimizer)
+    groups = []
+    slots: list[tuple[int, str, int | None, bool]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        hp = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if isinstance(value, torch.Tensor):
+                raise UsageError(f"Expected plain-number hyperparameters for the ps strategy. Received: "
+                                 f"param_groups[{g}][{key!r}] is a tensor")
+            if _jsonable(value):
+                hp[key] = list(value) if isinstance(value, tuple) else value
+            if _is_number(value):
+                slots.append((g, key, None, isinstance(value, int)))
+            elif isinstance(value, (tuple, list)) and value and all(_is_number(v) for v in value):
+                slots.extend((g, key, i, isinstance(v, int)) for i, v in enumerate(value))
+        groups.append(hp)
+    defaults = {k: (list(v) if isinstance(v, tuple) else v) for k, v in optimizer.defaults.items()
+                if _jsonable(v) and not isinstance(v, torch.Tensor)}
+    return {"class": f"{cls.__module__}:{cls.__qualname__}", "defaults": defaults, "groups": groups}, slots
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _jsonable(v: Any) -> bool:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, (tuple, list)):
+        return all(_jsonable(x) for x in v)
+    return False
+
+
+def _hp_values(groups: list[dict[str, Any]], slots: list[tuple[int, str, int | None, bool]]) -> torch.Tensor:
+    vals = []
+    for g, key, i, _ in slots:
+        v = groups[g][key]
+        vals.append(float(v if i is None else v[i]))
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+def _unflatten(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
+
+
+def _group_timeout(group: Any) -> float:
+    """The process group's timeout (the launcher's ``timeout``), for our own bounded waits."""
+    try:
+        pg = group or dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except Exception:
+        return 300.0

@@ -1,0 +1,221 @@
+"""``ps``: the sharded parameter server, checked against references that do not use it.
+
+Start with `test_sync_equals_single_process`: in sync mode (staleness 0) the
+servers average one gradient per worker and step the optimizer once, which
+must equal one process training on the concatenated global batch - with
+momentum, an LR scheduler, a partial last batch, and across a checkpoint and
+resume of the servers' state. The other tests each launch one small job:
+
+- bounded staleness: a worker slowed by sleeps never lets the fast one run
+  more than ``s`` steps ahead (checked from the workers' own clocks and
+  timestamps, not only from what the server says it enforced);
+- backup workers: exactly the gradient that arrives late for its version is
+  dropped, and the parameters equal a sequential replay of the applied ones;
+- async: a worker killed with SIGKILL mid-epoch does not stop `fit`, which
+  still reaches 0.9 test accuracy on digits.
+"""
+
+import functools
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from partrain.errors import UsageError
+from partrain.models import cnn
+from partrain.strategies import get_strategy, parse_options
+from partrain.strategies._ps_wire import plan_shards
+from partrain.strategies.parameter_server import ParameterServer
+from partrain.train.loop import fit
+from partrain.launch import launch
+from tests.helpers import assert_states_close, small_cnn, small_mlp
+
+sgd_momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+def halve_every_epoch(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def run_fit(strategy, workers, batch, **kw):
+    return fit(small_cnn, "digits", sgd_momentum, strategy=strategy, workers=workers, batch_size=batch,
+               scheduler_fn=halve_every_epoch, quiet=True, return_state=True, timeout=60, **kw)
+
+
+# ----- no processes ------------------------------------------------------------------------------
+def test_shards_are_balanced_by_size_and_deterministic():
+    assert plan_shards([100, 60, 50, 10], 2) == [[0, 3], [1, 2]]
+    assert plan_shards([5, 5, 5], 1) == [[0, 1, 2]]
+    assert plan_shards([7], 3) == [[0], [], []]  # more servers than tensors: some own nothing
+    numels = [p.numel() for p in cnn().parameters()]
+    loads = [sum(numels[i] for i in shard) for shard in plan_shards(numels, 2)]
+    assert sorted(sum(plan_shards(numels, 2), [])) == list(range(len(numels)))
+    assert max(loads) - min(loads) <= max(numels)
+
+
+def test_options_modes_and_roles():
+    opts = parse_options("ps", ["servers=2", "staleness=inf", "staleness_lr=true"])
+    assert opts == {"servers": 2, "staleness": math.inf, "staleness_lr": True}
+    ps = get_strategy("ps", **opts)
+    assert ps.survives_worker_loss and ps.extra_processes(3) == 2
+    assert ps.roles(5) == ["server", "server", "worker", "worker", "worker"]
+    assert not get_strategy("ps").survives_worker_loss  # sync: a lost worker is an error
+    assert get_strategy("ps", staleness=2).survives_worker_loss
+    for bad in ({"servers": 0}, {"staleness": -1}, {"backup_workers": 1, "staleness": 2}):
+        with pytest.raises(UsageError, match="Expected"):
+            get_strategy("ps", **bad)
+
+
+# ----- sync mode: equal to one process on the global batch, also across resume ---------------------
+@pytest.mark.parametrize("servers", [1, 2])
+def test_sync_equals_single_process(servers, tmp_path):
+    # 1438 training samples, global batch 64: the last batch of each epoch is partial;
+    # StepLR halves the lr each epoch on the workers and the servers must follow
+    ref = run_fit("single", 1, 64, epochs=2)
+    ps = run_fit(ParameterServer(servers=servers), 2, 32, epochs=2, out_dir=str(tmp_path / "a"))
+    assert ps.final["step"] == ref.final["step"] == 2 * 23
+    assert ps.final["lr"] == pytest.approx(0.025)
+    assert_states_close(ps.model_state, ref.model_state, atol=1e-5)
+    assert ps.final["ps_staleness_max"] == 0 and ps.final["ps_dropped"] == 0
+    assert ps.final["ps_server0_version"] == 2 * 23
+    if servers == 1:
+        return
+    # resume the servers' state (parameters, momentum, version) from the epoch-2 checkpoint
+    ref3 = run_fit("single", 1, 64, epochs=3)
+    resumed = run_fit(ParameterServer(servers=servers), 2, 32, epochs=3,
+                      resume=str(tmp_path / "a" / "checkpoint.pt"))
+    assert [r["epoch"] for r in resumed.history] == [1, 2, 3]
+    assert resumed.final["ps_server0_version"] == 3 * 23
+    assert_states_close(resumed.model_state, ref3.model_state, atol=1e-5)
+
+
+# ----- bounded staleness ---------------------------------------------------------------------------
+def _batch(step, rank, size=8):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(size, 64, generator=g), torch.randint(0, 10, (size,), generator=g)
+
+
+def _bounded_worker(strategy, fast_steps, slow_steps, slow_sleep):
+    torch.manual_seed(0)
+    net = small_mlp()
+    model, opt = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
+    slow = strategy.rank == 1
+    times = []
+    for step in range(slow_steps if slow else fast_steps):
+        x, y = _batch(step, strategy.rank)
+        loss = F.cross_entropy(model(x), y)  # the forward waits for the pull the bound allows
+        loss.backward()
+        if slow:
+            time.sleep(slow_sleep)
+            times.append(time.monotonic())  # before the push leaves: the server sees it later
+        else:
+            times.append(time.monotonic())  # after this step's parameters arrived
+        opt.step()
+        opt.zero_grad()
+    return strategy.trace, times
+
+
+def test_bounded_staleness_never_lets_a_worker_run_more_than_s_ahead():
+    s, slow_steps = 2, 6
+    (fast_trace, fast_times), (slow_trace, slow_pushes) = launch(
+        _bounded_worker, 16, slow_steps, 0.15, workers=2, strategy=ParameterServer(staleness=s), timeout=60)
+    # the lead the server granted with every reply (the step the worker then computed) is <= s
+    assert max(lead for _, _, lead in fast_trace + slow_trace) <= s
+    assert max(lead for _, _, lead in fast_trace) == s  # the bound was reached: the fast one waited
+    # independent check from the workers' clocks: when the fast worker computed its step i it had
+    # pushed i gradients, and the slow one had pushed at least i - s (until the slow one finished)
+    for i, t in enumerate(fast_times):
+        slow_clock = sum(tp < t for tp in slow_pushes)
+        if slow_clock < slow_steps:
+            assert slow_clock >= i - s, (i, slow_clock)
+    # all gradients applied; the slow worker's ones saw updates from the fast one in between
+    assert all(applied for _, applied, _ in fast_trace + slow_trace)
+    assert max(tau for tau, _, _ in slow_trace) >= 1
+
+
+# ----- backup workers ------------------------------------------------------------------------------
+def _wait_for(path, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"no {path}"
+        time.sleep(0.02)
+
+
+def _backup_worker(strategy, k, m, flag_dir):
+    torch.manual_seed(0)
+    net = small_mlp()
+    model, opt = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    if strategy.rank == 0:
+        _wait_for(os.path.join(flag_dir, "w1-ready"))  # worker 1 holds version 0
+        for step in range(k):
+            x, y = _batch(step, 0)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        strategy.close()
+        open(os.path.join(flag_dir, "w0-done"), "w").close()
+        return strategy.trace, None, None
+    open(os.path.join(flag_dir, "w1-ready"), "w").close()
+    _wait_for(os.path.join(flag_dir, "w0-done"))  # so its first gradient (on version 0) is late
+    for step in range(m):
+        x, y = _batch(step, 1)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.clone() for k, v in strategy.model_state_dict(model).items()}
+    return strategy.trace, state, strategy.metrics()
+
+
+def test_backup_workers_drop_exactly_the_late_gradients(tmp_path):
+    k, m = 4, 3
+    (trace0, _, _), (trace1, state, metrics) = launch(
+        _backup_worker, k, m, str(tmp_path), workers=2, strategy=ParameterServer(backup_workers=1), timeout=60)
+    # with N=2, b=1 a version is applied from its first gradient: worker 0 never waits
+    assert trace0 == [(0, 1, 0)] * k
+    # worker 1's first gradient was computed on version 0 and arrived at version k: dropped
+    assert trace1[0] == (k, 0, 0) and all(applied for _, applied, _ in trace1[1:])
+    assert metrics["dropped"] == metrics["worker1_dropped"] == 1 and metrics["worker0_dropped"] == 0
+    # reference: one process applying exactly the gradients that were not dropped, in order
+    torch.manual_seed(0)
+    ref = small_mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for rank, step in [(0, i) for i in range(k)] + [(1, i) for i in range(1, m)]:
+        x, y = _batch(step, rank)
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_states_close(state, ref.state_dict())
+
+
+# ----- async: a killed worker, and accuracy ----------------------------------------------------------
+class DiesMidEpoch(nn.Module):
+    """A CNN whose process SIGKILLs itself at a training forward pass, on one global rank."""
+
+    def __init__(self, rank: int, at_call: int) -> None:
+        super().__init__()
+        self.net = cnn()
+        self.rank, self.at_call, self.calls = rank, at_call, 0
+
+    def forward(self, x):
+        if self.training and os.environ.get("RANK") == str(self.rank):
+            self.calls += 1
+            if self.calls == self.at_call:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+
+
+def test_async_survives_a_killed_worker_and_learns_digits(capfd):
+    # ranks: 0 = server, 1 and 2 = workers; worker rank 2 dies at its 10th step of epoch 1
+    model_fn = functools.partial(DiesMidEpoch, rank=2, at_call=10)
+    opt = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    result = fit(model_fn, "digits", opt, strategy=ParameterServer(staleness=math.inf, staleness_lr=True),
+                 workers=2, epochs=4, batch_size=32, quiet=True, timeout=60)
+    assert [row["epoch"] for row in result.history] == [1, 2, 3, 4]
+    assert result.final["ps_dead_workers"] == 1
+    assert result.test_accuracy >= 0.9
+    assert "worker 1 (rank 2) is gone" in capfd.readouterr().err
