@@ -202,8 +202,17 @@ def test_partrain_serve_checkpoint_starts_and_answers(tmp_path, digits_model) ->
             proc.wait(10)
 
 
-def test_partrain_serve_bad_model_is_one_line_exit_2(tmp_path) -> None:
-    r = subprocess.run([sys.executable, "-m", "partrain", "serve", str(tmp_path / "missing.pt"), "--port", "0"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "no such file" in r.stderr
+def test_partrain_serve_bad_input_is_one_line_exit_2(tmp_path, capsys) -> None:
+    from partrain.cli import main
+
+    cases = [
+        ([str(tmp_path / "missing.pt")], "no such file"),
+        (["m=tests.serve.conftest:echo_model"], "callable without arguments"),
+        (["x.pt", "--policy", "sometimes"], "Expected a batching policy"),
+        (["x.pt", "--max-batch-size", "0"], "Expected --max-batch-size >= 1"),
+        (["x.pt", "--input-shape", "1,a"], "Expected --input-shape"),
+    ]
+    for argv, message in cases:
+        assert main(["serve", *argv, "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err

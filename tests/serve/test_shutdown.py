@@ -35,10 +35,10 @@ class Slow(torch.nn.Module):
 
 
 class Slower(Slow):
-    """300 ms per batch: work is still queued in the replicas long after every request is sent."""
+    """400 ms per batch: work is still queued in the replicas long after every request is sent."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.3)
+        time.sleep(0.4)
         return x * 2
 
 
@@ -92,16 +92,19 @@ def test_replicas_share_one_port_and_sigterm_loses_nothing() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "partrain", "serve", "slow=tests.serve.test_shutdown:slower_factory",
-         "--replicas", "2", "--threads", "1", "--port", "0", "--max-batch-size", "2", "--policy", "none"],
+         "--replicas", "2", "--threads", "1", "--port", "0", "--max-batch-size", "1", "--policy", "none"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     try:
         url = _wait_for_url(proc, 120)
-        xs = [torch.full((1, 3), float(i)) for i in range(16)]
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        xs = [torch.full((1, 3), float(i)) for i in range(12)]
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(_post, url, x) for x in xs]
-            time.sleep(0.6)  # all sent; 16 rows at 2 per 300 ms batch keep both replicas busy ~1.2 s
+            # Give every request time to reach a replica (a request still unsent when the
+            # server stops is refused, not lost); 12 rows at one per 400 ms batch keep the
+            # two replicas busy for about 2.4 s, so most are queued when SIGTERM arrives.
+            time.sleep(1.2)
             proc.send_signal(signal.SIGTERM)
             results = [f.result(timeout=60) for f in futures]
         for x, (status, y) in zip(xs, results):

@@ -144,7 +144,11 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
         from ..models import resolve_callable
 
         factory = resolve_callable(source, "model factory")
-        module = factory()
+        try:
+            module = factory()
+        except TypeError as exc:
+            raise UsageError(f"Expected model factory {source!r} to be callable without arguments. "
+                             f"Received: {exc}") from None
         if isinstance(module, ServedModel):
             module.name = name
             for key, value in settings.items():
