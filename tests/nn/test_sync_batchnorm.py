@@ -77,9 +77,9 @@ def test_chan_combination_equals_statistics_of_the_union():
     x = torch.randn(23, 4, 3, dtype=torch.float64) * 3 + 7
     parts = torch.split(x, [5, 0, 1, 17])  # an empty and a one-sample part
     count, mean, m2 = combine_stats(torch.stack([local_stats(p) for p in parts]))
-    assert count.item() == 23 * 3
-    torch.testing.assert_close(mean, x.mean((0, 2)), rtol=0, atol=1e-12)
-    torch.testing.assert_close(m2 / count, x.var((0, 2), unbiased=False), rtol=0, atol=1e-12)
+    assert count == 23 * 3
+    torch.testing.assert_close(torch.from_numpy(mean), x.mean((0, 2)), rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.from_numpy(m2 / count), x.var((0, 2), unbiased=False), rtol=0, atol=1e-12)
 
 
 def large_mean_batch(n=64, c=4, seed=0):
@@ -98,7 +98,7 @@ def test_large_mean_statistics_are_as_accurate_as_batchnorm_and_naive_is_not():
     _, var_bn = torch.batch_norm_update_stats(x, None, None, 0.0)
     bn_err = (var_bn.double() - exact).abs().max().item()
     _, _, m2 = combine_stats(torch.stack([local_stats(p) for p in torch.split(x, [30, 0, 34])]))
-    ours_err = (m2 / x[:, 0].numel() - exact).abs().max().item()
+    ours_err = (torch.from_numpy(m2) / x[:, 0].numel() - exact).abs().max().item()
     naive_err = (naive_variance(x, (0, 2, 3)).double() - exact).abs().max().item()
     assert ours_err <= 2 * bn_err + 1e-6
     assert naive_err > 1000 * max(bn_err, 1e-6)

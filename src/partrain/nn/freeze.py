@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ..errors import UsageError
 
@@ -213,8 +214,8 @@ def _zero_frozen_grad(entry: _Frozen, grad: torch.Tensor) -> torch.Tensor:
 def _install_optimizer_hooks() -> None:
     global _hooks_installed
     if not _hooks_installed:
-        torch.optim.optimizer.register_optimizer_step_pre_hook(_before_step)
-        torch.optim.optimizer.register_optimizer_step_post_hook(_after_step)
+        register_optimizer_step_pre_hook(_before_step)
+        register_optimizer_step_post_hook(_after_step)
         _hooks_installed = True
 
 

@@ -12,12 +12,12 @@ size, possibly 0).
 
 Forward in training mode, per layer call, one collective:
 
-1. each rank computes its local count, per-channel mean and M2 (sum of squared
-   deviations from the local mean) by shifted sums around its own mean
-   (`local_stats`);
-2. one ``all_gather`` of the flat float64 tensor ``[count, mean, M2]`` (2C+1
-   numbers) gives every rank every rank's statistics;
-3. they are combined with Chan's parallel formula,
+1. each rank computes its local count and per-channel shifted sums around
+   its own mean (`local_stats`), from which its mean and M2 (sum of squared
+   deviations from its mean) follow without loss of precision;
+2. one ``all_gather`` of the flat float64 tensor ``[count, shift, S1, S2]``
+   (3C+1 numbers) gives every rank every rank's statistics;
+3. they are combined with Chan's parallel formula (`combine_stats`),
    ``M2 = sum(M2_i) + sum(n_i * (mean_i - mean)^2)``, which never subtracts two
    large numbers: stable when the mean is large against the spread, unlike
    ``E[x^2] - E[x]^2`` (see `naive_variance` for what that would cost).
@@ -40,6 +40,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -135,45 +136,53 @@ class SyncBatchNorm(_BatchNorm):
 # ----- the statistics -----------------------------------------------------------------------
 
 def local_stats(x: torch.Tensor) -> torch.Tensor:
-    """This rank's ``[count, mean (C), M2 (C)]`` as one flat float64 tensor of 2C+1 numbers.
+    """This rank's statistics as one flat float64 tensor ``[count, shift (C), S1 (C), S2 (C)]``.
 
-    Shifted sums around the rank's own float32 mean ``m``: ``d = x - m`` is
-    exact for values near the mean, so ``mean = m + sum(d)/n`` and
-    ``M2 = sum(d^2) - sum(d)^2/n`` keep full precision however large the mean
-    is against the spread (the correction ``sum(d)`` is tiny, nothing cancels).
-    Half-precision inputs are promoted to float32 first. An empty batch gives zeros.
+    Shifted sums around the rank's own mean ``m`` (computed in x's precision):
+    ``S1 = sum(x - m)`` and ``S2 = sum((x - m)^2)``. ``x - m`` is exact for
+    values near the mean, so ``mean = m + S1/n`` and ``M2 = S2 - S1^2/n`` keep
+    full precision however large the mean is against the spread (``S1`` is
+    a tiny correction, nothing large cancels). Half-precision inputs are
+    promoted to float32 first. An empty batch gives zeros.
     """
     c = x.shape[1]
     count = x.numel() // c if c else 0
-    out = torch.empty(2 * c + 1, dtype=torch.float64, device=x.device)
-    out[0] = count
+    out = torch.empty(3 * c + 1, dtype=torch.float64, device=x.device)
     if count == 0:
-        out[1:].zero_()
-        return out
+        return out.zero_()
+    out[:1].fill_(count)
     xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     dims = (0, *range(2, x.dim()))
     shift = xs.mean(dims, keepdim=True)
     d = xs - shift
-    s1 = d.sum(dims, dtype=torch.float64)
-    s2 = d.mul_(d).sum(dims, dtype=torch.float64)
-    torch.add(shift.view(c), s1, alpha=1.0 / count, out=out[1 : c + 1])
-    torch.addcmul(s2, s1, s1, value=-1.0 / count, out=out[c + 1 :]).clamp_(min=0)
+    torch.sum(d, dims, dtype=torch.float64, out=out[1 + c : 1 + 2 * c])
+    torch.sum(d.mul_(d), dims, dtype=torch.float64, out=out[1 + 2 * c :])
+    out[1 : 1 + c].copy_(shift.view(c))
     return out
 
 
-def combine_stats(gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chan's parallel combination of per-rank ``[count, mean, M2]`` rows (shape ``(W, 2C+1)``).
+def combine_stats(gathered: torch.Tensor) -> tuple[int, np.ndarray, np.ndarray]:
+    """Chan's parallel combination of per-rank `local_stats` rows (shape ``(W, 3C+1)``).
 
-    Returns ``(count, mean, M2)`` of the union, in float64. Rows with count 0
-    contribute nothing.
+    Returns ``(count, mean, M2)`` of the union (float64 arrays of C numbers):
+    per rank ``mean_i = shift_i + S1_i/n_i`` and ``M2_i = S2_i - S1_i^2/n_i``, then
+    ``mean = sum(n_i mean_i)/n`` and ``M2 = sum(M2_i) + sum(n_i (mean_i - mean)^2)``,
+    which never subtracts two large numbers. Ranks with count 0 contribute nothing.
+    The arithmetic is a few dozen operations on 3C+1 numbers per rank, done on
+    the host in NumPy (one device-to-host copy; each torch call would cost more
+    in dispatch than in arithmetic).
     """
-    c = (gathered.shape[1] - 1) // 2
-    counts = gathered[:, :1]
-    means, m2s = gathered[:, 1 : c + 1], gathered[:, c + 1 :]
-    total = counts.sum()
-    mean = (counts.t() @ means).view(c).div_(total.clamp(min=1))
-    m2 = (counts.t() @ (means - mean).square_()).view(c).add_(m2s.sum(0))
-    return total, mean, m2
+    rows = gathered.detach().to("cpu", torch.float64).numpy()
+    c = (rows.shape[1] - 1) // 3
+    counts = rows[:, 0]
+    shift, s1, s2 = rows[:, 1 : 1 + c], rows[:, 1 + c : 1 + 2 * c], rows[:, 1 + 2 * c :]
+    per = np.maximum(counts, 1.0)[:, None]
+    means = shift + s1 / per
+    m2s = np.maximum(s2 - s1 * s1 / per, 0.0)
+    total = float(counts.sum())
+    mean = counts @ means / max(total, 1.0)
+    m2 = m2s.sum(0) + counts @ np.square(means - mean)
+    return int(total), mean, m2
 
 
 def naive_variance(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
@@ -215,20 +224,20 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float,
                 momentum: float, group: Group) -> torch.Tensor:
         gathered = _all_gather_flat(local_stats(x), group)
-        count, mean64, m264 = combine_stats(gathered)
-        n = int(count.item())
+        n, mean64, m264 = combine_stats(gathered)
         if n < 2:
             # every rank sees the same counts, so every rank raises: no rank is left waiting
             raise UsageError("Expected more than 1 value per channel over the global batch when training. "
                              f"Received: {n} (per-rank input shape {tuple(x.shape)})")
         stat_dtype = weight.dtype if weight is not None else (
             torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype)
-        mean = mean64.to(stat_dtype)
-        var = (m264 / n).to(stat_dtype)
+        # rows: mean, biased variance (to normalise), unbiased variance (running stats, as nn.BatchNorm)
+        stats = torch.from_numpy(np.stack([mean64, m264 / n, m264 / (n - 1)])).to(x.device, stat_dtype)
+        mean, var = stats[0], stats[1]
         if running_mean is not None and running_var is not None:
-            # the unbiased variance, as nn.BatchNorm; identical on every rank (same gathered numbers)
-            running_mean.lerp_(mean64.to(running_mean.dtype), momentum)
-            running_var.lerp_((m264 / (n - 1)).to(running_var.dtype), momentum)
+            # identical on every rank: computed from the same gathered numbers
+            running_mean.lerp_(stats[0].to(running_mean.dtype), momentum)
+            running_var.lerp_(stats[2].to(running_var.dtype), momentum)
         # normalise with the global statistics: PyTorch's own eval-mode kernel does it in one pass
         out = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
         invstd = (var + eps).rsqrt_()
