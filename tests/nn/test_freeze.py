@@ -16,7 +16,14 @@ from torch import nn
 
 import partrain
 from partrain.errors import UsageError
-from partrain.nn import freeze, freeze_state_dict, frozen_mask, idx, load_freeze_state_dict, unfreeze
+from partrain.nn import (
+    freeze,
+    freeze_state_dict,
+    frozen_mask,
+    idx,
+    load_freeze_state_dict,
+    unfreeze,
+)
 from partrain.train.checkpoint import load_checkpoint, save_checkpoint
 
 OPTIMIZERS = {

@@ -19,7 +19,12 @@ from torch import nn
 import partrain
 from partrain.errors import UsageError
 from partrain.nn import SyncBatchNorm, convert_sync_batchnorm
-from partrain.nn.sync_batchnorm import _SyncBatchNormFunction, combine_stats, local_stats, naive_variance
+from partrain.nn.sync_batchnorm import (
+    _SyncBatchNormFunction,
+    combine_stats,
+    local_stats,
+    naive_variance,
+)
 
 BN = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 

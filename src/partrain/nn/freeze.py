@@ -41,7 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from ..errors import UsageError
 
