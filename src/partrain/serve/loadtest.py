@@ -30,6 +30,7 @@ import json
 import math
 import os
 import random
+import socket
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -550,6 +551,9 @@ class _Connection:
     @classmethod
     async def open(cls, host: str, port: int, tls: bool, host_header: str) -> _Connection:
         reader, writer = await asyncio.open_connection(host, port, ssl=True if tls else None)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:  # never let Nagle hold a request back waiting for an ACK
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(reader, writer, host_header)
 
     def reusable(self) -> bool:
