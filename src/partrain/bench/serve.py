@@ -74,9 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated among {sorted(MODELS)} (default: all; --quick: lenet)")
     parser.add_argument("--concurrency", default="1,16,64", help="closed-loop client counts (default 1,16,64)")
     parser.add_argument("--duration", type=float, default=None,
-                        help="seconds measured per point (default 4; --quick 1.5)")
+                        help="seconds measured per point (default 4; --quick 1)")
     parser.add_argument("--warmup", type=float, default=None, help="seconds of load before measuring "
-                        "each server (default 1; --quick 0.5)")
+                        "each server (default 1; --quick 0.3)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every server (default 1)")
     parser.add_argument("--max-batch-size", type=int, default=64,
                         help="max batch size of partrain serve with adaptive batching (default 64)")
@@ -165,22 +165,8 @@ def ours_command(name: str, factory: str, port: int, max_batch_size: int, thread
     """``partrain serve`` as a user would start it."""
     cmd = [sys.executable, "-m", "partrain", "serve", f"{name}={factory}", "--host", "127.0.0.1",
            "--port", str(port), "--max-batch-size", str(max_batch_size)]
-    if max_batch_size > 1:
-        cmd += ["--policy", "adaptive"]
-    return cmd + _threads_flag(threads)
-
-
-def _threads_flag(threads: int) -> list[str]:
-    """``--threads`` when ``partrain serve`` has it (the environment sets OMP_NUM_THREADS anyway)."""
-    try:
-        from ..serve import cli as serve_cli
-    except ImportError:
-        return []
-    parser = argparse.ArgumentParser()
-    serve_cli.register(parser.add_subparsers())
-    flags = {opt for action in parser._subparsers._group_actions[0].choices["serve"]._actions  # type: ignore[union-attr]
-             for opt in action.option_strings}
-    return ["--threads", str(threads)] if "--threads" in flags else []
+    cmd += ["--policy", "adaptive" if max_batch_size > 1 else "none"]
+    return cmd + ["--threads", str(threads)]
 
 
 def litserve_command(name: str, factory: str, port: int, max_batch_size: int, batch_timeout: float,
@@ -343,8 +329,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         raise UsageError(f"Expected positive concurrencies. Received: {args.concurrency!r}")
     if args.threads < 1:
         raise UsageError(f"Expected a positive number of threads. Received: --threads {args.threads}")
-    args.duration = args.duration or (1.5 if args.quick else 4.0)
-    args.warmup = args.warmup if args.warmup is not None else (0.5 if args.quick else 1.0)
+    args.duration = args.duration or (1.0 if args.quick else 4.0)
+    args.warmup = args.warmup if args.warmup is not None else (0.3 if args.quick else 1.0)
     grid = LITSERVE_GRID_QUICK if args.quick else LITSERVE_GRID
 
     torch.set_num_threads(1)
