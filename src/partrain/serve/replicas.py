@@ -37,7 +37,9 @@ MakeModels = Callable[..., Sequence[ServedModel]]
 
 def _bind(host: str, port: int, *, reuse_port: bool, listen: bool) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when
+    # the socket says it is TCP; with proto 0, Nagle + delayed ACKs add ~40 ms per response.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         if not hasattr(socket, "SO_REUSEPORT"):
