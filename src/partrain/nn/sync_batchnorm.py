@@ -52,7 +52,10 @@ from ..errors import UsageError
 
 Group = Any  # torch.distributed.ProcessGroup | None (None = the default group)
 
-# torch 2.10+ lets an affine batch norm go without bias (``bias=False``)
+# |mean| / std beyond which backward forms (x - mean) before scaling it (see the forward pass)
+_FOLD_MEAN_LIMIT = 4.0
+
+# recent torch releases let an affine batch norm go without bias (``bias=False``)
 _HAS_BIAS_OPTION = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 
@@ -245,6 +248,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx.count = n
         ctx.eps = eps
         ctx.group = group
+        # the backward pass may fold the mean into a per-channel constant (one pass less over x)
+        # unless the mean is large against the spread, where forming (x - mean) first keeps it exact
+        ctx.centre_first = bool(np.any(np.abs(mean64) > _FOLD_MEAN_LIMIT * np.sqrt(m264 / n + eps)))
         return out
 
     @staticmethod
@@ -265,13 +271,17 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             sums = _all_reduce_sum(torch.cat([sum_dy, sum_dy_xhat]), ctx.group).view(2, c)
             # dx = k * (dy - mean(dy) - x_hat * mean(dy * x_hat)), k = weight * invstd,
-            # x_hat = (x - mean) * invstd; (x - mean) is formed first: exact when the mean is large
-            # against the spread. coef[0] = -k * mean(dy), coef[1] = -k * invstd * mean(dy * x_hat)
+            # x_hat = (x - mean) * invstd, so dx = k * dy + coef[1] * (x - mean) + coef[0] with
+            # coef[0] = -k * mean(dy), coef[1] = -k * invstd * mean(dy * x_hat)
             k = invstd if weight is None else invstd * weight
             coef = sums.mul_(k).mul_(-1.0 / ctx.count)
             coef[1].mul_(invstd)
             shape = _channel_shape(x)
-            grad_input = torch.addcmul(coef[0].view(shape), x - mean.view(shape), coef[1].view(shape))
+            if ctx.centre_first:
+                grad_input = torch.addcmul(coef[0].view(shape), x - mean.view(shape), coef[1].view(shape))
+            else:  # coef[1] * (x - mean) + coef[0] = coef[1] * x + (coef[0] - coef[1] * mean)
+                grad_input = torch.addcmul(coef[0].addcmul_(coef[1], mean, value=-1).view(shape), x,
+                                           coef[1].view(shape))
             grad_input.addcmul_(grad_out, k.view(shape))
             grad_input = grad_input.to(x.dtype)
         grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
