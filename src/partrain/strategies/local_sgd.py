@@ -19,12 +19,16 @@ outer step from the same all-reduced average, so no broadcast is needed.
 Where syncs happen, without changing the user's loop: a step post-hook on the
 user's own optimizer counts steps and syncs every ``period``-th (the
 optimizer stays the same object, so LR schedulers and ``state_dict`` work).
-Besides, the replicas are synced (whatever the step count) when a new pass
-over data begins - `shard` is called, as `fit` does at the start of every
-epoch and of every evaluation - and when `model_state_dict` is asked for a
-checkpoint; so evaluation, checkpoints and the final model always see the
-averaged parameters. These calls are therefore collective: every worker
-makes them, as `fit` does; a hand-written loop may call `sync` itself.
+Besides, the replicas are synced (whatever the step count) at the end of every
+pass over the batches `shard` gave (the loop asks for the next batch only after
+stepping on the last one: the epoch's last step is followed by a sync), when a
+new pass begins (a pass cut short by ``max_steps``) and when `model_state_dict`
+is asked for a checkpoint; so evaluation, checkpoints and the final model
+always see the averaged parameters, and an epoch's figures include its final
+sync. These points are therefore collective: every worker reaches them, as in
+`fit`; a hand-written loop may also call `sync` itself. (A ``DataLoader`` with
+worker processes reads its batch sampler ahead: the end-of-pass sync then comes
+a few steps early and the next one catches up.)
 
 ``period=1`` with plain SGD is exactly synchronous data parallel training:
 the average of the workers' one-step updates is the update of the averaged
@@ -45,9 +49,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import Sampler
 
 from .. import comm
+from ..data.sharding import ShardedBatchSampler
 from ..errors import UsageError
 from .base import Strategy, register
 
@@ -139,10 +143,15 @@ class LocalSGD(Strategy):
         comm.unflatten_into(flat[n:], self._buffers)
 
     def shard(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-              drop_last: bool = False) -> Sampler[list[int]]:
-        """A new pass over data begins (next epoch, or evaluation): sync the replicas first."""
+              drop_last: bool = False) -> ShardedBatchSampler:
+        """This worker's batches; the replicas are synced when a pass over them ends.
+
+        A new pass over data begins (next epoch, or evaluation): sync first, in case
+        the last pass was cut short (``max_steps``).
+        """
         self.sync()
-        return super().shard(num_samples, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        return _SyncAtEnd(num_samples, batch_size, max(self.rank, 0), self.num_workers, shuffle=shuffle,
+                          seed=seed, drop_last=drop_last, on_end=self.sync)
 
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
         self.sync()
@@ -188,6 +197,27 @@ class LocalSGD(Strategy):
         inner = _optimizer_tensors(self._optimizer)
         if rows is not None and inner and int(state.get("num_workers", 0)) == self.num_workers:
             _unflatten_checked(rows[self.rank], inner, "worker_optimizer_states")
+
+
+class _SyncAtEnd(ShardedBatchSampler):
+    """A sharded batch sampler that syncs the replicas when a pass over it is complete.
+
+    The loop asks for the next batch only after it stepped on the last one, so
+    the end of the iteration falls right after the epoch's last optimizer step:
+    the epoch's figures (bytes, loss) include its final sync.
+    """
+
+    def __init__(self, *args: Any, on_end: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_end = on_end
+
+    def __iter__(self):  # noqa: ANN204
+        yield from super().__iter__()
+        self._on_end()
+
+    def iter_tensors(self):  # noqa: ANN201
+        yield from super().iter_tensors()
+        self._on_end()
 
 
 def _optimizer_tensors(optimizer: Optimizer | None) -> list[torch.Tensor]:
