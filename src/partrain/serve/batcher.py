@@ -244,9 +244,11 @@ class AdaptivePolicy(Policy):
     """Wait only when the next request is expected sooner than waiting costs.
 
     Measured online: ``gap``, an EWMA of the time between request arrivals, and
-    ``L(b)``, an EWMA of the model's latency per batch-size bucket (powers of two;
-    an unmeasured bucket borrows the nearest measured one). The rule, asked each
-    time the model is idle and ``q`` requests are queued:
+    ``L(b)``, the model's latency per batch-size bucket (powers of two; an
+    unmeasured bucket borrows the nearest measured one), taken as the minimum of
+    the bucket's last 16 batches: noise from a busy CPU or a first-call warm-up only
+    ever adds time, and an inflated ``L`` would make a lone request wait. The rule,
+    asked each time the model is idle and ``q`` requests are queued:
 
     1. dispatch now if the queued rows fill a batch;
     2. dispatch now if ``q * gap >= L(rows)``: waiting one gap delays ``q`` callers
@@ -268,6 +270,7 @@ class AdaptivePolicy(Policy):
         self.gap: float | None = None
         self._last_arrival: float | None = None
         self._latency: dict[int, float] = {}
+        self._recent: dict[int, deque[float]] = {}
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -281,8 +284,9 @@ class AdaptivePolicy(Policy):
 
     def observe_batch(self, rows: int, seconds: float) -> None:
         b = self._bucket(rows)
-        old = self._latency.get(b)
-        self._latency[b] = seconds if old is None else old + self.alpha * (seconds - old)
+        recent = self._recent.setdefault(b, deque(maxlen=16))
+        recent.append(seconds)
+        self._latency[b] = min(recent)
 
     def latency(self, rows: int) -> float | None:
         """Estimated model latency for a batch of ``rows`` rows (None before any batch)."""

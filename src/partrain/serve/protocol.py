@@ -32,6 +32,19 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+try:  # orjson parses a request of 784 floats ~10x faster than json (optional, `serve` extra)
+    import orjson
+
+    _loads = orjson.loads
+
+    def _dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)  # NaN/inf become null (standard JSON has no NaN)
+except ImportError:  # pragma: no cover - depends on the environment
+    _loads = json.loads
+
+    def _dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
 HEADER = "Inference-Header-Content-Length"
 
 # OIP datatype -> (torch dtype, little-endian numpy dtype)
@@ -216,7 +229,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
             raise _bad(f"Expected {HEADER} between 0 and the body length {len(body)}. "
                        f"Received: {header_length!r}")
     try:
-        header = json.loads(bytes(memoryview(body)[:n]))
+        header = _loads(bytes(memoryview(body)[:n]) if n != len(body) else body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise _bad(f"Expected a JSON object as the request header. Received invalid JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -416,7 +429,7 @@ def encode_infer_response(model: ServedModel, request: InferRequest, result: Any
                                 "outputs": json_outputs}
     if request.id is not None:
         response["id"] = request.id
-    head = json.dumps(response, separators=(",", ":")).encode()
+    head = _dumps(response)
     if not blobs:
         return head, {"content-type": "application/json"}
     return b"".join([head, *blobs]), {"content-type": "application/octet-stream", HEADER: str(len(head))}
@@ -451,7 +464,7 @@ def encode_request(inputs: dict[str, Tensor], *, binary: bool = False, binary_ou
         request["parameters"] = params
     if outputs is not None:
         request["outputs"] = [{"name": n, "parameters": {"binary_data": binary_output}} for n in outputs]
-    head = json.dumps(request, separators=(",", ":")).encode()
+    head = _dumps(request)
     if not blobs:
         return head, {"content-type": "application/json"}
     return b"".join([head, *blobs]), {"content-type": "application/octet-stream", HEADER: str(len(head))}
