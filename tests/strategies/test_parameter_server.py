@@ -19,6 +19,7 @@ import functools
 import math
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -26,13 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partrain.errors import UsageError
+from partrain.errors import UsageError, WorkerError
+from partrain.launch import launch
 from partrain.models import cnn
 from partrain.strategies import get_strategy, parse_options
 from partrain.strategies._ps_wire import plan_shards
 from partrain.strategies.parameter_server import ParameterServer
 from partrain.train.loop import fit
-from partrain.launch import launch
 from tests.helpers import assert_states_close, small_cnn, small_mlp
 
 sgd_momentum = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -74,24 +75,51 @@ def test_options_modes_and_roles():
 # ----- sync mode: equal to one process on the global batch, also across resume ---------------------
 @pytest.mark.parametrize("servers", [1, 2])
 def test_sync_equals_single_process(servers, tmp_path):
-    # 1438 training samples, global batch 64: the last batch of each epoch is partial;
-    # StepLR halves the lr each epoch on the workers and the servers must follow
-    ref = run_fit("single", 1, 64, epochs=2)
-    ps = run_fit(ParameterServer(servers=servers), 2, 32, epochs=2, out_dir=str(tmp_path / "a"))
-    assert ps.final["step"] == ref.final["step"] == 2 * 23
-    assert ps.final["lr"] == pytest.approx(0.025)
-    assert_states_close(ps.model_state, ref.model_state, atol=1e-5)
-    assert ps.final["ps_staleness_max"] == 0 and ps.final["ps_dropped"] == 0
-    assert ps.final["ps_server0_version"] == 2 * 23
+    # 1438 training samples, global batch 64: epoch 1 is 23 steps, its last batch partial;
+    # StepLR halves the lr at the epoch's end on the workers, and the servers must follow
     if servers == 1:
+        ref = run_fit("single", 1, 64, epochs=2, max_steps=26)
+        ps = run_fit(ParameterServer(servers=1), 2, 32, epochs=2, max_steps=26)
+        assert ps.final["step"] == ref.final["step"] == 26
+        assert ps.final["lr"] == ref.final["lr"] == pytest.approx(0.025)  # both epochs ended
+        assert_states_close(ps.model_state, ref.model_state, atol=1e-5)
+        assert ps.final["ps_staleness_max"] == 0 and ps.final["ps_dropped"] == 0
+        assert ps.final["ps_server0_version"] == 26
         return
-    # resume the servers' state (parameters, momentum, version) from the epoch-2 checkpoint
-    ref3 = run_fit("single", 1, 64, epochs=3)
-    resumed = run_fit(ParameterServer(servers=servers), 2, 32, epochs=3,
-                      resume=str(tmp_path / "a" / "checkpoint.pt"))
-    assert [r["epoch"] for r in resumed.history] == [1, 2, 3]
-    assert resumed.final["ps_server0_version"] == 3 * 23
-    assert_states_close(resumed.model_state, ref3.model_state, atol=1e-5)
+    # 2 servers, and the servers' state (parameters, momentum, version) through a checkpoint:
+    # epoch 1, then resume for 3 steps of epoch 2 = 26 uninterrupted single-process steps
+    first = run_fit(ParameterServer(servers=2), 2, 32, epochs=1, out_dir=str(tmp_path))
+    assert_states_close(first.model_state, run_fit("single", 1, 64, epochs=1).model_state, atol=1e-5)
+    resumed = run_fit(ParameterServer(servers=2), 2, 32, epochs=2, max_steps=26,
+                      resume=str(tmp_path / "checkpoint.pt"))
+    ref = run_fit("single", 1, 64, epochs=2, max_steps=26)
+    assert [r["step"] for r in resumed.history] == [23, 26]
+    assert resumed.final["ps_server0_version"] == resumed.final["ps_server1_version"] == 26
+    assert_states_close(resumed.model_state, ref.model_state, atol=1e-5)
+
+
+class ServerDiesAfterStart(ParameterServer):
+    """A parameter server whose process SIGKILLs itself shortly after it starts serving."""
+
+    def run_role(self, role):
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return super().run_role(role)
+
+
+def _train_forever(strategy):
+    net = small_mlp()
+    model, opt = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01))
+    for step in range(100_000):
+        x, y = _batch(step % 4, strategy.rank)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_dead_server_is_an_error_naming_it():
+    with pytest.raises(WorkerError) as info:
+        launch(_train_forever, workers=2, strategy=ServerDiesAfterStart(staleness=math.inf), timeout=60)
+    assert info.value.rank == 0 and "server" in str(info.value)
 
 
 # ----- bounded staleness ---------------------------------------------------------------------------

@@ -194,10 +194,11 @@ class ParameterServer(Strategy):
         try:
             work.wait(wire.seconds(self.timeout))
         except Exception as exc:
-            raise RuntimeError(
-                f"parameter server {s} (rank {self.server_ranks[s]}) failed to {what} within "
-                f"{self.timeout:g} s: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
-            ) from None
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            hint = "" if math.isinf(self.staleness) else (
+                " (in sync and bounded modes a server holds a reply back for the slowest live worker)")
+            raise RuntimeError(f"parameter server {s} (rank {self.server_ranks[s]}) did not {what} within "
+                               f"{self.timeout:g} s{hint}: {why}") from None
 
     def _wait_sends(self) -> None:
         sends, self._sends = self._sends, []
