@@ -246,3 +246,23 @@ def test_step_checks_shapes() -> None:
     x, y = batches(3, 1)[0]
     with pytest.raises(UsageError, match="Expected x shaped"):
         pop.step(x, y)
+
+
+@pytest.mark.parametrize("engine", ["vmap", "loop"])
+def test_momentum_switched_on_later_matches_torch(engine: str) -> None:
+    """PBT may give momentum to a member that had none: torch.optim then starts a fresh buffer."""
+    hp = [{"lr": 0.1, "momentum": 0.0}, {"lr": 0.05, "momentum": 0.9}]
+    pop = Population(small_cnn, 2, "sgd", hp, engine=engine, seed=SEED)
+    refs = reference(small_cnn, 2, "sgd", hp)
+    data = batches(2, 4)
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            pop.set_hparams(0, {"momentum": 0.9})
+            pop.set_hparams(1, {"momentum": 0.0})
+            refs[0][1].param_groups[0]["momentum"] = 0.9
+            refs[1][1].param_groups[0]["momentum"] = 0.0
+            # torch.optim.SGD ignores the old buffer while momentum is 0; a later non-zero
+            # momentum would reuse it - our population drops it, as a fresh optimizer would
+        pop.step(x, y)
+        ref_step(refs, x, y)
+    assert max_param_diff(pop, refs) < 1e-5

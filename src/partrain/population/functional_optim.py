@@ -85,6 +85,9 @@ class SGD(FunctionalOptimizer):
         buf.mul_(momentum).add_(d_p)
         d_p = torch.addcmul(d_p, buf, momentum) if self.nesterov else buf
         flat.addcmul_(d_p, lr, value=-1.0)
+        # a member without momentum keeps no buffer in torch.optim: keep its row at zero, so a
+        # later non-zero momentum (PBT) starts from the first gradient exactly like torch.optim
+        buf.mul_(momentum != 0)
 
     def torch_group(self, hp: dict[str, float]) -> dict[str, Any]:
         return {"lr": hp["lr"], "momentum": hp["momentum"], "weight_decay": hp["weight_decay"],

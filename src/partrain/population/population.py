@@ -217,6 +217,14 @@ class Population:
         self._hp_version += 1
         self._hp_rows = None
         self._write_dropout_rates()
+        self._no_momentum_no_buffer(member)
+
+    def _no_momentum_no_buffer(self, member: int) -> None:
+        """Keep the invariant "momentum 0 => zero momentum buffer" (torch.optim keeps none then)."""
+        if "momentum_buffer" in self.store.opt and self.start <= member < self.stop \
+                and float(self._hp["momentum"][member]) == 0.0:
+            with torch.no_grad():
+                self.store.opt["momentum_buffer"][self._row(member)].zero_()
 
     def _rows_of(self, name: str) -> torch.Tensor:
         return self._hp[name][self.start : self.stop]
@@ -334,14 +342,18 @@ class Population:
 
     # ------------------------------------------------------------------ members
     def copy_member(self, src: int, dst: int) -> None:
-        """Member ``dst`` becomes an exact copy of ``src``: weights, optimizer state, buffers.
+        """Member ``dst`` becomes an exact copy of ``src``: weights, optimizer state, buffers
+        and hyperparameters (PBT then explores new ones with `set_hparams`).
 
-        Hyperparameters are not copied (PBT sets them). In a distributed population
-        every process calls this with the same arguments; the owner of ``src``
-        broadcasts the member's tensors in one flat buffer.
+        In a distributed population every process calls this with the same arguments;
+        the owner of ``src`` broadcasts the member's tensors in one flat buffer.
         """
         if src == dst:
             return
+        for values in self._hp.values():
+            values[dst] = values[src]
+        self._hp_version += 1
+        self._hp_rows = None
         src_rank, dst_rank = self.owner(src), self.owner(dst)
         if src_rank == dst_rank:
             if self.rank == src_rank:
@@ -352,7 +364,6 @@ class Population:
             with torch.no_grad():
                 for t, value in zip(self.store.member_tensors(self._row(dst)), payload):
                     t.copy_(value)
-        self._write_dropout_rates()
 
     def member_tensors(self, member: int, to_rank: int | None = None) -> list[torch.Tensor]:
         """Copies of a member's tensors (parameters row, optimizer state, buffers).
