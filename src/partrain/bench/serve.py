@@ -3,10 +3,11 @@
 Each server runs in its own subprocess on a free loopback port with the same
 number of torch threads, serving the same weights (LeNet-5 on 1x28x28 images and
 an MLP on the same images). This process is the load generator
-(`partrain.serve.loadtest`, closed loop): it warms each server up, then measures
-throughput, p50 and p99 latency, errors, lost answers (a request without exactly
-one answer of its own) and wrong answers (checked against a local copy of the
-model) at each concurrency.
+(`partrain.serve.loadtest`, closed loop): it starts all servers of a model, warms
+each up, then measures them in interleaved rounds (so a drift in the machine's
+load hits all of them alike): throughput, p50 and p99 latency, errors, lost
+answers (a request without exactly one answer of its own) and wrong answers
+(checked against a local copy of the model) at each concurrency.
 
 LitServe speaks no Open Inference Protocol, so it is given a `LitAPI` that
 decodes and encodes OIP JSON on the same path (``/v2/models/NAME/infer``), with
@@ -77,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds measured per point (default 4; --quick 1)")
     parser.add_argument("--warmup", type=float, default=None, help="seconds of load before measuring "
                         "each server (default 1; --quick 0.3)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds over all servers "
+                        "(default 2; --quick 1); each point's duration is split across them")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every server (default 1)")
     parser.add_argument("--max-batch-size", type=int, default=64,
                         help="max batch size of partrain serve with adaptive batching (default 64)")
@@ -280,30 +283,75 @@ class Point:
 
 
 def _measure(url: str, name: str, samples: list, checker: Any, concurrency: int, duration: float,
-             binary: bool) -> Point:
+             binary: bool) -> tuple[Any, float]:
+    """One closed-loop load run; returns its report and the client's CPU share."""
     from ..serve.loadtest import LoadConfig, run_load
 
     cfg = LoadConfig(url=url, model=name, concurrency=concurrency, duration=duration, timeout=10.0,
                      binary=binary)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     report = run_load(cfg, samples=samples, checker=checker)
-    cpu = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
-    return Point("", "", concurrency, report.throughput, report.percentile(50), report.percentile(99),
-                 report.failed, report.lost, report.wrong, cpu)
+    return report, (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
 
 
-def _run_server(label: str, command: list[str], port: int, ready: str, name: str, samples: list,
-                checker: Any, args: argparse.Namespace, binary: bool) -> list[Point]:
-    with server_process(label, command, port, ready, args.threads, args.start_timeout) as server:
-        _measure(server.url, name, samples, None, max(args.levels), args.warmup, binary)
-        points = []
-        for c in args.levels:
-            point = _measure(server.url, name, samples, checker, c, args.duration, binary)
-            points.append(point)
-            print(f"  {label:<28} c={c:<3} {point.throughput:8,.0f} req/s  p50 {point.p50:6.2f} ms  "
-                  f"p99 {point.p99:6.2f} ms  errors {point.errors} lost {point.lost} wrong {point.wrong}",
-                  flush=True)
-        return points
+def _merge(reports: list[Any], cpus: list[float], concurrency: int) -> Point:
+    """One point from several rounds: total answers over total time, percentiles over all latencies."""
+    import numpy as np
+
+    latencies = [x for r in reports for x in r.latencies]
+    elapsed = sum(r.elapsed for r in reports)
+
+    def pct(q: float) -> float:
+        return float(np.percentile(latencies, q) * 1e3) if latencies else float("nan")
+
+    return Point("", "", concurrency, len(latencies) / elapsed if elapsed > 0 else float("nan"),
+                 pct(50), pct(99), sum(r.failed for r in reports), sum(r.lost for r in reports),
+                 sum(r.wrong for r in reports), max(cpus))
+
+
+@dataclass
+class _Contender:
+    server: str  # "adaptive" | "unbatched" | "litserve"
+    setting: str
+    label: str
+    command: list[str]
+    port: int
+    ready: str
+    binary: bool
+
+
+def _measure_all(contenders: list[_Contender], name: str, samples: list, checker: Any,
+                 args: argparse.Namespace) -> list[Point]:
+    """Start every server of one model at once, then measure them in interleaved rounds.
+
+    Round robin (every server at every concurrency, then again) spreads slow drifts
+    of the machine (other jobs, thermal) over all servers instead of penalising
+    whichever ran last. Idle servers cost next to nothing meanwhile.
+    """
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for c in contenders:
+            server = stack.enter_context(server_process(c.label, c.command, c.port, c.ready, args.threads,
+                                                        args.start_timeout))
+            urls.append(server.url)
+        for c, url in zip(contenders, urls):
+            _measure(url, name, samples, None, max(args.levels), args.warmup, c.binary)
+        runs: dict[tuple[int, int], list[tuple[Any, float]]] = {}
+        for _ in range(args.rounds):
+            for level in args.levels:
+                for i, (c, url) in enumerate(zip(contenders, urls)):
+                    runs.setdefault((i, level), []).append(
+                        _measure(url, name, samples, checker, level, args.duration / args.rounds, c.binary))
+    points = []
+    for i, c in enumerate(contenders):
+        for level in args.levels:
+            reports, cpus = zip(*runs[(i, level)])
+            p = _merge(list(reports), list(cpus), level)
+            p.model, p.server, p.setting = name, c.server, c.setting
+            points.append(p)
+            print(f"  {c.label:<28} c={level:<3} {p.throughput:8,.0f} req/s  p50 {p.p50:6.2f} ms  "
+                  f"p99 {p.p99:6.2f} ms  errors {p.errors} lost {p.lost} wrong {p.wrong}", flush=True)
+    return points
 
 
 def _ours_available() -> bool:
@@ -331,6 +379,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         raise UsageError(f"Expected a positive number of threads. Received: --threads {args.threads}")
     args.duration = args.duration or (1.0 if args.quick else 4.0)
     args.warmup = args.warmup if args.warmup is not None else (0.3 if args.quick else 1.0)
+    args.rounds = args.rounds or (1 if args.quick else 2)
+    if args.rounds < 1:
+        raise UsageError(f"Expected a positive number of rounds. Received: --rounds {args.rounds}")
     grid = LITSERVE_GRID_QUICK if args.quick else LITSERVE_GRID
 
     torch.set_num_threads(1)
@@ -350,37 +401,30 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         info = ModelInfo(name, (TensorSpec("input", "FP32", (-1, *IMAGE[1:])),))
         samples = random_inputs(info, 64, IMAGE, seed=0)
         checker = AnswerChecker(build_model(factory), samples)
-        print(f"{name}: {factory}, {args.threads} torch thread(s) per server, "
-              f"{args.duration:g} s per point", flush=True)
-
-        def tag(ps: list[Point], server: str, setting: str = "") -> list[Point]:
-            for p in ps:
-                p.model, p.server, p.setting = name, server, setting  # noqa: B023
-            return ps
-
+        print(f"{name}: {factory}, {args.threads} torch thread(s) per server, {args.duration:g} s per "
+              f"point in {args.rounds} interleaved round(s)", flush=True)
+        contenders = []
         if ours:
-            port = free_port()
-            points += tag(_run_server("partrain adaptive", ours_command(
-                name, factory, port, args.max_batch_size, args.threads), port, "/v2/health/ready",
-                name, samples, checker, args, args.binary), "adaptive", f"max {args.max_batch_size}")
-            port = free_port()
-            points += tag(_run_server("partrain unbatched", ours_command(
-                name, factory, port, 1, args.threads), port, "/v2/health/ready",
-                name, samples, checker, args, args.binary), "unbatched", "max 1")
+            for server, size in (("adaptive", args.max_batch_size), ("unbatched", 1)):
+                port = free_port()
+                contenders.append(_Contender(server, f"max {size}", f"partrain {server}", ours_command(
+                    name, factory, port, size, args.threads), port, "/v2/health/ready", args.binary))
         if litserve:
-            grid_points: list[Point] = []
             for size, timeout in grid:
                 port = free_port()
                 setting = f"max {size}, {timeout * 1e3:g} ms"
-                grid_points += tag(_run_server(f"litserve ({setting})", litserve_command(
-                    name, factory, port, size, timeout, args.threads), port, "/health",
-                    name, samples, checker, args, False), "litserve", setting)
-            for c in args.levels:  # each concurrency keeps LitServe's best setting
-                at_c = [p for p in grid_points if p.concurrency == c]
-                best = max(at_c, key=lambda p: p.throughput)
-                points.append(best)
-                # wrong or lost answers at any setting count against LitServe, not only the best
-                best.lost, best.wrong = (sum(p.lost for p in at_c), sum(p.wrong for p in at_c))
+                contenders.append(_Contender("litserve", setting, f"litserve ({setting})", litserve_command(
+                    name, factory, port, size, timeout, args.threads), port, "/health", False))
+        measured = _measure_all(contenders, name, samples, checker, args)
+        points += [p for p in measured if p.server != "litserve"]
+        for c in args.levels:  # each concurrency keeps LitServe's best setting
+            at_c = [p for p in measured if p.server == "litserve" and p.concurrency == c]
+            if not at_c:
+                continue
+            best = max(at_c, key=lambda p: p.throughput)
+            # wrong or lost answers at any setting count against LitServe, not only the best
+            best.lost, best.wrong = sum(p.lost for p in at_c), sum(p.wrong for p in at_c)
+            points.append(best)
     return _report(points, names, args.levels, notes)
 
 
@@ -412,11 +456,13 @@ def _report(points: list[Point], names: list[str], levels: list[int], notes: lis
         p50_diff = a1.p50 - u1.p50 if a1 and u1 else nan
         bad = sum(p.lost + p.wrong for p in points if p.model == name)
         ratio_rows += [
-            [name, f"adaptive / unbatched req/s at c={hi}", speedup, ">= 5", _verdict(speedup, speedup >= 5)],
-            [name, f"adaptive / litserve req/s at c={hi}", vs_lit, ">= 1.2", _verdict(vs_lit, vs_lit >= 1.2)],
-            [name, f"p50 adaptive - unbatched at c={lo} (ms)", p50_diff, "<= 1",
+            [name, f"adaptive / unbatched req/s at c={hi}", f"{speedup:.2f}", ">= 5",
+             _verdict(speedup, speedup >= 5)],
+            [name, f"adaptive / litserve req/s at c={hi}", f"{vs_lit:.2f}", ">= 1.2",
+             _verdict(vs_lit, vs_lit >= 1.2)],
+            [name, f"p50 adaptive - unbatched at c={lo} (ms)", f"{p50_diff:+.2f}", "<= 1",
              _verdict(p50_diff, p50_diff <= 1)],
-            [name, "lost + wrong answers (all servers)", bad, "0", _verdict(bad, bad == 0)],
+            [name, "lost + wrong answers (all servers)", str(bad), "0", _verdict(bad, bad == 0)],
         ]
         figures.update({f"{name}.adaptive_over_unbatched_c{hi}": speedup,
                         f"{name}.adaptive_over_litserve_c{hi}": vs_lit,
