@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from ..data.datasets import DataSpec, load_dataset, sample_shape
 from ..errors import UsageError
 from ..launch import DEFAULT_TIMEOUT, launch
+from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
 from ..strategies.base import Strategy, get_strategy
 from .checkpoint import load_checkpoint, save_checkpoint
 from .metrics import MetricsWriter, StepTimes
@@ -229,6 +230,8 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
+        if ckpt.get("freeze"):  # frozen slices stay frozen across a resume
+            load_freeze_state_dict(model, ckpt["freeze"], strict=False)
     model = model.to(device)
     optimizer = optimizer_fn(model.parameters())
     if cfg.scale_lr:
@@ -340,6 +343,7 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
             strategy_state = strategy.state_dict()
             state = {"model": {k: v.detach().cpu() for k, v in model_state.items()},
                      "model_spec": cfg.model_spec,
+                     "freeze": freeze_state_dict(strategy.unwrap(model)),
                      "optimizer": _optimizer_state(optimizer),
                      "strategy": strategy_state,
                      "scheduler": scheduler.state_dict() if scheduler is not None else None,
