@@ -44,6 +44,9 @@ def test_cli_writes_every_output(tmp_path, capsys) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     opt.load_state_dict(ckpt["optimizer"])  # what `partrain train --resume` does
     assert opt.param_groups[0]["lr"] == pytest.approx(ckpt["config"]["hparams"]["lr"])
+    loading = pytest.importorskip("partrain.serve.loading")
+    served = loading.load_model_spec(f"digits={tmp_path / 'best.pt'}")  # what `partrain serve` does
+    assert served.name == "digits"
 
 
 def test_resume_continues_exactly(tmp_path) -> None:
