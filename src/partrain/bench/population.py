@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-member batch sizes (default 8,64,256)")
     parser.add_argument("--pool-processes", type=int, default=None,
                         help="processes in the baseline pool (default: one per member; --quick: 4)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads of the population process (default: torch's, one per core)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="seconds per timing window (default 2; --quick: 0.3)")
 
@@ -194,6 +196,8 @@ def measure_memory(members: int, engine: str, batch: int) -> tuple[float, int]:
 # ------------------------------------------------------------------------------------ run
 def run(args: argparse.Namespace) -> dict[str, float]:
     quick = bool(getattr(args, "quick", False))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     members = args.members
     batches = [int(b) for b in str(args.batch_sizes).split(",")]
     seconds = args.seconds if args.seconds is not None else (0.3 if quick else 2.0)
@@ -203,13 +207,16 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     pool_procs = args.pool_processes or (min(4, members) if quick else members)
     figures: dict[str, float] = {"members": members, "pool_processes": pool_procs}
     print(f"{members} LeNet-5 members, 1x28x28 synthetic data, SGD momentum, {torch.get_num_threads()} "
-          f"threads, {os.cpu_count()} cores{' (--quick)' if quick else ''}")
+          f"threads, {os.cpu_count()} cores{' (--quick)' if quick else ''}", flush=True)
 
     rows = []
     engines = {}
     for batch in batches:
         m = measure_engines(members, batch, seconds, min_steps, calibration, rounds)
         engines[batch] = m
+        print(f"  batch {batch}: vmap {m['vmap']:,.0f}, loop {m['loop']:,.0f}, auto ({m['chosen']}) "
+              f"{m['auto']:,.0f} samples/s", flush=True)
+    print(f"  pool of {pool_procs} processes...", flush=True)
     pool = measure_pool(pool_procs, batches, seconds * 2)
     scale_note = ""
     if pool_procs != members:
