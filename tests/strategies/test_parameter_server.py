@@ -43,6 +43,12 @@ def halve_every_epoch(optimizer):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
 
 
+@functools.cache
+def reference(epochs, max_steps=None):
+    """One process on the global batch of 64 (shared by the tests below)."""
+    return run_fit("single", 1, 64, epochs=epochs, max_steps=max_steps)
+
+
 def run_fit(strategy, workers, batch, **kw):
     return fit(small_cnn, "digits", sgd_momentum, strategy=strategy, workers=workers, batch_size=batch,
                scheduler_fn=halve_every_epoch, quiet=True, return_state=True, timeout=60, **kw)
@@ -78,7 +84,7 @@ def test_sync_equals_single_process(servers, tmp_path):
     # 1438 training samples, global batch 64: epoch 1 is 23 steps, its last batch partial;
     # StepLR halves the lr at the epoch's end on the workers, and the servers must follow
     if servers == 1:
-        ref = run_fit("single", 1, 64, epochs=2, max_steps=26)
+        ref = reference(2, 26)
         ps = run_fit(ParameterServer(servers=1), 2, 32, epochs=2, max_steps=26)
         assert ps.final["step"] == ref.final["step"] == 26
         assert ps.final["lr"] == ref.final["lr"] == pytest.approx(0.025)  # both epochs ended
@@ -89,10 +95,10 @@ def test_sync_equals_single_process(servers, tmp_path):
     # 2 servers, and the servers' state (parameters, momentum, version) through a checkpoint:
     # epoch 1, then resume for 3 steps of epoch 2 = 26 uninterrupted single-process steps
     first = run_fit(ParameterServer(servers=2), 2, 32, epochs=1, out_dir=str(tmp_path))
-    assert_states_close(first.model_state, run_fit("single", 1, 64, epochs=1).model_state, atol=1e-5)
+    assert_states_close(first.model_state, reference(1).model_state, atol=1e-5)
     resumed = run_fit(ParameterServer(servers=2), 2, 32, epochs=2, max_steps=26,
                       resume=str(tmp_path / "checkpoint.pt"))
-    ref = run_fit("single", 1, 64, epochs=2, max_steps=26)
+    ref = reference(2, 26)
     assert [r["step"] for r in resumed.history] == [23, 26]
     assert resumed.final["ps_server0_version"] == resumed.final["ps_server1_version"] == 26
     assert_states_close(resumed.model_state, ref.model_state, atol=1e-5)
