@@ -27,6 +27,7 @@ import argparse
 import functools
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=None, help="training samples (default 8192, quick 4096)")
     p.add_argument("--epochs", type=int, default=None, help="epochs per variant (default 6, quick 3)")
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
-    p.add_argument("--target", type=float, default=0.75, help="test accuracy for time-to-target")
+    p.add_argument("--target", type=float, default=0.85, help="test accuracy for time-to-target")
     p.add_argument("--period", type=int, default=8, help="localsgd/DiLoCo period H")
     p.add_argument("--long-period", type=int, default=64, help="DiLoCo's long period (0: skip the row)")
     p.add_argument("--straggler", choices=("both", "off", "on"), default="both",
@@ -51,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ----- the task ---------------------------------------------------------------------
-def make_data(samples: int, seed: int = 0, noise: float = 3.0) -> tuple[TensorDataset, TensorDataset]:
-    """Ten Gaussian clusters in 8x8 images; the noise puts the best accuracy near 0.85."""
+def make_data(samples: int, seed: int = 0, noise: float = 2.0) -> tuple[TensorDataset, TensorDataset]:
+    """Ten Gaussian clusters in 8x8 images, noisy enough that accuracy climbs over epochs (to ~0.92)."""
     g = torch.Generator().manual_seed(seed)
     centers = torch.randn(10, 1, 8, 8, generator=g)
     n = samples + samples // 4
@@ -177,6 +178,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
                       f"{str(exc).splitlines()[0] if str(exc) else ''})", flush=True)
                 continue
             results[(label, straggle)] = r
+            print(f"  {label}{' +straggler' if straggle else ''}: {r['samples_per_s']:,.0f} samples/s, "
+                  f"target after {r['time_to_target']:.2f} s, test accuracy {r['final_test_accuracy']:.3f}",
+                  file=sys.stderr, flush=True)
             for k, v in r.items():
                 figures[f"{_key(label, straggle)}_{k}"] = v
 
