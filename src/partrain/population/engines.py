@@ -248,7 +248,9 @@ class LoopEngine(Engine):
             params = []
             for name, view in zip(layout.names, layout.row_views(flat, row)):
                 owner, leaf = _owner(module, name)
-                param = nn.Parameter(view)  # aliases the store's row: no copy
+                # aliases the store's row (no copy); `.data` gives it its own version counter, so
+                # one member's in-place update does not look like a change to another's graph
+                param = nn.Parameter(view.data)
                 owner._parameters[leaf] = param
                 params.append(param)
             for name, stacked in store.buffers.items():
