@@ -56,7 +56,7 @@ def fake_app(model: torch.nn.Module, misbehave: dict[str, int] | None = None):
     - ``"wrong"``: requests whose id is a multiple get numbers off by 0.5
     - ``"swap"``: requests whose id is a multiple get another id back
     - ``"503"``: requests whose id is a multiple get HTTP 503
-    - ``"slow"``: requests whose id is a multiple are answered after 2 s
+    - ``"slow"``: requests whose id is a multiple are answered after 4 s
     """
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -89,7 +89,7 @@ def fake_app(model: torch.nn.Module, misbehave: dict[str, int] | None = None):
         if hit("503", rid):
             return JSONResponse({"error": "busy"}, status_code=503, headers={"Retry-After": "1"})
         if hit("slow", rid):
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(4.0)
         with torch.inference_mode():
             y = model(torch.from_numpy(x.copy())).numpy()
         if hit("wrong", rid):
@@ -220,7 +220,8 @@ def test_detects_a_different_model(serve):
 
 def test_reports_errors_by_kind(serve):
     url = serve({"503": 5, "slow": 7})
-    cfg = LoadConfig(url=url, model="tiny", concurrency=4, requests=35, timeout=0.5, samples=4)
+    # 1.5 s: far above a normal answer even on a loaded machine, far below the slow one's 4 s
+    cfg = LoadConfig(url=url, model="tiny", concurrency=4, requests=35, timeout=1.5, samples=4)
     report = run_load(cfg)
     # 503: ids 0,5,...,30 (7); slow (timed out): 7,14,21,28 (35 excluded: 35 requests are 0..34)
     assert report.errors["HTTP 503"] == 7
@@ -271,10 +272,12 @@ def test_cli_exit_status_1_on_wrong_answers(serve, capsys):
     assert code == 1 and "2 WRONG" in capsys.readouterr().out
 
 
-def _free_port() -> int:
+@pytest.fixture()
+def dead_port():
+    """A port bound but not listening: connections are refused, and nobody else can take it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -288,9 +291,9 @@ def _free_port() -> int:
     (["{url}/v2/models/tiny", "--shape", "1,5"], "Expected the --check model to accept the inputs sent"),
     (["{url}/v2/models/tiny", "--npz", "/nonexistent.npz"], "(no such file)"),
 ])
-def test_cli_bad_input_is_one_line(serve, capsys, argv, message):
+def test_cli_bad_input_is_one_line(serve, dead_port, capsys, argv, message):
     url = serve()
-    port = _free_port()
+    port = dead_port
     argv = [a.format(url=url, port=port) for a in argv]
     if "--shape" in argv:
         argv += ["--check", "tests.serve.test_loadtest:tiny_model"]
