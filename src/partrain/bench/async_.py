@@ -12,9 +12,9 @@ thread each:
   period), and DiLoCo with a long period (default 64, DiLoCo's own outer lr
   0.7 and momentum 0.9: the bytes a long period saves, as DiLoCo is meant
   to be used);
-- each again with a straggler: the last worker sleeps, before every training
-  step, as long as its previous step's forward and backward took (it runs at
-  half speed);
+- each again with a straggler: worker 0 sleeps, before every training step,
+  as long as its previous step's forward and backward took (it runs at half
+  speed);
 - ``hogwild`` with one process (one thread): the baseline of hogwild's scaling.
 
 Figures per variant: samples/s (training time only, epochs after the first),
@@ -92,11 +92,17 @@ class Straggler(nn.Module):
         return self.inner(x)
 
 
-def bench_model(straggle: bool = False) -> nn.Module:
-    """The small CNN; wrapped in `Straggler` on the job's last rank (always a worker)."""
+def bench_model(straggle: bool = False, workers: int = 2) -> nn.Module:
+    """The small CNN; wrapped in `Straggler` on worker 0.
+
+    Worker 0, because `fit` times an epoch on worker 0: with the straggler there, an
+    epoch's seconds are the slowest worker's, i.e. the time the epoch really took
+    (every worker has the same share of the data, and the epoch ends with a collective).
+    Servers, when there are any, are the first ranks: worker 0 is rank world - workers.
+    """
     model = cnn(in_channels=1, num_classes=10, image_size=8, width=16)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if straggle and world > 1 and int(os.environ.get("RANK", "0")) == world - 1:
+    if straggle and world > 1 and int(os.environ.get("RANK", "0")) == world - workers:
         return Straggler(model)
     return model
 
@@ -106,7 +112,7 @@ def _train(strategy: str, options: dict[str, Any], workers: int, data: Any, args
            epochs: int, straggle: bool) -> dict[str, float]:
     from ..strategies import get_strategy
 
-    model_fn = functools.partial(bench_model, straggle)
+    model_fn = functools.partial(bench_model, straggle, workers)
     kwargs: dict[str, Any] = dict(strategy=get_strategy(strategy, **options), workers=workers, epochs=epochs,
                                   batch_size=args.batch_size, quiet=True, checkpoint=False, timeout=120,
                                   threads=1)
