@@ -55,3 +55,35 @@ def test_bad_arguments_are_one_clear_error():
     with pytest.raises(UsageError, match="rank=2"):
         ShardedBatchSampler(10, 2, 2, 2)
     assert torch.is_tensor(ShardedBatchSampler(10, 2).order())
+
+
+def test_claimed_batches_cover_every_sample_once_whoever_claims():
+    """Asynchronous strategies: workers claim batches from one counter, in any interleaving."""
+    import itertools
+
+    import torch.distributed as dist
+
+    from partrain.data.sharding import ClaimingBatchSampler
+
+    store = dist.HashStore()
+    samplers = [ClaimingBatchSampler(103, 8, r, 3, store=store, key="k", seed=2) for r in range(3)]
+    for epoch in range(2):
+        its = [s for s in samplers]
+        for s in its:
+            s.set_epoch(epoch)
+        streams = [s.iter_tensors() for s in its]
+        seen, counts = [], [0, 0, 0]
+        live = [0, 1, 2]
+        pattern = itertools.cycle([0, 0, 0, 1, 2] if epoch == 0 else [2, 1, 0, 0, 0])
+        while live:
+            r = next(pattern)  # worker 0 is three times as fast
+            if r not in live:
+                continue
+            batch = next(streams[r], None)
+            if batch is None:
+                live.remove(r)
+                continue
+            seen += batch.tolist()
+            counts[r] += 1
+        assert sorted(seen) == list(range(103))
+        assert counts[0] > counts[1] and counts[0] > counts[2]

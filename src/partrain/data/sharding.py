@@ -14,11 +14,19 @@ epoch (seeded by ``seed`` and the epoch) is cut into *global batches* of
   `global_batch_size(step)` tells the loop the global size so the loss can be
   normalised exactly;
 - ``drop_last=True`` drops the final incomplete global batch instead.
+
+`ClaimingBatchSampler` is the variant for asynchronous strategies: workers
+*claim* per-worker batches of the epoch's order from a counter the whole job
+shares (the process group's store), so a worker twice as fast trains on twice
+as many batches and nobody idles at the epoch's end waiting for a straggler.
+Every sample is still seen exactly once per epoch; the number of steps now
+differs between workers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -78,3 +86,43 @@ class ShardedBatchSampler(Sampler[list[int]]):
         for step in range(len(self)):
             chunk = order[step * self.global_batch : step * self.global_batch + self.global_batch]
             yield torch.tensor_split(chunk, self.num_replicas)[self.rank]
+
+
+class ClaimingBatchSampler(ShardedBatchSampler):
+    """Per-worker batches claimed from a shared counter: faster workers take more.
+
+    ``store`` is any c10d store (``add`` is atomic across the job); ``key`` must be
+    the same on every worker and new for every sampler of the job.
+    """
+
+    dynamic = True
+
+    def __init__(self, num_samples: int, batch_size: int, rank: int, num_replicas: int, *, store: Any,
+                 key: str, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        super().__init__(num_samples, batch_size, rank, num_replicas, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last)
+        self.store = store
+        self.key = key
+
+    @property
+    def units(self) -> int:
+        """Per-worker batches in an epoch (what the workers claim)."""
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full if self.drop_last or rest == 0 else full + 1
+
+    def __len__(self) -> int:
+        """An estimate (an even split): the real count depends on the workers' speeds."""
+        return -(-self.units // self.num_replicas)
+
+    def global_batch_size(self, step: int) -> int:
+        """Nominal: workers' batches of a step are not aligned when they are claimed."""
+        return self.batch_size * self.num_replicas
+
+    def iter_tensors(self) -> Iterator[torch.Tensor]:
+        order = self.order()
+        counter = f"{self.key}/epoch{self.epoch}"
+        while True:
+            unit = int(self.store.add(counter, 1)) - 1
+            if unit >= self.units:
+                return
+            yield order[unit * self.batch_size : (unit + 1) * self.batch_size]

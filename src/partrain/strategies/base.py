@@ -34,7 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .. import comm
-from ..data.sharding import ShardedBatchSampler
+from ..data.sharding import ClaimingBatchSampler, ShardedBatchSampler
 from ..env import DistEnv
 from ..errors import UsageError
 
@@ -47,6 +47,9 @@ class Strategy(ABC):
     name: ClassVar[str] = ""
     #: the launcher keeps the job running when a worker process dies
     survives_worker_loss: ClassVar[bool] = False
+    #: workers claim batches from a shared counter instead of fixed shares (asynchronous
+    #: strategies: a fast worker is not held back by a slow one at the epoch's end)
+    dynamic_sharding: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.env = DistEnv()
@@ -56,6 +59,7 @@ class Strategy(ABC):
         self.comm_seconds = 0.0
         #: bytes this worker put into collectives / messages
         self.comm_bytes = 0
+        self._samplers = 0  # samplers made so far: names each one's shared counter
 
     # ----- topology -------------------------------------------------------------------
     def extra_processes(self, workers: int) -> int:
@@ -110,7 +114,17 @@ class Strategy(ABC):
 
     def shard(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
               drop_last: bool = False) -> ShardedBatchSampler:
-        """This worker's batches of an epoch: every sample once per epoch across workers."""
+        """This worker's batches of an epoch: every sample once per epoch across workers.
+
+        Fixed, equal shares; with ``dynamic_sharding``, batches claimed from a counter the
+        job shares (`ClaimingBatchSampler`). Every worker must call ``shard`` equally often.
+        """
+        self._samplers += 1
+        store = _default_store() if self.dynamic_sharding and self.num_workers > 1 else None
+        if store is not None:
+            return ClaimingBatchSampler(num_samples, batch_size, max(self.rank, 0), self.num_workers,
+                                        store=store, key=f"partrain/claims/{self._samplers}",
+                                        shuffle=shuffle, seed=seed, drop_last=drop_last)
         return ShardedBatchSampler(num_samples, batch_size, max(self.rank, 0), self.num_workers,
                                    shuffle=shuffle, seed=seed, drop_last=drop_last)
 
@@ -160,6 +174,16 @@ class Strategy(ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
+
+
+def _default_store() -> Any:
+    """The process group's store (c10d keeps it; no public accessor), or None."""
+    if not comm.is_distributed():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a torch without it: fall back to fixed shares
+        return None
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}

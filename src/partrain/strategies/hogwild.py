@@ -67,6 +67,7 @@ def check_one_host(hosts: list[str]) -> None:
 @register
 class Hogwild(Strategy):
     name = "hogwild"
+    dynamic_sharding = True  # workers claim batches: a fast one is never held back by a slow one
 
     def __init__(self, shm_path: str = "") -> None:
         """``shm_path``: directory of the shared file (default /dev/shm)."""

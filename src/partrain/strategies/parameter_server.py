@@ -84,6 +84,9 @@ class ParameterServer(Strategy):
         self.staleness_lr = bool(staleness_lr)
         #: bounded and async modes go on without a worker that died
         self.survives_worker_loss = staleness > 0  # type: ignore[misc]
+        #: async mode: workers claim batches, so a fast worker takes more of each epoch. Not in
+        #: bounded mode: a worker past its share would wait on one already done with the epoch.
+        self.dynamic_sharding = math.isinf(staleness)  # type: ignore[misc]
         self.timeout = 300.0
         self.server_ranks: list[int] = []
         self._pg: Any = None  # gloo group for the servers' traffic (None: the default group)

@@ -278,20 +278,29 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
         n_batches = len(batches)
         window_total = 0
         times.start()
+        # claimed batches (asynchronous strategies): the step count is not known ahead, each
+        # worker normalises by its own micro-batches and flushes a partial window at the end
+        dynamic = getattr(sampler, "dynamic", False)
+        pending = False
         for i, (x, y) in enumerate(batches):
             times.data_ready()
             comm_before = strategy.comm_seconds
-            if i % cfg.accumulate == 0:  # global samples in this optimizer step
-                window_total = sum(sampler.global_batch_size(j)
-                                   for j in range(i, min(i + cfg.accumulate, n_batches)))
-            last_micro = (i + 1) % cfg.accumulate == 0 or i + 1 == n_batches
+            if dynamic:
+                last_micro = (i + 1) % cfg.accumulate == 0
+                window_total = strategy.num_workers * len(y) * cfg.accumulate
+            else:
+                if i % cfg.accumulate == 0:  # global samples in this optimizer step
+                    window_total = sum(sampler.global_batch_size(j)
+                                       for j in range(i, min(i + cfg.accumulate, n_batches)))
+                last_micro = (i + 1) % cfg.accumulate == 0 or i + 1 == n_batches
             # inner micro-batches of an accumulation window skip gradient communication;
             # the forward pass must be inside no_sync too (DDP decides there)
             sync = strategy.no_sync(model) if not last_micro else contextlib.nullcontext()
             with sync:
                 out = model(x)
                 per_sample = loss_fn(out, y)
-                (per_sample.sum() * (strategy.num_workers / window_total)).backward()
+                (per_sample.sum() * (strategy.num_workers / max(window_total, 1))).backward()
+            pending = not last_micro
             if last_micro:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -306,10 +315,15 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
                 bar.update(1)
             if last_micro and cfg.max_steps is not None and step >= cfg.max_steps:
                 break
+        if pending:  # the last accumulation window of claimed batches was partial
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
         if bar is not None:
             bar.close()
         if scheduler is not None:
             scheduler.step()
+        strategy.barrier()  # the epoch lasts until its slowest worker is done
         epoch_seconds = time.perf_counter() - t_epoch
         train = torch.tensor([loss_sum.item(), correct.item(), float(seen), times.data, times.compute,
                               times.comm, float(strategy.comm_bytes - bytes0)], dtype=torch.float64)
