@@ -108,11 +108,13 @@ def test_fit_converges_and_resumes(tmp_path):
     first = run(epochs=1)
     row = first.final
     assert row["comm_bytes"] == 0
-    # both workers' steps, counted in shared memory, read by worker 0
-    assert row["hogwild_updates"] == 2 * row["step"]
-    assert row["hogwild_updates_w0"] == row["hogwild_updates_w1"] == row["step"]
+    # both workers' steps, counted in shared memory, read by worker 0; the workers claim
+    # the epoch's 90 batches of 16 (1438 samples) between them, each as fast as it can
+    units = -(-1438 // 16)
+    assert row["hogwild_updates"] == row["hogwild_updates_w0"] + row["hogwild_updates_w1"] == units
+    assert row["hogwild_updates_w0"] == row["step"]
     resumed = run(epochs=3, resume="auto")
     assert [r["epoch"] for r in resumed.history] == [1, 2, 3]
-    assert resumed.history[-1]["step"] == 3 * row["step"]
+    assert resumed.final["hogwild_updates"] == 2 * units  # counters start again with the resumed job
     assert resumed.test_accuracy >= 0.9
     assert resumed.history[-1]["train_loss"] < 0.5 * first.history[0]["train_loss"]

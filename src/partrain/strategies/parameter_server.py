@@ -232,7 +232,7 @@ class ParameterServer(Strategy):
                 else:
                     self._dropped += 1
             with torch.no_grad():
-                _unflatten(flat, [self._params[i] for i in self._plan[s]])
+                comm.unflatten_into(flat, [self._params[i] for i in self._plan[s]])
         self._pending_push = False
         self.comm_seconds += time.perf_counter() - t0
 
@@ -481,14 +481,6 @@ def _hp_values(groups: list[dict[str, Any]], slots: list[tuple[int, str, int | N
         v = groups[g][key]
         vals.append(float(v if i is None else v[i]))
     return torch.tensor(vals, dtype=torch.float64)
-
-
-def _unflatten(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.copy_(flat[offset:offset + n].view_as(p))
-        offset += n
 
 
 def _group_timeout(group: Any) -> float:
