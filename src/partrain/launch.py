@@ -84,13 +84,18 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
     local = workers + (strat.extra_processes(workers * nnodes) if node_rank == 0 else 0)
     world = workers * nnodes + strat.extra_processes(workers * nnodes)
     first_rank = 0 if node_rank == 0 else local_offset(workers, strat, nnodes, node_rank)
+    explicit_threads = threads
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // local)
 
     if world == 1 and master_addr is None:
         # one process: no spawn, no process group
         env = DistEnv(0, 1, 0, 1, pick_device(0, device), backend or default_backend(pick_device(0, device)))
-        return [_run(fn, args, kwargs, strat, env, timeout, None, store=None)]
+        before = torch.get_num_threads()
+        try:  # explicit threads apply here too, and the caller's setting comes back after
+            return [_run(fn, args, kwargs, strat, env, timeout, explicit_threads, store=None)]
+        finally:
+            torch.set_num_threads(before)
 
     with tempfile.TemporaryDirectory(prefix="partrain-") as tmp:
         store_spec: tuple[str, ...]

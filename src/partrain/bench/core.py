@@ -8,7 +8,8 @@ Four ways to train the same model on the same data, in one run:
 (d) ``fit`` with ``allreduce`` and 2 workers,
 
 and a compute-bound configuration trained by ``fit``/``allreduce`` with 1 then
-2 workers (one thread each). Rates are the best epoch of several (steady state:
+2 workers (one thread each), next to one process using every core (what a
+user gets without partrain). Rates are the best epoch of several (steady state:
 process start-up and the first epoch's warm-up are excluded for every variant).
 """
 
@@ -138,14 +139,18 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     for _ in range(rounds):
         c = max(c, raw_ddp(base))
         d = max(d, fit_rate(base, "allreduce", 2))
+    one_two_threads = 0.0
     for _ in range(rounds):
         one = max(one, fit_rate(heavy, "allreduce", 1, threads=1))
         two = max(two, fit_rate(heavy, "allreduce", 2, threads=1))
+        one_two_threads = max(one_two_threads, fit_rate(heavy, "single", 1, threads=cores))
 
     figures = {
         "plain_loop_samples_per_s": a, "fit_single_samples_per_s": b,
         "raw_ddp_2proc_samples_per_s": c, "fit_allreduce_2w_samples_per_s": d,
         "heavy_1_worker_samples_per_s": one, "heavy_2_workers_samples_per_s": two,
+        "heavy_1_process_all_cores_samples_per_s": one_two_threads,
+        "ratio_2_workers_vs_1_process_all_cores": two / one_two_threads,
         "ratio_fit_single_vs_plain": b / a, "ratio_fit_allreduce_vs_raw_ddp": d / c, "scaling_1_to_2": two / one,
     }
     rows = [
@@ -155,6 +160,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         ["(d) fit, allreduce, 2 workers", d, d / c, ">= 0.98 x (c)"],
         ["compute-bound, allreduce, 1 worker", one, "", ""],
         ["compute-bound, allreduce, 2 workers", two, two / one, ">= 1.6 x (1 worker)"],
+        [f"compute-bound, 1 process, {cores} threads", one_two_threads, two / one_two_threads,
+         "(2 workers vs this)"],
     ]
     print(f"partrain bench core: {samples} samples of 1x16x16, {epochs} epochs x {rounds} rounds each, "
           f"batch {base['batch']}/worker, {cores} cores, torch {torch.__version__}")
