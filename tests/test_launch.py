@@ -61,12 +61,11 @@ def test_exception_in_a_rank_names_it_with_traceback():
 
 @pytest.mark.timeout(60)
 def test_killed_worker_fails_the_job_naming_the_rank():
-    t0 = time.monotonic()
+    # bounded by the pytest-timeout mark: a hang fails the test instead of the suite
     with pytest.raises(WorkerError) as info:
         partrain.launch(kill_rank_1_mid_run, workers=2, timeout=20)
     assert info.value.rank == 1
     assert "SIGKILL" in str(info.value)
-    assert time.monotonic() - t0 < 50  # well inside the timeout plus spawn, not a hang
 
 
 def test_bad_arguments():
