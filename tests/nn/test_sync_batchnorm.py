@@ -185,11 +185,8 @@ def make_cases():
     return cases
 
 
-def run_sync_case(case, rank):
-    sizes = case["sizes"]
-    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
-    c = case["xs"][0].shape[1]
-    m = SyncBatchNorm(c, **case["kwargs"])
+def train_case(m, case, lo=None, hi=None):
+    """Train ``m`` on the case's steps (rows lo:hi of each batch); gradients and stats per step."""
     if case["weight"] is not None:
         with torch.no_grad():
             m.weight.copy_(case["weight"])
@@ -207,6 +204,14 @@ def run_sync_case(case, rank):
             m.zero_grad()
         out["stats"].append({k: v.clone() for k, v in m.state_dict().items() if k.startswith(("running", "num"))})
     m.eval()
+    return out
+
+
+def run_sync_case(case, rank):
+    sizes = case["sizes"]
+    lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
+    m = SyncBatchNorm(case["xs"][0].shape[1], **case["kwargs"])
+    out = train_case(m, case, lo, hi)
     out["eval"] = m(case["xs"][-1][lo:hi])
     return out
 
@@ -276,23 +281,7 @@ def two_rank_worker(strategy, cases):
 def reference_case(case):
     x0 = case["xs"][0]
     m = BN[x0.dim()](x0.shape[1], **case["kwargs"]).to(x0.dtype)
-    if case["weight"] is not None:
-        with torch.no_grad():
-            m.weight.copy_(case["weight"])
-            m.bias.copy_(case["bias"])
-    out = {"y": [], "dx": [], "dw": [], "db": [], "stats": []}
-    for x, r in zip(case["xs"], case["rs"]):
-        x = x.clone().requires_grad_()
-        y = m(x)
-        (y * r).sum().backward()
-        out["y"].append(y.detach())
-        out["dx"].append(x.grad)
-        if m.weight is not None:
-            out["dw"].append(m.weight.grad.clone())
-            out["db"].append(m.bias.grad.clone())
-            m.zero_grad()
-        out["stats"].append({k: v.clone() for k, v in m.state_dict().items() if k.startswith(("running", "num"))})
-    m.eval()
+    out = train_case(m, case)
     # eval mode is local to each rank (without running stats, each rank's own batch statistics)
     out["eval"] = [m(part) for part in torch.split(case["xs"][-1], case["sizes"])]
     return out
