@@ -25,9 +25,19 @@ def group_size(group: Group = None) -> int:
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Sum ``tensor`` in place across ``group``; returns it."""
+    """Sum ``tensor`` in place across ``group``; returns it.
+
+    A CPU tensor under NCCL (metrics, counters) travels through the GPU and back:
+    NCCL only reduces device tensors.
+    """
     if is_distributed() and group_size(group) > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        device = _group_device(group)
+        if tensor.device != device:
+            staged = tensor.to(device)
+            dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=group)
+            tensor.copy_(staged)
+        else:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 

@@ -115,8 +115,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
                 _wait_reachable(master_addr, int(master_port), timeout)
             store_spec = ("tcp", master_addr, str(master_port))
         try:
-            return _spawn(fn, args, kwargs, strat, store_spec, first_rank, local, world, workers * nnodes,
-                          backend, device, timeout, threads)
+            return _spawn(fn, args, kwargs, strat, store_spec, first_rank, local, world, backend, device, timeout, threads)
         finally:
             del host_store
 
@@ -142,7 +141,7 @@ def _wait_reachable(host: str, port: int, timeout: float) -> None:
 
 
 def _spawn(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, store_spec: tuple[str, ...],
-           first_rank: int, local: int, world: int, total_workers: int, backend: str | None,
+           first_rank: int, local: int, world: int, backend: str | None,
            device: str | None, timeout: float, threads: int) -> list[Any]:
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()

@@ -390,13 +390,14 @@ def evaluate(strategy: Strategy, model: nn.Module, ds: Dataset, loss_fn: LossFn,
     was_training = net.training
     net.eval()
     sampler = strategy.shard(len(ds), batch_size, shuffle=False)  # type: ignore[arg-type]
-    totals = torch.zeros(3, dtype=torch.float64)
+    # summed on the device: no host synchronisation per batch
+    totals = torch.zeros(3, dtype=torch.float64, device=strategy.device)
     with torch.no_grad():
         for x, y in _Batches(ds, sampler, strategy.device):
             out = net(x)
-            totals[0] += loss_fn(out, y).sum().item()
+            totals[0] += loss_fn(out, y).sum()
             if out.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
-                totals[1] += (out.argmax(1) == y).sum().item()
+                totals[1] += (out.argmax(1) == y).sum()
             totals[2] += len(y)
     net.train(was_training)
     strategy.all_reduce_sum(totals)
