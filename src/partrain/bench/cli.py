@@ -31,8 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         bp.add_argument("--json", metavar="FILE", help="write every printed figure to FILE as JSON")
         module.add_arguments(bp)
         bp.set_defaults(func=_run(module))
-    p.set_defaults(func=lambda args: (_ for _ in ()).throw(
-        UsageError(f"Expected a benchmark name among {sorted(BENCHMARKS)}. Received: none")))
+    p.set_defaults(func=_no_name)
+
+
+def _no_name(args: argparse.Namespace) -> int:
+    raise UsageError(f"Expected a benchmark name among {sorted(BENCHMARKS)}. Received: none")
 
 
 def _run(module):  # noqa: ANN001, ANN202
