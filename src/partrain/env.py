@@ -6,8 +6,10 @@ LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or built by `partrain.launch`.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -81,3 +83,63 @@ def pick_device(local_rank: int, device: str | None = None) -> torch.device:
 def default_backend(device: torch.device) -> str:
     """gloo on CPU, NCCL on CUDA."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup CPU quota.
+
+    ``os.cpu_count()`` counts the host's cores; under ``taskset``, a container limit
+    (Docker ``--cpus``, Kubernetes CPU limits) or Slurm's ``--cpus-per-task`` that
+    oversubscribes. ``PARTRAIN_CORES`` overrides both (a positive integer).
+    """
+    raw = os.environ.get("PARTRAIN_CORES", "").strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise UsageError(f"Expected a positive integer in $PARTRAIN_CORES. Received: {raw!r}")
+        return value
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS, Windows: no affinity mask
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs' worth of time the cgroup allows per period (``quota / period``), or None.
+
+    Reads cgroup v2's ``cpu.max`` ("max 100000" = no limit) for this process's
+    cgroup, else v1's ``cpu.cfs_quota_us`` (-1 = no limit) / ``cpu.cfs_period_us``.
+    """
+    base = Path(root)
+    try:
+        v2_path = next((line.split("::", 1)[1].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
+                        if line.startswith("0::")), "/")
+    except OSError:
+        v2_path = "/"
+    for cpu_max in (base / v2_path.lstrip("/") / "cpu.max", base / "cpu.max"):
+        try:
+            quota, period = cpu_max.read_text().split()[:2]
+        except (OSError, ValueError):
+            continue
+        return None if quota == "max" else _ratio(quota, period)
+    try:
+        quota = (base / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+        period = (base / "cpu" / "cpu.cfs_period_us").read_text().strip()
+    except OSError:
+        return None
+    return None if quota.startswith("-") else _ratio(quota, period)
+
+
+def _ratio(quota: str, period: str) -> float | None:
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    return q / p if q > 0 and p > 0 else None

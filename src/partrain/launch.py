@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .env import DistEnv, default_backend, in_torchrun, pick_device
+from .env import DistEnv, available_cores, default_backend, in_torchrun, pick_device
 from .errors import UsageError, WorkerError
 from .strategies.base import WORKER, Strategy, get_strategy
 
@@ -86,7 +86,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
     first_rank = 0 if node_rank == 0 else local_offset(workers, strat, nnodes, node_rank)
     explicit_threads = threads
     if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // local)
+        threads = max(1, available_cores() // local)
 
     if world == 1 and master_addr is None:
         # one process: no spawn, no process group

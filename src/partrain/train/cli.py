@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from ..data.datasets import DataSpec, load_dataset, num_classes, sample_shape
+from ..env import available_cores
 from ..errors import UsageError
 from ..models import MODELS, build_model, model_kwargs_for
 from ..strategies.base import available, get_strategy, parse_options
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"Expected a positive number of workers. Received: --workers {args.workers}")
-    workers = args.workers or (1 if args.strategy == "single" else (os.cpu_count() or 1))
+    workers = args.workers or (1 if args.strategy == "single" else available_cores())
     options = parse_options(args.strategy, args.strategy_opt)
     strategy = get_strategy(args.strategy, **options)
     if not 0 < args.test_fraction < 1:
