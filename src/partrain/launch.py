@@ -42,11 +42,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .env import DistEnv, available_cores, default_backend, in_torchrun, pick_device
+from .env import (
+    DEFAULT_TIMEOUT,
+    DistEnv,
+    available_cores,
+    default_backend,
+    in_torchrun,
+    pick_device,
+)
 from .errors import UsageError, WorkerError
 from .strategies.base import WORKER, Strategy, get_strategy
-
-DEFAULT_TIMEOUT = 300.0
 
 
 def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy | str = "allreduce",
@@ -308,6 +313,27 @@ def tune_allocator() -> bool:
         return False
 
 
+def join_store(env: DistEnv, timeout: float) -> dist.Store:
+    """The job's store when torchrun (or a scheduler speaking its protocol) started us.
+
+    Under torchrun's elastic agent (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent hosts
+    the store and every worker is a client; otherwise rank 0 hosts it, unless a process
+    group already exists (Ray Train made one: its store is up, join it). Keys are prefixed
+    by ``TORCHELASTIC_RESTART_COUNT``: the agent's store outlives a restart, and a new
+    attempt must not meet the keys of the last one (re-forming gloo fails on them).
+    """
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or not port.isdigit():
+        raise UsageError(f"Expected MASTER_ADDR and a numeric MASTER_PORT for a job of {env.world_size} "
+                         f"processes. Received: MASTER_ADDR={addr!r}, MASTER_PORT={port!r}")
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_host = env.rank == 0 and not agent_hosts and not dist.is_initialized()
+    store = dist.TCPStore(addr, int(port), world_size=None, is_master=is_host,
+                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"partrain/attempt{attempt}", store)
+
+
 def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, env: DistEnv, timeout: float,
          threads: int | None, store: Any) -> Any:
     """Inside one process: threads, process group, strategy, then the role's body."""
@@ -318,17 +344,15 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, env
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     own_group = False
-    if env.world_size > 1 and not dist.is_initialized():
-        td = datetime.timedelta(seconds=timeout)
-        if store is None:
-            dist.init_process_group(env.backend, init_method="env://", rank=env.rank,
-                                    world_size=env.world_size, timeout=td)
-        else:
+    if env.world_size > 1:
+        if store is None:  # torchrun, Slurm, Ray...: the job's store at MASTER_ADDR:MASTER_PORT
+            store = join_store(env, timeout)
+        if not dist.is_initialized():
             dist.init_process_group(env.backend, store=store, rank=env.rank, world_size=env.world_size,
-                                    timeout=td)
-        own_group = True
+                                    timeout=datetime.timedelta(seconds=timeout))
+            own_group = True
     try:
-        strat.setup(env)
+        strat.setup(env, store=store, timeout=timeout)
         role = strat.role
         if role == WORKER:
             return fn(strat, *args, **kwargs)
