@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..env import DEFAULT_TIMEOUT
 from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..pool import WorkerPool
 
 
 @dataclass
@@ -75,6 +78,12 @@ class LaunchConfig:
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    #: processes kept between runs (`partrain.WorkerPool`); None: the enclosing pool or fresh ones
+    pool: WorkerPool | None = None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields as `partrain.launch` keywords (shallow: the pool is not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def validate(self) -> None:
         _positive("workers", self.workers, "number of workers")

@@ -99,7 +99,7 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         loss_fn: ``(output, target) -> per-sample losses`` (``reduction="none"``).
         scheduler_fn: ``optimizer -> LR scheduler`` stepped once per epoch.
         launch_config: where the workers run (`LaunchConfig`: workers, timeout, backend,
-            device, threads, nnodes, node_rank, master_addr, master_port).
+            device, threads, nnodes, node_rank, master_addr, master_port, pool).
         **options: any field of either config by name (``epochs=5, workers=2``);
             they override the objects' values.
 
@@ -117,7 +117,7 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
                       ("loss_fn", loss_fn), ("scheduler_fn", scheduler_fn)):
         _check_picklable(name, obj)
     results = launch(_fit_worker, model_fn, data, optimizer_fn, loss_fn, scheduler_fn, cfg,
-                     strategy=strat, **asdict(launch_cfg))
+                     strategy=strat, **launch_cfg.as_kwargs())
     return results[0]
 
 
