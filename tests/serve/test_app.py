@@ -24,6 +24,7 @@ from partrain.serve import ServedModel, TensorSpec, create_app
 from partrain.serve.protocol import HEADER, decode_response, encode_request
 from partrain.train.checkpoint import save_checkpoint
 
+from ..waiting import async_wait_until
 from .conftest import TestClient
 
 
@@ -67,10 +68,11 @@ def test_queue_full_is_503_with_retry_after() -> None:
     async def main() -> None:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             body, headers = encode_request({"input": torch.ones(1, 2)})
+            batcher = app.state.batchers["slow"]
             first = asyncio.create_task(c.post("/v2/models/slow/infer", content=body, headers=headers))
-            await asyncio.sleep(0.1)  # first in flight
+            await async_wait_until(lambda: batcher.in_flight == 1, "the first request in flight (blocked)")
             second = asyncio.create_task(c.post("/v2/models/slow/infer", content=body, headers=headers))
-            await asyncio.sleep(0.1)  # second queued: the queue (1) is full
+            await async_wait_until(lambda: batcher.queue_depth == 1, "the second request queued")
             r = await c.post("/v2/models/slow/infer", content=body, headers=headers)
             assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queue is full" in r.json()["error"]
             release.set()
@@ -97,7 +99,8 @@ def test_request_timeout_parameter_gives_504_and_model_error_gives_500() -> None
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             body, headers = encode_request({"input": torch.ones(1, 1)})
             first = asyncio.create_task(c.post("/v2/models/m/infer", content=body, headers=headers))
-            await asyncio.sleep(0.1)
+            batcher = app.state.batchers["m"]
+            await async_wait_until(lambda: batcher.in_flight == 1, "the first request in flight (blocked)")
             body2, headers2 = encode_request({"input": torch.ones(1, 1)}, timeout_us=20_000)
             r = await c.post("/v2/models/m/infer", content=body2, headers=headers2)
             assert r.status_code == 504 and "timeout" in r.json()["error"]
