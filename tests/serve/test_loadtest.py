@@ -27,10 +27,10 @@ from partrain.models import mlp
 from partrain.serve.loadtest import (
     AnswerChecker,
     LoadConfig,
-    decode_response,
     load_reference_model,
     parse_target,
     prepare,
+    read_answer,
     run_load,
 )
 
@@ -318,7 +318,7 @@ def test_parse_target_and_decode():
         {"name": "a", "datatype": "INT64", "shape": [1, 2], "data": [1, 2]},
         {"name": "b", "datatype": "FP16", "shape": [2], "parameters": {"binary_data_size": 4}}]}).encode()
     raw = np.array([1.5, -2], dtype="<f2").tobytes()
-    rid, outs = decode_response(head + raw, {"Inference-Header-Content-Length": str(len(head))})
+    rid, outs = read_answer(head + raw, {"Inference-Header-Content-Length": str(len(head))})
     assert rid == "3" and outs["a"].tolist() == [[1, 2]] and outs["b"].tolist() == [1.5, -2.0]
 
 
