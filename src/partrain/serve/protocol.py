@@ -141,18 +141,34 @@ class ServedModel:
 
     @classmethod
     def from_module(
-        cls, name: str, module: Callable[..., Any], input_shape: Sequence[int] | Sequence[Sequence[int]],
-        *, dtype: torch.dtype | Sequence[torch.dtype] = torch.float32, version: str = "1",
+        cls, name: str, module: Callable[..., Any],
+        input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        *, dtype: torch.dtype | Sequence[torch.dtype] | None = None, version: str = "1",
         device: torch.device | str | None = None, **settings: Any,
     ) -> ServedModel:
-        """Describe ``module`` by running it once on zeros of ``(2, *input_shape)``.
+        """Describe ``module`` by running it on zeros (see `partrain.serve.shapes.probe`).
 
-        ``input_shape`` is one sample's shape (no batch dim), or a list of them for a
-        model with several inputs. Outputs are named ``output`` (``output__k`` when
-        several), inputs likewise. ``device``: where the model runs; inputs are
-        moved there and outputs back to the CPU.
+        ``input_shape`` is one sample's shape (no batch dim; ``-1`` for a dynamic
+        dim), or a list of them for a model with several inputs. Without it, the
+        shape is read from the module's first parameterised layer
+        (`partrain.serve.shapes.infer_input`: Linear, Conv, Embedding). ``dtype``
+        defaults to that layer's (float32 when there is none). Outputs are named
+        ``output`` (``output__k`` when several), inputs likewise. ``device``: where
+        the model runs; inputs are moved there and outputs back to the CPU. Raises
+        `ValueError` when the shape cannot be inferred or no example runs.
         """
-        shapes = _shape_list(input_shape)
+        from .shapes import ShapeNotInferred, infer_input, probe
+
+        inferred = None
+        if input_shape is None or dtype is None:
+            try:
+                inferred = infer_input(module)
+            except ShapeNotInferred:
+                if input_shape is None:
+                    raise
+        shapes = _shape_list(input_shape if input_shape is not None else inferred.shape)
+        if dtype is None:
+            dtype = inferred.dtype if inferred is not None else torch.float32
         dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
         if len(dtypes) != len(shapes):
             raise ValueError(f"Expected one dtype per input. Received: {len(dtypes)} dtypes for {len(shapes)} inputs")
@@ -174,19 +190,12 @@ class ServedModel:
                 out = out.cpu() if isinstance(out, Tensor) else tuple(o.cpu() for o in out)
             return out
 
-        example = tuple(torch.zeros((2, *s), dtype=d) for s, d in zip(shapes, dtypes))
-        with torch.inference_mode():
-            out = fn(example if len(example) > 1 else example[0])
-        outs = (out,) if isinstance(out, Tensor) else tuple(out)
-        if not outs or not all(isinstance(o, Tensor) and o.dim() >= 1 and o.shape[0] == 2 for o in outs):
-            raise ValueError(
-                f"Expected model {name!r} to return a Tensor (or tuple of Tensors) with the batch in dim 0. "
-                f"Received: {[getattr(o, 'shape', type(o).__name__) for o in outs]}"
-            )
+        described = probe(fn, shapes, dtypes)
         inputs = [TensorSpec(_io_name("input", i, len(shapes)), datatype_of(d), (-1, *s))
-                  for i, (s, d) in enumerate(zip(shapes, dtypes))]
-        outputs = [TensorSpec(_io_name("output", i, len(outs)), datatype_of(o.dtype), (-1, *o.shape[1:]))
-                   for i, o in enumerate(outs)]
+                  for i, (s, d) in enumerate(zip(described.inputs, dtypes))]
+        n_out = len(described.outputs)
+        outputs = [TensorSpec(_io_name("output", i, n_out), datatype_of(d), (-1, *s))
+                   for i, (s, d) in enumerate(described.outputs)]
         return cls(name=name, fn=fn, inputs=inputs, outputs=outputs, version=version, **settings)
 
     def metadata(self) -> dict[str, Any]:
@@ -211,8 +220,9 @@ def _shape_list(input_shape: Sequence[int] | Sequence[Sequence[int]]) -> list[tu
     else:
         shapes = [tuple(int(d) for d in items)]
     for s in shapes:
-        if any(d < 1 for d in s):
-            raise ValueError(f"Expected positive sample dims (no batch dim). Received: input_shape={list(s)}")
+        if any(d < 1 and d != -1 for d in s):
+            raise ValueError(f"Expected positive sample dims or -1 (dynamic; no batch dim). "
+                             f"Received: input_shape={list(s)}")
     return shapes
 
 
