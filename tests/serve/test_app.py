@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -159,19 +160,34 @@ def test_create_app_validates_its_arguments(served) -> None:
 
 
 def _wait_for_url(proc: subprocess.Popen, timeout: float) -> str:
+    """The URL ``partrain serve`` prints once it accepts connections; fail after ``timeout`` seconds.
+
+    A thread reads the output line by line (a blocking readline would outlive any
+    timeout) and keeps draining it afterwards, so a talkative server never blocks on a
+    full pipe.
+    """
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def drain() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)  # end of output: the process exited
+
+    threading.Thread(target=drain, daemon=True).start()
     deadline = time.monotonic() + timeout
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
-        lines.append(line)
+    seen: list[str] = []
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
         m = re.search(r"http://127\.0\.0\.1:\d+", line)
         if m:
             return m.group(0)
-    raise AssertionError(f"partrain serve did not print its URL: {''.join(lines)}")
+    raise AssertionError(f"partrain serve did not print its URL within {timeout:g} s: {''.join(seen)}")
 
 
 def test_partrain_serve_checkpoint_starts_and_answers(tmp_path, digits_model) -> None:

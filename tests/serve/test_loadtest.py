@@ -238,7 +238,8 @@ def test_reports_errors_by_kind(serve):
 
 def test_whole_run_is_bounded(serve):
     url = serve({"slow": 1})
-    cfg = LoadConfig(url=url, model="tiny", concurrency=2, requests=4, timeout=5.0, max_time=0.3, samples=2)
+    # every answer is held: each client sends one request (at once) and the 1 s bound cancels both
+    cfg = LoadConfig(url=url, model="tiny", concurrency=2, requests=4, timeout=5.0, max_time=1.0, samples=2)
     report = run_load(cfg)
     assert report.ok == 0 and report.sent == 2 and report.errors["cancelled"] == 2
 

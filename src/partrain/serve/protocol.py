@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from .shapes import ShapeNotInferred, infer_input, probe
+
 try:  # orjson parses a request of 784 floats ~10x faster than json (optional, `serve` extra)
     import orjson
 
@@ -157,8 +159,6 @@ class ServedModel:
         the model runs; inputs are moved there and outputs back to the CPU. Raises
         `ValueError` when the shape cannot be inferred or no example runs.
         """
-        from .shapes import ShapeNotInferred, infer_input, probe
-
         inferred = None
         if input_shape is None or dtype is None:
             try:
