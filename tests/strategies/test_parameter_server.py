@@ -272,6 +272,7 @@ class DiesMidEpoch(nn.Module):
         return self.net(x)
 
 
+@pytest.mark.fresh_processes  # capfd sees the server's warning only in processes started inside the test
 def test_async_survives_a_killed_worker_and_learns_digits(capfd):
     # ranks: 0 = server, 1 and 2 = workers; worker rank 2 dies at its 10th step of epoch 1
     model_fn = functools.partial(DiesMidEpoch, rank=2, at_call=10)
