@@ -26,7 +26,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _module_pool() -> Iterator[partrain.WorkerPool]:
+def module_pool() -> Iterator[partrain.WorkerPool]:
+    """The module's pool (every launch of the module runs on it; request it to inspect it)."""
     with partrain.WorkerPool(POOL_PROCESSES) as pool:
         yield pool
 

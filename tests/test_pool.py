@@ -29,11 +29,10 @@ def fail_on_rank_1(strategy, how):
     strategy.barrier()
 
 
-def test_processes_are_reused_and_each_launch_is_a_fresh_job(monkeypatch):
-    with partrain.WorkerPool(2) as pool:
-        first = partrain.launch(pid_and_sum, 1, workers=2, timeout=30)
-        monkeypatch.setenv("PARTRAIN_TEST_MARK", "now")  # set after the processes started
-        second = partrain.launch(pid_and_sum, 2, workers=2, timeout=30, pool=pool)
+def test_processes_are_reused_and_each_launch_is_a_fresh_job(module_pool, monkeypatch):
+    first = partrain.launch(pid_and_sum, 1, workers=2, timeout=30)
+    monkeypatch.setenv("PARTRAIN_TEST_MARK", "now")  # set after the processes started
+    second = partrain.launch(pid_and_sum, 2, workers=2, timeout=30, pool=module_pool)
     assert [o[1] for o in first] == [2.0, 2.0] and [o[1] for o in second] == [4.0, 4.0]
     assert [o[0] for o in first] == [o[0] for o in second]  # the same two processes
     assert len({o[0] for o in first}) == 2 and os.getpid() not in {o[0] for o in first}
@@ -42,26 +41,27 @@ def test_processes_are_reused_and_each_launch_is_a_fresh_job(monkeypatch):
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_a_failed_job_is_reported_and_the_pool_recovers(how):
-    with partrain.WorkerPool(2):
-        before = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
-        with pytest.raises(WorkerError) as info:
-            partrain.launch(fail_on_rank_1, how, workers=2, timeout=20)
-        assert info.value.rank == 1
-        after = partrain.launch(pid_and_sum, 3, workers=2, timeout=30)
+    before = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
+    with pytest.raises(WorkerError) as info:
+        partrain.launch(fail_on_rank_1, how, workers=2, timeout=20)
+    assert info.value.rank == 1
+    after = partrain.launch(pid_and_sum, 3, workers=2, timeout=30)
     assert [o[1] for o in after] == [6.0, 6.0]
     assert after[1][0] != before[1][0]  # the failed rank's process was replaced
 
 
-def test_outside_the_pool_and_limits():
-    with partrain.WorkerPool(2) as pool:
-        pooled = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
-        with no_pool():
-            fresh = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
-        assert {o[0] for o in pooled}.isdisjoint(o[0] for o in fresh)
-        with pytest.raises(UsageError, match="at most 2 processes on this pool. Received: 3"):
-            partrain.launch(pid_and_sum, 0, workers=3, timeout=30)
-    assert "alive=0" in repr(pool)
+def test_outside_the_pool_and_limits(module_pool):
+    pooled = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
+    with no_pool():
+        fresh = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
+    assert {o[0] for o in pooled}.isdisjoint(o[0] for o in fresh)
+    n = module_pool.processes
+    with pytest.raises(UsageError, match=f"at most {n} processes on this pool. Received: {n + 1}"):
+        partrain.launch(pid_and_sum, 0, workers=n + 1, timeout=30)
+    closed = partrain.WorkerPool(2)
+    closed.close()
+    assert "alive=0" in repr(closed)
     with pytest.raises(UsageError, match="open WorkerPool"):
-        partrain.launch(pid_and_sum, 0, workers=2, pool=pool)
+        partrain.launch(pid_and_sum, 0, workers=2, pool=closed)
     with pytest.raises(UsageError, match="processes=0"):
         partrain.WorkerPool(0)
