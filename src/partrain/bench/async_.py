@@ -48,7 +48,7 @@ from ..errors import UsageError
 from ..models import cnn
 from ..strategies import get_strategy
 from ..train.loop import fit
-from .harness import Report, Spread, alternate, paired_ratio, pick_size
+from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
 
 FIGURES = ("samples_per_s", "time_to_target", "bytes_per_sample", "final_test_loss", "final_test_accuracy")
 
@@ -107,12 +107,12 @@ HOGWILD_ONE_PROCESS = Variant("hogwild-1", "hogwild, 1 process", "hogwild", {}, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--samples", type=int, default=None, help="training samples (default 8192, quick 4096)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs per run, >= 2 (default 6, quick 3)")
-    p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3, quick 1)")
+    p.add_argument("--samples", type=positive_int, default=None, help="training samples (default 8192, quick 4096)")
+    p.add_argument("--epochs", type=positive_int, default=None, help="epochs per run, >= 2 (default 6, quick 3)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="per-worker batch size")
+    p.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 3, quick 1)")
     p.add_argument("--target", type=float, default=None, help="test accuracy for time-to-target (default 0.85)")
-    p.add_argument("--period", type=int, default=None, help="localsgd/DiLoCo period H (default 8)")
+    p.add_argument("--period", type=positive_int, default=None, help="localsgd/DiLoCo period H (default 8)")
     p.add_argument("--long-period", type=int, default=None, help="DiLoCo's long period (default 64; 0: skip)")
     p.add_argument("--straggler", choices=("both", "off", "on"), default="both",
                    help="run without and with a worker slowed 2x (default both)")

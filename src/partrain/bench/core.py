@@ -43,7 +43,7 @@ from ..data.datasets import synthetic
 from ..env import available_cores
 from ..models import cnn
 from ..train.loop import fit
-from .harness import Report, Spread, alternate, paired_ratio, pick_size
+from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,10 @@ TOY = Size(Workload(256, 2, 32, 4, image=8), Workload(256, 2, 32, 4, image=8), r
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--samples", type=int, default=None, help="training samples (default 12288, quick 4096)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs per run, >= 2 (default 5, quick 3)")
-    p.add_argument("--batch-size", type=int, default=None, help="per-worker batch size (default 64)")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3, quick 2)")
+    p.add_argument("--samples", type=positive_int, default=None, help="training samples (default 12288, quick 4096)")
+    p.add_argument("--epochs", type=positive_int, default=None, help="epochs per run, >= 2 (default 5, quick 3)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="per-worker batch size (default 64)")
+    p.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 3, quick 2)")
 
 
 def _size(args: argparse.Namespace) -> tuple[Size, bool]:

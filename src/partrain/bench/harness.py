@@ -26,6 +26,7 @@ not be measured (a competitor not installed, a variant that failed) has value
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -297,6 +298,18 @@ def _finite(v: float) -> float | None:
 
 
 # --------------------------------------------------------------------------- sizes and threads
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for counts (rounds, epochs, samples): bad input is one clear line."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"Expected a positive integer. Received: {text!r}")
+    return value
+
 
 
 def pick_size(args: Any, full: T, quick: T, toy: T) -> tuple[T, bool]:

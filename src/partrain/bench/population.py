@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from ..env import available_cores
-from .harness import Report, Spread, alternate, paired_ratio, pick_size, torch_threads
+from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int, torch_threads
 
 IMAGE = (1, 28, 28)
 
@@ -53,15 +53,15 @@ TOY = Size(4, (4,), 0.05, 1, 1, 1, 2, ("vmap",), (4,))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--members", type=int, default=None, help="population size (default 32)")
+    parser.add_argument("--members", type=positive_int, default=None, help="population size (default 32)")
     parser.add_argument("--batch-sizes", default=None, help="per-member batch sizes (default 8,64,256)")
-    parser.add_argument("--pool-processes", type=int, default=None,
+    parser.add_argument("--pool-processes", type=positive_int, default=None,
                         help="processes in the baseline pool (default: one per member; --quick: 4)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="intra-op threads of the population process (default: torch's, one per core)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="seconds per timing window (default 2; --quick: 0.3)")
-    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3; --quick: 2)")
+    parser.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 3; --quick: 2)")
 
 
 def rss_bytes() -> int:

@@ -42,7 +42,15 @@ from torch import nn
 
 from ..errors import UsageError
 from ..models import build_model, lenet5, mlp
-from .harness import Report, Spread, alternate, paired_ratio, pick_size, server_process
+from .harness import (
+    Report,
+    Spread,
+    alternate,
+    paired_ratio,
+    pick_size,
+    positive_int,
+    server_process,
+)
 
 IMAGE = (1, 1, 28, 28)  # one request: one 1x28x28 image
 
@@ -96,10 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds measured per point, split over the rounds (default 4; --quick 1)")
     parser.add_argument("--warmup", type=float, default=None, help="seconds of load before measuring "
                         "each server (default 1; --quick 0.3)")
-    parser.add_argument("--rounds", type=int, default=None,
+    parser.add_argument("--rounds", type=positive_int, default=None,
                         help="alternating rounds over all points (default 3; --quick 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of every server (default 1)")
-    parser.add_argument("--max-batch-size", type=int, default=64,
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads of every server (default 1)")
+    parser.add_argument("--max-batch-size", type=positive_int, default=64,
                         help="max batch size of partrain serve with adaptive batching (default 64)")
     parser.add_argument("--binary", action="store_true",
                         help="binary tensor extension for partrain serve (LitServe gets JSON)")
@@ -247,10 +255,6 @@ def _sizes(args: argparse.Namespace) -> tuple[Size, bool, list[str], list[int]]:
         raise UsageError(f"Expected concurrencies like 1,16,64. Received: {size.concurrency!r}") from None
     if not levels or min(levels) < 1:
         raise UsageError(f"Expected positive concurrencies. Received: {size.concurrency!r}")
-    if args.threads < 1:
-        raise UsageError(f"Expected a positive number of threads. Received: --threads {args.threads}")
-    if size.rounds < 1:
-        raise UsageError(f"Expected a positive number of rounds. Received: --rounds {size.rounds}")
     return size, smoke, names, levels
 
 

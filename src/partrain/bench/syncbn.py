@@ -32,7 +32,7 @@ from torch import nn
 from ..launch import launch
 from ..models import bn_cnn
 from ..nn import convert_sync_batchnorm
-from .harness import Report, Spread, alternate, paired_ratio, pick_size
+from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
 
 VARIANTS = ("plain", "partrain", "torch")
 LABELS = {"plain": "nn.BatchNorm2d (local stats)", "partrain": "partrain.nn.SyncBatchNorm",
@@ -55,12 +55,12 @@ TOY = Size(batch=4, image_size=8, width=4, steps=1, rounds=1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, default=None, help="samples per worker per step (default 32)")
-    parser.add_argument("--image-size", type=int, default=None, help="square image side (default 16)")
-    parser.add_argument("--width", type=int, default=None, help="channels of the first convolution (default 32)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per round (default 10, quick 5)")
-    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 7, quick 3)")
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--batch", type=positive_int, default=None, help="samples per worker per step (default 32)")
+    parser.add_argument("--image-size", type=positive_int, default=None, help="square image side (default 16)")
+    parser.add_argument("--width", type=positive_int, default=None, help="channels of the first convolution (default 32)")
+    parser.add_argument("--steps", type=positive_int, default=None, help="timed steps per round (default 10, quick 5)")
+    parser.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 7, quick 3)")
+    parser.add_argument("--workers", type=positive_int, default=2, help="worker processes (default 2)")
 
 
 def _variant_model(kind: str, image_size: int, width: int) -> nn.Module:
