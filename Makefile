@@ -24,7 +24,7 @@ run: $(VENV)/.base
 	$(VENV)/bin/partrain train
 
 test: $(VENV)/.dev
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q --durations=15 tests
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests

@@ -83,7 +83,7 @@ ERRORS = [
 @pytest.mark.parametrize("argv,expected", ERRORS, ids=[" ".join(a)[:40] for a, _ in ERRORS])
 def test_bad_input_is_one_clear_line(argv, expected, files, capsys):
     argv = [a.replace("{d}", str(files)) for a in argv]
-    code = main(["train", "--quiet", "--epochs", "1", "--out", str(files / "out"), *argv])
+    code = main(["train", "--quiet", "--workers", "2", "--epochs", "1", "--out", str(files / "out"), *argv])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1, err
@@ -101,9 +101,10 @@ def test_train_user_model_and_data_from_modules(tmp_path, capsys):
     assert (tmp_path / "checkpoint.pt").exists() and (tmp_path / "curves.png").exists()
 
 
-def test_default_train_reaches_high_accuracy_and_checkpoint_reloads(tmp_path, capsys):
+def test_default_train_reaches_high_accuracy_and_checkpoint_reloads(tmp_path, capsys, monkeypatch):
     from partrain.train.checkpoint import load_model
 
+    monkeypatch.setenv("PARTRAIN_CORES", "2")  # the default, one worker per core, bounded on any host
     code = main(["train", "--quiet", "--epochs", "4", "--out", str(tmp_path)])
     assert code == 0
     out = capsys.readouterr().out

@@ -8,13 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 import partrain
-from partrain.env import DistEnv
+from partrain.env import DistEnv, available_cores, cgroup_cpu_quota
 from partrain.errors import UsageError, WorkerError
 
 
@@ -36,14 +35,18 @@ def kill_rank_1_mid_run(strategy):
             os.kill(os.getpid(), signal.SIGKILL)
         t = torch.ones(1)
         strategy.all_reduce_sum(t)
-        time.sleep(0.01)
 
 
-def test_results_come_back_in_rank_order_with_one_thread_each():
+def test_results_come_back_in_rank_order_with_the_cores_shared():
     out = partrain.launch(sum_ranks, 10, workers=2, timeout=30)
     assert [o[:3] for o in out] == [(0, 2, 21.0), (1, 2, 21.0)]
-    assert [o[3] for o in out] == [1, 1]  # 2 cores shared by 2 processes
+    # the cores this process may use, shared by 2 processes (1 each on 1 or 2 cores, 8 on 16)
+    assert [o[3] for o in out] == [max(1, available_cores() // 2)] * 2
     assert [o[4] for o in out] == ["0", "1"]
+
+
+def test_explicit_threads_win():
+    assert [o[3] for o in partrain.launch(sum_ranks, 0, workers=2, threads=2, timeout=30)] == [2, 2]
 
 
 def test_single_worker_runs_in_process():
@@ -60,6 +63,7 @@ def test_exception_in_a_rank_names_it_with_traceback():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.fresh_processes
 def test_killed_worker_fails_the_job_naming_the_rank():
     # bounded by the pytest-timeout mark: a hang fails the test instead of the suite
     with pytest.raises(WorkerError) as info:
@@ -100,3 +104,34 @@ def test_torchrun_path_trains(tmp_path):
 
     row = json.loads(open(tmp_path / "metrics.jsonl").read().splitlines()[-1])
     assert row["workers"] == 2 and row["samples"] == 1438
+
+
+def test_available_cores_follow_affinity_not_the_host():
+    """Under taskset the launcher must count 1 core, whatever the host has."""
+    code = "from partrain.env import available_cores; print(available_cores())"
+    proc = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1"
+    assert 1 <= available_cores() <= len(os.sched_getaffinity(0))
+
+
+def test_cgroup_quota_caps_the_cores(tmp_path, monkeypatch):
+    # v2: "quota period"; "max" is no limit
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) is None
+    # v1: cfs quota / period; -1 is no limit
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    assert cgroup_cpu_quota(str(tmp_path)) == 1.0
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_quota(str(tmp_path)) is None
+    monkeypatch.setenv("PARTRAIN_CORES", "3")
+    assert available_cores() == 3
+    monkeypatch.setenv("PARTRAIN_CORES", "zero")
+    with pytest.raises(UsageError, match="PARTRAIN_CORES"):
+        available_cores()

@@ -7,15 +7,17 @@ named on the command line or passed to `launch` / `fit`.
 from .env import DistEnv
 from .errors import UsageError, WorkerError
 from .launch import launch
+from .pool import WorkerPool
 from .strategies import Strategy, get_strategy
 
 __version__ = "0.1.0"
 
-__all__ = ["DistEnv", "Strategy", "UsageError", "WorkerError", "fit", "get_strategy", "launch"]
+__all__ = ["DistEnv", "FitConfig", "LaunchConfig", "RunResult", "Strategy", "UsageError", "WorkerError",
+           "WorkerPool", "fit", "get_strategy", "launch"]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy: the training loop pulls in more modules
-    if name in ("fit", "RunResult"):
+    if name in ("fit", "RunResult", "FitConfig", "LaunchConfig"):
         from .train import loop
 
         return getattr(loop, name)

@@ -15,6 +15,9 @@ import torch
 
 from .errors import UsageError
 
+#: seconds for every rendezvous, collective and queue wait unless the caller says otherwise
+DEFAULT_TIMEOUT = 300.0
+
 
 @dataclass(frozen=True)
 class DistEnv:

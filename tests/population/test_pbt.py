@@ -15,8 +15,6 @@ from partrain.models import cnn
 from partrain.population import PBT, Population, choice, loguniform
 from partrain.population.space import parse_space_entry, perturb
 
-torch.set_num_threads(1)
-
 
 def small_cnn():
     return cnn(width=4)

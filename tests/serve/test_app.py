@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import re
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from partrain.serve import ServedModel, TensorSpec, create_app
 from partrain.serve.protocol import HEADER, decode_response, encode_request
 from partrain.train.checkpoint import save_checkpoint
 
+from ..waiting import async_wait_until
 from .conftest import TestClient
 
 
@@ -67,10 +69,11 @@ def test_queue_full_is_503_with_retry_after() -> None:
     async def main() -> None:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             body, headers = encode_request({"input": torch.ones(1, 2)})
+            batcher = app.state.batchers["slow"]
             first = asyncio.create_task(c.post("/v2/models/slow/infer", content=body, headers=headers))
-            await asyncio.sleep(0.1)  # first in flight
+            await async_wait_until(lambda: batcher.in_flight == 1, "the first request in flight (blocked)")
             second = asyncio.create_task(c.post("/v2/models/slow/infer", content=body, headers=headers))
-            await asyncio.sleep(0.1)  # second queued: the queue (1) is full
+            await async_wait_until(lambda: batcher.queue_depth == 1, "the second request queued")
             r = await c.post("/v2/models/slow/infer", content=body, headers=headers)
             assert r.status_code == 503 and r.headers["retry-after"] == "1" and "queue is full" in r.json()["error"]
             release.set()
@@ -97,7 +100,8 @@ def test_request_timeout_parameter_gives_504_and_model_error_gives_500() -> None
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             body, headers = encode_request({"input": torch.ones(1, 1)})
             first = asyncio.create_task(c.post("/v2/models/m/infer", content=body, headers=headers))
-            await asyncio.sleep(0.1)
+            batcher = app.state.batchers["m"]
+            await async_wait_until(lambda: batcher.in_flight == 1, "the first request in flight (blocked)")
             body2, headers2 = encode_request({"input": torch.ones(1, 1)}, timeout_us=20_000)
             r = await c.post("/v2/models/m/infer", content=body2, headers=headers2)
             assert r.status_code == 504 and "timeout" in r.json()["error"]
@@ -156,19 +160,34 @@ def test_create_app_validates_its_arguments(served) -> None:
 
 
 def _wait_for_url(proc: subprocess.Popen, timeout: float) -> str:
+    """The URL ``partrain serve`` prints once it accepts connections; fail after ``timeout`` seconds.
+
+    A thread reads the output line by line (a blocking readline would outlive any
+    timeout) and keeps draining it afterwards, so a talkative server never blocks on a
+    full pipe.
+    """
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def drain() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)  # end of output: the process exited
+
+    threading.Thread(target=drain, daemon=True).start()
     deadline = time.monotonic() + timeout
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
-        lines.append(line)
+    seen: list[str] = []
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
         m = re.search(r"http://127\.0\.0\.1:\d+", line)
         if m:
             return m.group(0)
-    raise AssertionError(f"partrain serve did not print its URL: {''.join(lines)}")
+    raise AssertionError(f"partrain serve did not print its URL within {timeout:g} s: {''.join(seen)}")
 
 
 def test_partrain_serve_checkpoint_starts_and_answers(tmp_path, digits_model) -> None:

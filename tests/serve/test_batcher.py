@@ -27,6 +27,8 @@ from partrain.serve import (
 )
 from partrain.serve.batcher import Pending, batch_key
 
+from ..waiting import async_wait_until, wait_until
+
 torch.manual_seed(0)
 MODEL = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).eval()
 
@@ -226,13 +228,13 @@ def test_queue_full_rejects_and_drain_on_stop_loses_nothing() -> None:
         b = Batcher(model, max_batch_size=2, max_queue=5, policy="none")
         await b.start()
         first = asyncio.create_task(b.submit(torch.ones(1, 1)))
-        await asyncio.sleep(0.05)  # the first batch is now in flight, blocked
+        await async_wait_until(lambda: b.in_flight == 1, "the first batch in flight (blocked)")
         queued = [asyncio.create_task(b.submit(torch.full((1, 1), float(i)))) for i in range(5)]
-        await asyncio.sleep(0.01)
+        await async_wait_until(lambda: b.queue_depth == 5, "five requests queued behind it")
         with pytest.raises(QueueFull):
             await b.submit(torch.ones(1, 1))
         stopping = asyncio.create_task(b.stop(drain=True))
-        await asyncio.sleep(0.01)
+        await async_wait_until(lambda: not b.running, "the batcher to stop accepting")
         with pytest.raises(BatcherClosed):
             await b.submit(torch.ones(1, 1))
         release.set()
@@ -256,9 +258,10 @@ def test_stop_without_drain_answers_pending_with_batcher_closed() -> None:
         b = Batcher(model, max_batch_size=1, policy="none")
         await b.start()
         tasks = [asyncio.create_task(b.submit(torch.ones(1, 1))) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        await async_wait_until(lambda: b.in_flight == 1 and b.queue_depth == 2,
+                               "one request in flight (blocked) and two queued")
         stopping = asyncio.create_task(b.stop(drain=False))
-        await asyncio.sleep(0.01)
+        await async_wait_until(lambda: not b.running, "the batcher to stop accepting")
         release.set()
         await stopping
         outs = await asyncio.gather(*tasks, return_exceptions=True)
@@ -369,7 +372,7 @@ def test_submit_blocking_timeout_never_runs_the_request() -> None:
     try:
         blocker = threading.Thread(target=b.submit_blocking, args=(torch.zeros(1, 1),))
         blocker.start()
-        time.sleep(0.05)
+        wait_until(lambda: b.in_flight == 1, "the blocking request in flight")
         with pytest.raises(TimeoutError):
             b.submit_blocking(torch.ones(1, 1), timeout=0.05)
         release.set()

@@ -17,7 +17,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -28,12 +27,14 @@ from partrain.models import mlp
 from partrain.serve.loadtest import (
     AnswerChecker,
     LoadConfig,
-    decode_response,
     load_reference_model,
     parse_target,
     prepare,
+    read_answer,
     run_load,
 )
+
+from ..waiting import wait_until
 
 uvicorn = pytest.importorskip("uvicorn")
 starlette = pytest.importorskip("starlette")
@@ -56,7 +57,8 @@ def fake_app(model: torch.nn.Module, misbehave: dict[str, int] | None = None):
     - ``"wrong"``: requests whose id is a multiple get numbers off by 0.5
     - ``"swap"``: requests whose id is a multiple get another id back
     - ``"503"``: requests whose id is a multiple get HTTP 503
-    - ``"slow"``: requests whose id is a multiple are answered after 4 s
+    - ``"slow"``: requests whose id is a multiple are held unanswered until the server closes
+      (``app.state.release``, set by the ``serve`` fixture), so they always time out
     """
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -64,6 +66,7 @@ def fake_app(model: torch.nn.Module, misbehave: dict[str, int] | None = None):
     from starlette.routing import Route
 
     faults = misbehave or {}
+    release = threading.Event()
     metadata = {"name": "tiny", "versions": ["1"], "platform": "pytorch",
                 "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}],
                 "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, 3]}]}
@@ -89,7 +92,9 @@ def fake_app(model: torch.nn.Module, misbehave: dict[str, int] | None = None):
         if hit("503", rid):
             return JSONResponse({"error": "busy"}, status_code=503, headers={"Retry-After": "1"})
         if hit("slow", rid):
-            await asyncio.sleep(4.0)
+            while not release.is_set():  # held: no answer can beat any client timeout
+                await asyncio.sleep(0.01)
+            return JSONResponse({"error": "server closing"}, status_code=503)
         with torch.inference_mode():
             y = model(torch.from_numpy(x.copy())).numpy()
         if hit("wrong", rid):
@@ -105,8 +110,10 @@ def fake_app(model: torch.nn.Module, misbehave: dict[str, int] | None = None):
         out["data"] = y.reshape(-1).tolist()
         return JSONResponse({"id": out_id, "model_name": "tiny", "outputs": [out]})
 
-    return Starlette(routes=[Route("/v2/models/{name}", meta),
-                             Route("/v2/models/{name}/infer", infer, methods=["POST"])])
+    app = Starlette(routes=[Route("/v2/models/{name}", meta),
+                            Route("/v2/models/{name}/infer", infer, methods=["POST"])])
+    app.state.release = release
+    return app
 
 
 class ServerThread:
@@ -120,12 +127,12 @@ class ServerThread:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "test server did not start within 10 s"
-            time.sleep(0.01)
+        wait_until(lambda: self.server.started, "the test server to start")
 
     def close(self) -> None:
+        release = getattr(self.server.config.app.state, "release", None)
+        if release is not None:
+            release.set()  # let held requests end, or uvicorn waits for them on exit
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.sock.close()
@@ -220,8 +227,8 @@ def test_detects_a_different_model(serve):
 
 def test_reports_errors_by_kind(serve):
     url = serve({"503": 5, "slow": 7})
-    # 1.5 s: far above a normal answer even on a loaded machine, far below the slow one's 4 s
-    cfg = LoadConfig(url=url, model="tiny", concurrency=4, requests=35, timeout=1.5, samples=4)
+    # 3 s: far above a normal answer even at load average 8; the slow ones never answer in time
+    cfg = LoadConfig(url=url, model="tiny", concurrency=4, requests=35, timeout=3.0, samples=4)
     report = run_load(cfg)
     # 503: ids 0,5,...,30 (7); slow (timed out): 7,14,21,28 (35 excluded: 35 requests are 0..34)
     assert report.errors["HTTP 503"] == 7
@@ -231,7 +238,8 @@ def test_reports_errors_by_kind(serve):
 
 def test_whole_run_is_bounded(serve):
     url = serve({"slow": 1})
-    cfg = LoadConfig(url=url, model="tiny", concurrency=2, requests=4, timeout=5.0, max_time=0.3, samples=2)
+    # every answer is held: each client sends one request (at once) and the 1 s bound cancels both
+    cfg = LoadConfig(url=url, model="tiny", concurrency=2, requests=4, timeout=5.0, max_time=1.0, samples=2)
     report = run_load(cfg)
     assert report.ok == 0 and report.sent == 2 and report.errors["cancelled"] == 2
 
@@ -311,7 +319,7 @@ def test_parse_target_and_decode():
         {"name": "a", "datatype": "INT64", "shape": [1, 2], "data": [1, 2]},
         {"name": "b", "datatype": "FP16", "shape": [2], "parameters": {"binary_data_size": 4}}]}).encode()
     raw = np.array([1.5, -2], dtype="<f2").tobytes()
-    rid, outs = decode_response(head + raw, {"Inference-Header-Content-Length": str(len(head))})
+    rid, outs = read_answer(head + raw, {"Inference-Header-Content-Length": str(len(head))})
     assert rid == "3" and outs["a"].tolist() == [[1, 2]] and outs["b"].tolist() == [1.5, -2.0]
 
 

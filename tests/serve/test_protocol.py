@@ -45,6 +45,11 @@ def test_codec_round_trip_every_datatype(datatype: str, binary: bool) -> None:
     body, headers = encode_request({"input": x}, binary=binary)
     req = decode_infer_request(body, headers.get(HEADER), echo_model(datatype))
     assert req.inputs[0].dtype == x.dtype and torch.equal(req.inputs[0], x)
+    # the load generator encodes numpy arrays through the same codec: same bytes, any byte order
+    arr = x.numpy()
+    assert encode_request({"input": arr}, binary=binary) == (body, headers)
+    swapped = arr.astype(arr.dtype.newbyteorder(">"))
+    assert encode_request({"input": swapped}, binary=binary) == (body, headers)
 
 
 def test_nested_and_flat_data_decode_the_same() -> None:

@@ -1,4 +1,11 @@
-"""Resume continues exactly: same strategy and world size give the parameters of an uninterrupted run."""
+"""Resume continues exactly: same strategy and world size give the parameters of an uninterrupted run.
+
+Precision: bit for bit. Both runs are the same 2 processes with one intra-op
+thread each (pinned with ``threads=1``, so the launcher's share of the cores
+cannot differ), doing the same operations on the same numbers in the same
+order; any state the checkpoint fails to restore (momentum, data order, the
+random stream) changes bits.
+"""
 
 import os
 
@@ -8,7 +15,8 @@ from tests.helpers import assert_states_close, sgd, small_cnn
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    common = dict(strategy="allreduce", workers=2, batch_size=32, quiet=True, timeout=60, return_state=True)
+    common = dict(strategy="allreduce", workers=2, batch_size=32, quiet=True, timeout=60, return_state=True,
+                  threads=1)
     full = fit(small_cnn, "digits", sgd, epochs=2, out_dir=str(tmp_path / "full"), **common)
     part = str(tmp_path / "part")
     fit(small_cnn, "digits", sgd, epochs=1, out_dir=part, **common)

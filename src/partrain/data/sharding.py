@@ -35,6 +35,9 @@ from ..errors import UsageError
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
+    #: False: fixed, equal shares known ahead; True: batches claimed at run time (`ClaimingBatchSampler`)
+    claims_batches = False
+
     def __init__(self, num_samples: int, batch_size: int, rank: int = 0, num_replicas: int = 1,
                  *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         if batch_size < 1:
@@ -95,7 +98,7 @@ class ClaimingBatchSampler(ShardedBatchSampler):
     the same on every worker and new for every sampler of the job.
     """
 
-    dynamic = True
+    claims_batches = True
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, num_replicas: int, *, store: Any,
                  key: str, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:

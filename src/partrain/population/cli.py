@@ -10,8 +10,6 @@ checkpoint that ``partrain train --resume`` and ``partrain serve`` load) and
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import sys
 from typing import Any
@@ -114,20 +112,4 @@ def run(args: argparse.Namespace) -> int:
     print(f"best member {summary['best']}: test accuracy {summary['best_test_accuracy']:.4f} -> "
           f"{os.path.join(cfg['out'], 'best.pt')}")
     return 0
-
-
-def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
-    if not rows:
-        return
-    keys = list(rows[0])
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
-def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
-    with open(path, "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
 

@@ -273,7 +273,7 @@ class LoopEngine(Engine):
             for row, opt in enumerate(self.optimizers):
                 self.optimizer.set_torch_group(opt, {k: float(v[row]) for k, v in hp_rows.items()})
             self._hp_version = hp_version
-        losses = torch.empty(self.store.rows, device=x.device)
+        losses = torch.empty(self.store.rows, dtype=self.store.flat.dtype, device=x.device)  # as vmap returns
         for row, (module, opt) in enumerate(zip(self.modules, self.optimizers)):
             module.train()
             n = int(sizes[row]) if sizes is not None else x.shape[1]

@@ -1,7 +1,9 @@
-"""Human-readable outputs of a population run: the leaderboard table and the curves PNG."""
+"""The output files of a population run: leaderboard and history tables, lineage, the curves PNG."""
 
 from __future__ import annotations
 
+import csv
+import json
 from typing import Any
 
 from ..bench.common import format_table
@@ -47,3 +49,21 @@ def plot_curves(history: list[dict[str, Any]], lineage: list[dict[str, Any]], pa
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_csv(path: str, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as a CSV file with a header (the keys of the first row); nothing for no rows."""
+    if not rows:
+        return
+    keys = list(rows[0])
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
+    """One JSON object per line."""
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")

@@ -21,6 +21,7 @@ from ..models import build_model, model_kwargs_for
 from ..train.checkpoint import save_checkpoint
 from .pbt import PBT
 from .population import Population
+from .report import format_leaderboard, plot_curves, write_csv, write_jsonl
 from .space import parse_space_entry, sample
 from .trainer import MemberLoader, train_population
 
@@ -129,9 +130,6 @@ def _body(cfg: dict[str, Any], distributed: bool, device: torch.device | None) -
 
     lineage = pbt.lineage if pbt is not None else []
     rows = leaderboard_rows(pop, val_acc, val_loss, test_acc, test_loss, lineage)
-    from .cli import write_csv, write_jsonl
-    from .report import format_leaderboard, plot_curves
-
     write_csv(os.path.join(cfg["out"], "leaderboard.csv"), rows)
     write_csv(os.path.join(cfg["out"], "history.csv"), history)
     write_jsonl(os.path.join(cfg["out"], "lineage.jsonl"), lineage)

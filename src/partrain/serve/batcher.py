@@ -413,7 +413,7 @@ class Batcher:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._accepting = False
         self._draining = True
-        self._busy = False
+        self._in_flight = 0  # requests in the batch the model is running now
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -426,6 +426,15 @@ class Batcher:
     def queue_depth(self) -> int:
         """Live requests waiting for a batch (not counting the one in flight)."""
         return self._queued
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in the batch the model is running now (0 while it is idle).
+
+        With `queue_depth` it tells where every accepted, unanswered request is:
+        an operator (or a test) waits on these instead of guessing a time.
+        """
+        return self._in_flight
 
     async def start(self) -> None:
         """Start the dispatch loop on the running event loop."""
@@ -619,6 +628,7 @@ class Batcher:
         rows = sum(p.rows for p in batch)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        self._in_flight = len(batch)
         try:
             results = await loop.run_in_executor(self._executor, self._compute, batch)
         except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
@@ -627,6 +637,8 @@ class Batcher:
                 if not item.future.done():
                     item.future.set_exception(exc)
             results = None
+        finally:
+            self._in_flight = 0
         seconds = time.perf_counter() - t0
         self.policy.observe_batch(rows, seconds)
         st = self.stats

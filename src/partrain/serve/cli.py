@@ -45,9 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer TOKEN' (default: $PARTRAIN_SERVE_TOKEN; health "
                         "endpoints stay open)")
     p.add_argument("--input-shape", default=None,
-                   help="one sample's shape, e.g. 1,28,28, for models that do not record it")
-    p.add_argument("--input-dtype", default="FP32", choices=sorted(DATATYPES),
-                   help="input datatype for models that do not record it (default FP32)")
+                   help="one sample's shape without the batch dim, e.g. 1,28,28 (-1: a dynamic dim), for models "
+                        "that do not record it and whose first layer does not determine it (Linear, Conv, "
+                        "Embedding do)")
+    p.add_argument("--input-dtype", default=None, choices=sorted(DATATYPES),
+                   help="input datatype for models that do not record it (default: the first layer's, "
+                        "INT64 for Embedding, else FP32)")
     p.set_defaults(func=run)
 
 

@@ -11,9 +11,14 @@ A MODEL is ``[name=]source`` where source is one of (checked in this order):
 
 None of these unpickles arbitrary code: checkpoints load with ``weights_only``,
 TorchScript and exported programs carry their own graph format, and a factory
-is code the user names explicitly. Models whose input shape is not recorded
-(TorchScript, factories) need ``input_shape`` (``--input-shape``) unless the
-module has an ``example_input_shape`` attribute.
+is code the user names explicitly.
+
+Input shape, first found of: ``--input-shape``; what the source records (a
+checkpoint's spec, a ``.pt2`` program, an ``example_input_shape`` attribute);
+what the first parameterised layer determines (`partrain.serve.shapes`: Linear
+``[-1, in_features]``, Conv ``[-1, channels, -1, ...]``, Embedding ``[-1, -1]``
+INT64), checked by running the model on zeros. Only when none of these works is
+``--input-shape`` asked for, in one line saying why.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch import nn
 
 from ..errors import UsageError
 from .protocol import DATATYPES, ServedModel
+from .shapes import ShapeNotInferred, error_line, infer_input
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -63,8 +69,9 @@ def parse_shape(text: str | Sequence[int] | None) -> tuple[int, ...] | None:
             shape = ()
     else:
         shape = tuple(int(d) for d in text)
-    if not shape or any(d < 1 for d in shape):
-        raise UsageError(f"Expected --input-shape as positive integers like 1,28,28 (no batch dim). Received: {text!r}")
+    if not shape or any(d < 1 and d != -1 for d in shape):
+        raise UsageError("Expected --input-shape as positive integers (-1: a dynamic dim) like 1,28,28 "
+                         f"(no batch dim). Received: {text!r}")
     return shape
 
 
@@ -103,18 +110,20 @@ def _exported(path: str, device: torch.device | None) -> tuple[nn.Module, list[t
     return module, shapes, dtypes, static
 
 
-def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None, input_dtype: str = "FP32",
+def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None, input_dtype: str | None = None,
                     device: torch.device | str | None = None, **settings: Any) -> ServedModel:
     """Load one MODEL argument as a `ServedModel` (``settings``: batching options).
 
-    Raises `UsageError` with one clear line for anything the user can fix.
+    ``input_dtype`` (an OIP datatype) defaults to what the source records, else the
+    first layer's (`partrain.serve.shapes.infer_input`), else FP32. Raises
+    `UsageError` with one clear line for anything the user can fix.
     """
     name, source = parse_model_arg(text)
     name = name or default_name(source)
     shape = parse_shape(input_shape)
-    if input_dtype not in DATATYPES:
+    if input_dtype is not None and input_dtype not in DATATYPES:
         raise UsageError(f"Expected --input-dtype among {sorted(DATATYPES)}. Received: {input_dtype!r}")
-    dtype = DATATYPES[input_dtype][0]
+    dtype = DATATYPES[input_dtype][0] if input_dtype is not None else None
     dev = torch.device(device) if device is not None else None
     module: Any
     shapes: list[tuple[int, ...]] | tuple[int, ...] | None = shape
@@ -161,12 +170,32 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
         raise UsageError(f"Expected MODEL as [name=]PATH (checkpoint, TorchScript, .pt2) or module:factory. "
                          f"Received: {text!r} (no such file)")
     if shapes is None:
-        raise UsageError(f"Model {name!r} does not record its input shape. Expected --input-shape like 1,28,28. "
-                         "Received: none")
+        return _served_with_inferred_shape(name, module, dtypes, dev, settings)
     try:
         return ServedModel.from_module(name, module, shapes, dtype=dtypes, device=dev, **settings)
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise UsageError(f"Model {name!r} failed on an example input of shape {shapes}: {type(exc).__name__}: {exc}") from None
+        raise UsageError(f"Model {name!r} failed on an example input of shape {shapes}: {error_line(exc)}") from None
+
+
+def _served_with_inferred_shape(name: str, module: Any, dtype: torch.dtype | None, device: torch.device | None,
+                                settings: dict[str, Any]) -> ServedModel:
+    """Serve ``module`` with the input its first layer determines, or ask for --input-shape saying why."""
+
+    def ask(why: str) -> UsageError:
+        return UsageError(f"Expected --input-shape like 1,28,28 for model {name!r}: it does not record its "
+                          f"input shape and {why}. Received: no --input-shape")
+
+    try:
+        inferred = infer_input(module)
+    except ShapeNotInferred as exc:
+        raise ask(str(exc)) from None
+    try:
+        return ServedModel.from_module(name, module, inferred.shape, dtype=dtype or inferred.dtype, device=device,
+                                       **settings)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        shown = [-1, *inferred.shape]
+        raise ask(f"its first layer, {inferred.layer}, suggests inputs of shape {shown} (-1: any size), "
+                  f"but running it on zeros of that shape failed: {error_line(exc)}") from None
 
 
 def load_models(specs: Sequence[str], *, device: torch.device | str | None = None, **options: Any) -> list[ServedModel]:

@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from .shapes import ShapeNotInferred, infer_input, probe
 
 try:  # orjson parses a request of 784 floats ~10x faster than json (optional, `serve` extra)
     import orjson
@@ -84,6 +86,14 @@ def datatype_of(dtype: torch.dtype) -> str:
         ) from None
 
 
+def datatype_of_array(a: np.ndarray) -> str:
+    """The OIP datatype name of a numpy array (any byte order: ``>f4`` is ``"FP32"`` too)."""
+    for name, (_, dtype) in DATATYPES.items():
+        if a.dtype.kind == dtype.kind and a.dtype.itemsize == dtype.itemsize:
+            return name
+    raise ValueError(f"Expected an array of a datatype among {sorted(DATATYPES)}. Received: {a.dtype}")
+
+
 # --------------------------------------------------------------------------- model metadata
 
 
@@ -97,6 +107,15 @@ class TensorSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TensorSpec:
+        """Client side: one tensor of a model metadata response; `ValueError` if malformed."""
+        try:
+            return cls(str(obj["name"]), str(obj["datatype"]).upper(), tuple(int(d) for d in obj["shape"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"Expected tensor metadata with name, datatype and shape. "
+                             f"Received: {str(obj)[:200]} ({type(exc).__name__}: {exc})") from None
 
 
 @dataclass
@@ -124,18 +143,32 @@ class ServedModel:
 
     @classmethod
     def from_module(
-        cls, name: str, module: Callable[..., Any], input_shape: Sequence[int] | Sequence[Sequence[int]],
-        *, dtype: torch.dtype | Sequence[torch.dtype] = torch.float32, version: str = "1",
+        cls, name: str, module: Callable[..., Any],
+        input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        *, dtype: torch.dtype | Sequence[torch.dtype] | None = None, version: str = "1",
         device: torch.device | str | None = None, **settings: Any,
     ) -> ServedModel:
-        """Describe ``module`` by running it once on zeros of ``(2, *input_shape)``.
+        """Describe ``module`` by running it on zeros (see `partrain.serve.shapes.probe`).
 
-        ``input_shape`` is one sample's shape (no batch dim), or a list of them for a
-        model with several inputs. Outputs are named ``output`` (``output__k`` when
-        several), inputs likewise. ``device``: where the model runs; inputs are
-        moved there and outputs back to the CPU.
+        ``input_shape`` is one sample's shape (no batch dim; ``-1`` for a dynamic
+        dim), or a list of them for a model with several inputs. Without it, the
+        shape is read from the module's first parameterised layer
+        (`partrain.serve.shapes.infer_input`: Linear, Conv, Embedding). ``dtype``
+        defaults to that layer's (float32 when there is none). Outputs are named
+        ``output`` (``output__k`` when several), inputs likewise. ``device``: where
+        the model runs; inputs are moved there and outputs back to the CPU. Raises
+        `ValueError` when the shape cannot be inferred or no example runs.
         """
-        shapes = _shape_list(input_shape)
+        inferred = None
+        if input_shape is None or dtype is None:
+            try:
+                inferred = infer_input(module)
+            except ShapeNotInferred:
+                if input_shape is None:
+                    raise
+        shapes = _shape_list(input_shape if input_shape is not None else inferred.shape)
+        if dtype is None:
+            dtype = inferred.dtype if inferred is not None else torch.float32
         dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
         if len(dtypes) != len(shapes):
             raise ValueError(f"Expected one dtype per input. Received: {len(dtypes)} dtypes for {len(shapes)} inputs")
@@ -157,19 +190,12 @@ class ServedModel:
                 out = out.cpu() if isinstance(out, Tensor) else tuple(o.cpu() for o in out)
             return out
 
-        example = tuple(torch.zeros((2, *s), dtype=d) for s, d in zip(shapes, dtypes))
-        with torch.inference_mode():
-            out = fn(example if len(example) > 1 else example[0])
-        outs = (out,) if isinstance(out, Tensor) else tuple(out)
-        if not outs or not all(isinstance(o, Tensor) and o.dim() >= 1 and o.shape[0] == 2 for o in outs):
-            raise ValueError(
-                f"Expected model {name!r} to return a Tensor (or tuple of Tensors) with the batch in dim 0. "
-                f"Received: {[getattr(o, 'shape', type(o).__name__) for o in outs]}"
-            )
+        described = probe(fn, shapes, dtypes)
         inputs = [TensorSpec(_io_name("input", i, len(shapes)), datatype_of(d), (-1, *s))
-                  for i, (s, d) in enumerate(zip(shapes, dtypes))]
-        outputs = [TensorSpec(_io_name("output", i, len(outs)), datatype_of(o.dtype), (-1, *o.shape[1:]))
-                   for i, o in enumerate(outs)]
+                  for i, (s, d) in enumerate(zip(described.inputs, dtypes))]
+        n_out = len(described.outputs)
+        outputs = [TensorSpec(_io_name("output", i, n_out), datatype_of(d), (-1, *s))
+                   for i, (s, d) in enumerate(described.outputs)]
         return cls(name=name, fn=fn, inputs=inputs, outputs=outputs, version=version, **settings)
 
     def metadata(self) -> dict[str, Any]:
@@ -194,8 +220,9 @@ def _shape_list(input_shape: Sequence[int] | Sequence[Sequence[int]]) -> list[tu
     else:
         shapes = [tuple(int(d) for d in items)]
     for s in shapes:
-        if any(d < 1 for d in s):
-            raise ValueError(f"Expected positive sample dims (no batch dim). Received: input_shape={list(s)}")
+        if any(d < 1 and d != -1 for d in s):
+            raise ValueError(f"Expected positive sample dims or -1 (dynamic; no batch dim). "
+                             f"Received: input_shape={list(s)}")
     return shapes
 
 
@@ -237,18 +264,18 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
     return header, memoryview(body)[n:]
 
 
-def _tensor_from_json(name: str, data: Any, datatype: str, shape: list[int]) -> Tensor:
+def _tensor_from_json(label: str, data: Any, datatype: str, shape: list[int]) -> Tensor:
     torch_dtype, np_dtype = DATATYPES[datatype]
     if not isinstance(data, list):
         data = [data]
     try:
         raw = np.array(data)
     except (ValueError, OverflowError) as exc:
-        raise _bad(f"Expected input {name!r} data as a (nested) list of numbers. Received: {exc}") from None
+        raise _bad(f"Expected {label} data as a (nested) list of numbers. Received: {exc}") from None
     kind = raw.dtype.kind
     count = math.prod(shape)
     if raw.size != count:
-        raise _bad(f"Expected {count} elements for input {name!r} of shape {shape}. Received: {raw.size}")
+        raise _bad(f"Expected {count} elements for {label} of shape {shape}. Received: {raw.size}")
     if raw.size:
         if datatype == "BOOL":
             ok = kind == "b"
@@ -264,23 +291,23 @@ def _tensor_from_json(name: str, data: Any, datatype: str, shape: list[int]) -> 
                 info = np.iinfo(np_dtype)
                 low, high = raw.min(), raw.max()
                 if low < info.min or high > info.max:
-                    raise _bad(f"Expected {datatype} values in [{info.min}, {info.max}] for input {name!r}. "
+                    raise _bad(f"Expected {datatype} values in [{info.min}, {info.max}] for {label}. "
                                f"Received: values in [{low}, {high}]")
         else:
             ok = kind in "iuf"
         if not ok:
             want = {"BOOL": "true/false"}.get(datatype, "integers" if "INT" in datatype else "numbers")
-            raise _bad(f"Expected {want} for input {name!r} of datatype {datatype}. "
+            raise _bad(f"Expected {want} for {label} of datatype {datatype}. "
                        f"Received: elements of numpy kind {raw.dtype.name}")
     arr = raw.astype(np_dtype.newbyteorder("="), copy=False).reshape(shape)
     return torch.from_numpy(np.ascontiguousarray(arr)).to(torch_dtype)
 
 
-def _tensor_from_bytes(name: str, blob: memoryview, datatype: str, shape: list[int]) -> Tensor:
+def _tensor_from_bytes(label: str, blob: memoryview, datatype: str, shape: list[int]) -> Tensor:
     torch_dtype, np_dtype = DATATYPES[datatype]
     want = math.prod(shape) * np_dtype.itemsize
     if len(blob) != want:
-        raise _bad(f"Expected {want} bytes for input {name!r} ({datatype} of shape {shape}). "
+        raise _bad(f"Expected {want} bytes for {label} ({datatype} of shape {shape}). "
                    f"Received: binary_data_size={len(blob)}")
     arr = np.frombuffer(bytearray(blob), dtype=np_dtype)
     if datatype == "BOOL":
@@ -290,10 +317,10 @@ def _tensor_from_bytes(name: str, blob: memoryview, datatype: str, shape: list[i
     return torch.from_numpy(arr.reshape(shape)).to(torch_dtype)
 
 
-def _check_shape(name: str, shape: Any) -> list[int]:
+def _check_shape(label: str, shape: Any) -> list[int]:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                for d in shape):
-        raise _bad(f"Expected input {name!r} shape as a list of non-negative integers. Received: {shape!r}")
+        raise _bad(f"Expected {label} shape as a list of non-negative integers. Received: {shape!r}")
     return shape
 
 
@@ -326,30 +353,12 @@ def decode_infer_request(body: bytes, header_length: str | None, model: ServedMo
             raise _bad(f"Expected input {name!r} datatype among {sorted(DATATYPES)}. Received: {datatype!r}")
         if datatype != spec.datatype:
             raise _bad(f"Expected datatype {spec.datatype} for input {name!r}. Received: {datatype}")
-        shape = _check_shape(name, item.get("shape"))
+        shape = _check_shape(f"input {name!r}", item.get("shape"))
         if len(shape) != len(spec.shape) or any(w not in (-1, d) for w, d in zip(spec.shape, shape)):
             raise _bad(f"Expected input {name!r} of shape {list(spec.shape)} (-1: any). Received: {shape}")
         if shape[0] < 1:
             raise _bad(f"Expected at least one row (dim 0) in input {name!r}. Received: shape {shape}")
-        iparams = item.get("parameters") or {}
-        if not isinstance(iparams, dict):
-            raise _bad(f"Expected input {name!r} parameters as an object. Received: {type(iparams).__name__}")
-        size = iparams.get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise _bad(f"Expected binary_data_size of input {name!r} as a non-negative integer. "
-                           f"Received: {size!r}")
-            if "data" in item:
-                raise _bad(f"Expected either 'data' or binary_data_size for input {name!r}. Received: both")
-            if offset + size > len(binary):
-                raise _bad(f"Expected {offset + size} bytes of binary data after the JSON header. "
-                           f"Received: {len(binary)}")
-            tensor = _tensor_from_bytes(name, binary[offset:offset + size], datatype, shape)
-            offset += size
-        else:
-            if "data" not in item:
-                raise _bad(f"Expected 'data' (or binary_data_size) for input {name!r}. Received: neither")
-            tensor = _tensor_from_json(name, item["data"], datatype, shape)
+        tensor, offset = decode_tensor(item, binary, offset, "input")
         by_name[name] = tensor
     if offset != len(binary):
         raise _bad(f"Expected {offset} bytes of binary input data after the JSON header. "
@@ -397,6 +406,77 @@ def decode_infer_request(body: bytes, header_length: str | None, model: ServedMo
     return InferRequest(request_id, ordered, outputs, timeout)
 
 
+# --------------------------------------------------------------------------- tensors on the wire
+
+
+def encode_tensor(name: str, value: Tensor | np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+    """One tensor as the protocol sends it, in a request's inputs or a response's outputs.
+
+    Returns its JSON entry (``name``, ``shape``, ``datatype`` and flat row-major
+    ``data``) and None, or with ``binary`` the entry with
+    ``parameters.binary_data_size`` and the raw little-endian bytes that follow the
+    JSON header. A torch tensor or a numpy array; bfloat16 (no OIP datatype) is sent
+    as FP32.
+    """
+    if isinstance(value, Tensor):
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        datatype = datatype_of(t.dtype)
+        arr = t.contiguous().numpy()
+    else:
+        arr = np.asarray(value)
+        datatype = datatype_of_array(arr)
+    entry: dict[str, Any] = {"name": name, "shape": list(arr.shape), "datatype": datatype}
+    if not binary:
+        entry["data"] = arr.reshape(-1).tolist()
+        return entry, None
+    blob = np.ascontiguousarray(arr).astype(DATATYPES[datatype][1], copy=False).tobytes()
+    entry["parameters"] = {"binary_data_size": len(blob)}
+    return entry, blob
+
+
+def decode_tensor(entry: dict[str, Any], binary: memoryview, offset: int,
+                  kind: str = "output") -> tuple[Tensor, int]:
+    """The tensor of one JSON entry: inline ``data``, or ``binary_data_size`` bytes at ``offset``.
+
+    Returns it and the offset of the next binary tensor; raises `ProtocolError`
+    whose message names the tensor as ``kind`` (input / output) and name.
+    """
+    name = entry.get("name")
+    label = f"{kind} {name!r}"
+    datatype = entry.get("datatype")
+    if datatype not in DATATYPES:
+        raise _bad(f"Expected {label} datatype among {sorted(DATATYPES)}. Received: {datatype!r}")
+    shape = _check_shape(label, entry.get("shape"))
+    params = entry.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise _bad(f"Expected {label} parameters as an object. Received: {type(params).__name__}")
+    size = params.get("binary_data_size")
+    if size is None:
+        if "data" not in entry:
+            raise _bad(f"Expected 'data' (or binary_data_size) for {label}. Received: neither")
+        return _tensor_from_json(label, entry["data"], datatype, shape), offset
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise _bad(f"Expected binary_data_size of {label} as a non-negative integer. Received: {size!r}")
+    if "data" in entry:
+        raise _bad(f"Expected either 'data' or binary_data_size for {label}. Received: both")
+    if offset + size > len(binary):
+        raise _bad(f"Expected {offset + size} bytes of binary data after the JSON header. Received: {len(binary)}")
+    return _tensor_from_bytes(label, binary[offset:offset + size], datatype, shape), offset + size
+
+
+def _message(header: dict[str, Any], blobs: list[bytes | None]) -> tuple[bytes, dict[str, str]]:
+    """A request or response body: the JSON header, then its binary tensors in order; and its HTTP headers."""
+    head = _dumps(header)
+    raw = [b for b in blobs if b is not None]
+    if not raw:
+        return head, {"content-type": "application/json"}
+    return b"".join([head, *raw]), {"content-type": "application/octet-stream", HEADER: str(len(head))}
+
+
 # --------------------------------------------------------------------------- responses
 
 
@@ -406,52 +486,35 @@ def encode_infer_response(model: ServedModel, request: InferRequest, result: Any
     if len(outs) != len(model.outputs):
         raise ProtocolError(f"Model {model.name!r} returned {len(outs)} outputs; expected {len(model.outputs)}", 500)
     by_name = {spec.name: t for spec, t in zip(model.outputs, outs)}
-    json_outputs = []
-    blobs: list[bytes] = []
+    items, blobs = [], []
     for name, as_binary in request.outputs:
-        t = by_name[name].detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if t.dtype == torch.bfloat16:
-            t = t.float()
-        datatype = datatype_of(t.dtype)
-        arr = t.contiguous().numpy()
-        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(t.shape)}
-        if as_binary:
-            np_dtype = DATATYPES[datatype][1]
-            blob = arr.astype(np_dtype, copy=False).tobytes()
-            entry["parameters"] = {"binary_data_size": len(blob)}
-            blobs.append(blob)
-        else:
-            entry["data"] = arr.reshape(-1).tolist()
-        json_outputs.append(entry)
-    response: dict[str, Any] = {"model_name": model.name, "model_version": model.version,
-                                "outputs": json_outputs}
+        entry, blob = encode_tensor(name, by_name[name], as_binary)
+        items.append(entry)
+        blobs.append(blob)
+    response: dict[str, Any] = {"model_name": model.name, "model_version": model.version, "outputs": items}
     if request.id is not None:
         response["id"] = request.id
-    head = _dumps(response)
-    if not blobs:
-        return head, {"content-type": "application/json"}
-    return b"".join([head, *blobs]), {"content-type": "application/octet-stream", HEADER: str(len(head))}
+    return _message(response, blobs)
 
 
-def encode_request(inputs: dict[str, Tensor], *, binary: bool = False, binary_output: bool = False,
-                   request_id: str | None = None, outputs: Sequence[str] | None = None,
+# --------------------------------------------------------------------------- the client side
+
+
+def encode_request(inputs: Mapping[str, Tensor | np.ndarray], *, binary: bool = False,
+                   binary_output: bool = False, request_id: str | None = None,
+                   outputs: Sequence[str] | None = None,
                    timeout_us: int | None = None) -> tuple[bytes, dict[str, str]]:
-    """Client side: an inference request body + headers for ``inputs`` (used by tests and loadtest)."""
-    items = []
-    blobs = []
-    for name, t in inputs.items():
-        datatype = datatype_of(t.dtype)
-        arr = t.detach().cpu().contiguous().numpy()
-        item: dict[str, Any] = {"name": name, "shape": list(t.shape), "datatype": datatype}
-        if binary:
-            blob = arr.astype(DATATYPES[datatype][1], copy=False).tobytes()
-            item["parameters"] = {"binary_data_size": len(blob)}
-            blobs.append(blob)
-        else:
-            item["data"] = arr.reshape(-1).tolist()
-        items.append(item)
+    """Client side: an inference request body + headers for ``inputs`` (torch tensors or numpy arrays).
+
+    ``binary`` sends the inputs with the binary tensor data extension,
+    ``binary_output`` asks for binary outputs, ``timeout_us`` is the request's
+    ``timeout`` parameter. Used by the tests and by ``partrain loadtest``.
+    """
+    items, blobs = [], []
+    for name, value in inputs.items():
+        entry, blob = encode_tensor(name, value, binary)
+        items.append(entry)
+        blobs.append(blob)
     request: dict[str, Any] = {"inputs": items}
     if request_id is not None:
         request["id"] = request_id
@@ -464,26 +527,41 @@ def encode_request(inputs: dict[str, Tensor], *, binary: bool = False, binary_ou
         request["parameters"] = params
     if outputs is not None:
         request["outputs"] = [{"name": n, "parameters": {"binary_data": binary_output}} for n in outputs]
-    head = _dumps(request)
-    if not blobs:
-        return head, {"content-type": "application/json"}
-    return b"".join([head, *blobs]), {"content-type": "application/octet-stream", HEADER: str(len(head))}
+    return _message(request, blobs)
 
 
-def decode_response(body: bytes, header_length: str | None = None) -> dict[str, Tensor]:
-    """Client side: the output tensors of an inference response (JSON or binary)."""
+@dataclass
+class InferResponse:
+    """A decoded inference response: the echoed request ``id`` and the output tensors by name."""
+
+    id: str | None
+    model_name: str | None
+    outputs: dict[str, Tensor]
+
+
+def decode_infer_response(body: bytes, header_length: str | None = None) -> InferResponse:
+    """Client side: decode an inference response (JSON or binary outputs); raises `ProtocolError`.
+
+    An ``{"error": ...}`` body raises `ProtocolError` with that message.
+    """
     header, binary = split_body(body, header_length)
     if "error" in header:
         raise ProtocolError(str(header["error"]), 500)
-    result = {}
+    items = header.get("outputs")
+    if not isinstance(items, list):
+        raise _bad(f"Expected 'outputs' as a list in the response. Received: {str(items)[:80]}")
+    outputs: dict[str, Tensor] = {}
     offset = 0
-    for out in header["outputs"]:
-        shape = out["shape"]
-        size = (out.get("parameters") or {}).get("binary_data_size")
-        if size is not None:
-            result[out["name"]] = _tensor_from_bytes(out["name"], binary[offset:offset + size],
-                                                     out["datatype"], shape)
-            offset += size
-        else:
-            result[out["name"]] = _tensor_from_json(out["name"], out["data"], out["datatype"], shape)
-    return result
+    for entry in items:
+        if not isinstance(entry, dict):
+            raise _bad(f"Expected each output as an object. Received: {type(entry).__name__}")
+        outputs[str(entry.get("name"))], offset = decode_tensor(entry, binary, offset)
+    request_id = header.get("id")
+    name = header.get("model_name")
+    return InferResponse(None if request_id is None else str(request_id),
+                         None if name is None else str(name), outputs)
+
+
+def decode_response(body: bytes, header_length: str | None = None) -> dict[str, Tensor]:
+    """Client side: the output tensors of an inference response (JSON or binary), by name."""
+    return decode_infer_response(body, header_length).outputs

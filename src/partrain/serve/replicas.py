@@ -10,6 +10,10 @@ binds the port first (without listening) to reserve it and learn it when
 graceful shutdown (each replica finishes its in-flight requests and drains its
 batchers) and reports a replica that dies.
 
+Replica ``i`` calls itself ``partrain-replica-i`` in the server metadata
+(``GET /v2``), so that what a connection reads (``/metrics`` included) can be
+attributed to one replica.
+
 ``make_models(device)`` must be picklable (a module-level function or a
 ``functools.partial`` of one): replicas are started with the ``spawn`` method
 and build their own models.
@@ -29,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..env import available_cores
 from ..errors import UsageError
 from .protocol import ServedModel
 
@@ -99,8 +104,11 @@ def _replica_main(make_models: MakeModels, index: int, host: str, port: int, thr
                   device: str | None, app_options: dict[str, Any], ready: Any) -> None:
     """Entry point of one replica process."""
     torch.set_num_threads(threads)
+    # Each replica names itself in the server metadata (GET /v2): the kernel picks the replica
+    # per connection, so the name is how a client (or a test) tells whose /metrics it read.
+    named = {**app_options, "server_name": f"{app_options.get('server_name', 'partrain')}-replica-{index}"}
     try:
-        app = build_app(make_models, device, app_options)
+        app = build_app(make_models, device, named)
         sock = _bind(host, port, reuse_port=True, listen=True)
     except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
         ready.put((index, f"{type(exc).__name__}: {exc}"))
@@ -109,8 +117,8 @@ def _replica_main(make_models: MakeModels, index: int, host: str, port: int, thr
 
 
 def default_threads(processes: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, processes))
+    """Torch threads per replica: the cores this process may use (affinity, cgroup quota) shared out."""
+    return max(1, available_cores() // max(1, processes))
 
 
 def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 8000, replicas: int = 1,

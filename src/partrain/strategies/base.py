@@ -8,7 +8,9 @@ process of a job:
 1. ``roles(world_size)`` - the role of every global rank. Most strategies run
    only ``"worker"`` ranks; a parameter server asks for ``"server"`` ranks too
    (``extra_processes(workers)`` tells the launcher how many to add).
-2. ``setup(env)`` - after the process group is up; builds the workers' group.
+2. ``setup(env, store=..., timeout=...)`` - after the process group is up; builds the
+   workers' group. The launcher passes the job's key-value store (shared counters,
+   e.g. claimed batches) and its timeout (the bound of every wait a strategy makes).
 3. On worker ranks the user's function runs: ``model, optimizer =
    strategy.prepare(model, optimizer)``, ``strategy.shard(...)`` for the data,
    then forward / backward / ``optimizer.step()`` as usual. On other ranks the
@@ -22,10 +24,11 @@ index among the workers (``strategy.rank``), what data sharding and logging use.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import math
 from abc import ABC
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -35,7 +38,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..data.sharding import ClaimingBatchSampler, ShardedBatchSampler
-from ..env import DistEnv
+from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
 
 WORKER = "worker"
@@ -53,6 +56,9 @@ class Strategy(ABC):
 
     def __init__(self) -> None:
         self.env = DistEnv()
+        #: the job's c10d store (None in a one-process run) and the bound of every wait, from setup
+        self.store: Any = None
+        self.timeout = DEFAULT_TIMEOUT
         self.group: Any = None  # the workers' process group; None = the default group
         self.worker_ranks: list[int] = [0]
         #: exposed communication time (seconds the loop waited on the network)
@@ -74,16 +80,22 @@ class Strategy(ABC):
         """Body of a non-worker rank (e.g. a parameter server's serving loop)."""
         raise NotImplementedError(f"strategy {self.name!r} has no role {role!r}")
 
-    def setup(self, env: DistEnv) -> None:
-        """Called in every process once the process group is initialized (if any)."""
+    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Called in every process once the process group is initialized (if any).
+
+        ``store`` is the job's c10d store (the launcher's, under torchrun one joined at
+        ``MASTER_ADDR:MASTER_PORT``); ``timeout`` bounds every wait the strategy makes.
+        """
         self.env = env
+        self.store = store
+        self.timeout = timeout
         roles = self.roles(env.world_size)
         self.worker_ranks = [r for r, role in enumerate(roles) if role == WORKER]
         if not self.worker_ranks:
             raise UsageError(f"Expected at least one worker. Received roles {roles}")
         if comm.is_distributed() and len(self.worker_ranks) < env.world_size:
             # every rank must take part in creating a group, workers or not
-            self.group = dist.new_group(self.worker_ranks)
+            self.group = dist.new_group(self.worker_ranks, timeout=datetime.timedelta(seconds=timeout))
 
     @property
     def role(self) -> str:
@@ -120,13 +132,40 @@ class Strategy(ABC):
         job shares (`ClaimingBatchSampler`). Every worker must call ``shard`` equally often.
         """
         self._samplers += 1
-        store = _default_store() if self.dynamic_sharding and self.num_workers > 1 else None
-        if store is not None:
+        if self.dynamic_sharding and self.num_workers > 1:
+            if self.store is None:
+                raise UsageError(f"Expected a store for strategy {self.name!r} to share batches across "
+                                 f"{self.num_workers} workers. Received: setup() without one")
             return ClaimingBatchSampler(num_samples, batch_size, max(self.rank, 0), self.num_workers,
-                                        store=store, key=f"partrain/claims/{self._samplers}",
+                                        store=self.store, key=f"partrain/claims/{self._samplers}",
                                         shuffle=shuffle, seed=seed, drop_last=drop_last)
         return ShardedBatchSampler(num_samples, batch_size, max(self.rank, 0), self.num_workers,
                                    shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    def train_step(self, model: nn.Module, optimizer: Optimizer, x: Any, y: Any,
+                   loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float = 1.0,
+                   update: bool = True) -> tuple[Any, torch.Tensor]:
+        """One micro-batch: forward, per-sample loss, backward of ``loss.sum() * loss_scale``.
+
+        With ``update`` (the last micro-batch of an accumulation window) the gradients are
+        exchanged and the optimizer steps; without, the micro-batch runs under `no_sync` -
+        the forward pass too, since DDP decides there whether the backward communicates.
+        Returns the output and the per-sample losses, detached. A strategy that schedules
+        forward and backward itself (a pipeline's micro-batches across stages) overrides
+        this; the others differ in what ``optimizer.step()`` does.
+        """
+        with contextlib.nullcontext() if update else self.no_sync(model):
+            out = model(x)
+            per_sample = loss_fn(out, y)
+            (per_sample.sum() * loss_scale).backward()
+        if update:
+            self.optimizer_step(optimizer)
+        return out.detach(), per_sample.detach()
+
+    def optimizer_step(self, optimizer: Optimizer) -> None:
+        """Apply the accumulated gradients and clear them."""
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -175,15 +214,6 @@ class Strategy(ABC):
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
 
-
-def _default_store() -> Any:
-    """The process group's store (c10d keeps it; no public accessor), or None."""
-    if not comm.is_distributed():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # a torch without it: fall back to fixed shares
-        return None
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}

@@ -42,7 +42,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .. import comm
-from ..env import DistEnv
+from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
 from .base import Strategy, register
 
@@ -84,8 +84,8 @@ class Hogwild(Strategy):
         """This machine's name, as compared across workers at setup."""
         return socket.gethostname()
 
-    def setup(self, env: DistEnv) -> None:
-        super().setup(env)
+    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        super().setup(env, store=store, timeout=timeout)
         check_one_host(comm.all_gather_object(self.hostname(), self.group))
         self._token = self.broadcast_object(uuid.uuid4().hex if self.rank == 0 else None)
 

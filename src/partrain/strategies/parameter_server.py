@@ -38,6 +38,7 @@ server that dies is an error naming it on every worker waiting on it.
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from collections import Counter
@@ -50,7 +51,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .. import comm
-from ..env import DistEnv
+from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
 from . import _ps_wire as wire
 from ._ps_server import Server
@@ -87,7 +88,6 @@ class ParameterServer(Strategy):
         #: async mode: workers claim batches, so a fast worker takes more of each epoch. Not in
         #: bounded mode: a worker past its share would wait on one already done with the epoch.
         self.dynamic_sharding = math.isinf(staleness)  # type: ignore[misc]
-        self.timeout = 300.0
         self.server_ranks: list[int] = []
         self._pg: Any = None  # gloo group for the servers' traffic (None: the default group)
         self._model: nn.Module | None = None
@@ -116,18 +116,18 @@ class ParameterServer(Strategy):
         k = min(self.servers, world_size)
         return [SERVER] * k + [WORKER] * (world_size - k)
 
-    def setup(self, env: DistEnv) -> None:
+    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         if not comm.is_distributed():
             raise UsageError("Expected the ps strategy to run under partrain.launch or torchrun. Received: no "
                              "process group (one process)")
-        super().setup(env)
+        super().setup(env, store=store, timeout=timeout)
         self.server_ranks = list(range(self.servers))
         if self.backup_workers >= self.num_workers:
             raise UsageError(f"Expected backup_workers < workers. Received: backup_workers={self.backup_workers}, "
                              f"workers={self.num_workers}")
         if env.backend != "gloo":  # e.g. NCCL workers: the servers speak gloo, on CPU
-            self._pg = dist.new_group(list(range(env.world_size)), backend="gloo")
-        self.timeout = _group_timeout(self._pg)
+            self._pg = dist.new_group(list(range(env.world_size)), backend="gloo",
+                                      timeout=datetime.timedelta(seconds=timeout))
 
     def run_role(self, role: str) -> Any:
         if role != SERVER:
@@ -482,11 +482,3 @@ def _hp_values(groups: list[dict[str, Any]], slots: list[tuple[int, str, int | N
         vals.append(float(v if i is None else v[i]))
     return torch.tensor(vals, dtype=torch.float64)
 
-
-def _group_timeout(group: Any) -> float:
-    """The process group's timeout (the launcher's ``timeout``), for our own bounded waits."""
-    try:
-        pg = group or dist.distributed_c10d._get_default_group()
-        return pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except Exception:
-        return 300.0

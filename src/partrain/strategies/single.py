@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..env import DistEnv
+from typing import Any
+
+from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
 from .base import Strategy, register
 
@@ -11,7 +13,7 @@ from .base import Strategy, register
 class Single(Strategy):
     name = "single"
 
-    def setup(self, env: DistEnv) -> None:
+    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         if env.world_size != 1:
             raise UsageError(f"Expected one process for strategy 'single'. Received: world_size={env.world_size}")
-        super().setup(env)
+        super().setup(env, store=store, timeout=timeout)

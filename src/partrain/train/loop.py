@@ -15,11 +15,16 @@ concatenated batch, also when the last batch of an epoch splits unevenly.
 Resume is exact for the same strategy and world size: checkpoints are written
 at epoch ends, and every random stream (data order, dropout) is re-seeded from
 ``(seed, epoch, rank)`` at the start of each epoch.
+
+A worker's run is a sequence of named steps: `build` (data, model, optimizer,
+weights of a checkpoint), `restore` (optimizer, strategy and scheduler state),
+then per epoch `train_epoch` (every micro-batch through ``Strategy.train_step``),
+`record` (evaluation and the epoch's figures, reduced over workers) and
+`save` (checkpoint, metrics files, the epoch line).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -38,39 +43,20 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from ..data.datasets import DataSpec, load_dataset, sample_shape
 from ..errors import UsageError
-from ..launch import DEFAULT_TIMEOUT, launch
+from ..launch import launch
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
 from ..strategies.base import Strategy, get_strategy
 from .checkpoint import load_checkpoint, save_checkpoint
+from .config import FitConfig, LaunchConfig, split_options
 from .metrics import MetricsWriter, StepTimes
 
 DataArg = DataSpec | str | Callable[[], tuple[Dataset, Dataset]] | tuple[Dataset, Dataset]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SchedulerFn = Callable[[Optimizer], Any]
 
 
 def cross_entropy_per_sample(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output, target, reduction="none")
-
-
-@dataclass
-class FitConfig:
-    """Everything a worker needs besides the factories (picklable)."""
-
-    epochs: int = 1
-    batch_size: int = 32
-    eval_batch_size: int = 512
-    accumulate: int = 1
-    scale_lr: bool = False
-    seed: int = 0
-    out_dir: str | None = None
-    resume: str | None = None
-    quiet: bool = False
-    progress: bool | None = None
-    max_steps: int | None = None
-    drop_last: bool = False
-    return_state: bool = False
-    model_spec: dict[str, Any] | None = None
-    checkpoint: bool = True
 
 
 @dataclass
@@ -95,16 +81,10 @@ class RunResult:
         return float(self.final.get("train_loss", math.nan))
 
 
-def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable[..., Optimizer], *,
-        strategy: Strategy | str = "allreduce", workers: int = 1, epochs: int = 1, batch_size: int = 32,
-        accumulate: int = 1, scale_lr: bool = False, loss_fn: LossFn = cross_entropy_per_sample,
-        scheduler_fn: Callable[[Optimizer], Any] | None = None, out_dir: str | None = None,
-        resume: str | None = None, seed: int = 0, quiet: bool = False, progress: bool | None = None,
-        max_steps: int | None = None, drop_last: bool = False, return_state: bool = False,
-        model_spec: dict[str, Any] | None = None, timeout: float = DEFAULT_TIMEOUT,
-        backend: str | None = None, device: str | None = None, threads: int | None = None,
-        eval_batch_size: int = 512, checkpoint: bool = True, nnodes: int = 1, node_rank: int = 0,
-        master_addr: str | None = None, master_port: int | None = None) -> RunResult | None:
+def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable[..., Optimizer],
+        config: FitConfig | None = None, *, strategy: Strategy | str = "allreduce",
+        loss_fn: LossFn = cross_entropy_per_sample, scheduler_fn: SchedulerFn | None = None,
+        launch_config: LaunchConfig | None = None, **options: Any) -> RunResult | None:
     """Train ``model_fn()`` on ``data`` with ``optimizer_fn(params)`` under ``strategy``.
 
     Args:
@@ -113,45 +93,31 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         data: a dataset name or `DataSpec` (``digits``, ``synthetic``, ``x.npz``,
             ``module:function``), a function returning ``(train, test)``, or the pair itself.
         optimizer_fn: ``params -> torch.optim.Optimizer``.
-        strategy: a `Strategy` or its name; ``workers``: processes to train with.
-        batch_size: samples per worker per micro-batch; ``accumulate``: micro-batches
-            per optimizer step (inner ones skip gradient communication).
+        config: how the loop trains (`FitConfig`: epochs, batch_size, accumulate,
+            scale_lr, seed, max_steps, out_dir, resume, ...).
+        strategy: a `Strategy` or its name.
         loss_fn: ``(output, target) -> per-sample losses`` (``reduction="none"``).
         scheduler_fn: ``optimizer -> LR scheduler`` stepped once per epoch.
-        out_dir: where metrics, curves and checkpoints go (none written without it).
-        resume: a checkpoint path to continue from (``"auto"``: ``out_dir/checkpoint.pt``
-            if it exists).
-        max_steps: stop after this many optimizer steps in total.
-        return_state: put the final model ``state_dict`` in the result.
-        timeout, backend, device, threads, nnodes, node_rank, master_addr, master_port:
-            passed to `partrain.launch`.
+        launch_config: where the workers run (`LaunchConfig`: workers, timeout, backend,
+            device, threads, nnodes, node_rank, master_addr, master_port, pool).
+        **options: any field of either config by name (``epochs=5, workers=2``);
+            they override the objects' values.
 
     Returns:
         Worker 0's `RunResult` (``None`` on the other machines of a multi-node job).
     """
-    if epochs < 1:
-        raise UsageError(f"Expected a positive number of epochs. Received: epochs={epochs}")
-    if batch_size < 1:
-        raise UsageError(f"Expected a positive batch size. Received: batch_size={batch_size}")
-    if accumulate < 1:
-        raise UsageError(f"Expected accumulate >= 1. Received: accumulate={accumulate}")
-    if resume == "auto":
-        candidate = os.path.join(out_dir or ".", "checkpoint.pt")
-        resume = candidate if os.path.exists(candidate) else None
-    if resume is not None:
-        load_checkpoint(resume)  # fails early with one line when unreadable
+    cfg, launch_cfg = split_options(config, launch_config, options)
+    if cfg.resume == "auto":
+        candidate = os.path.join(cfg.out_dir or ".", "checkpoint.pt")
+        cfg.resume = candidate if os.path.exists(candidate) else None
+    if cfg.resume is not None:
+        load_checkpoint(cfg.resume)  # fails early with one line when unreadable
     strat = get_strategy(strategy)
-    cfg = FitConfig(epochs=epochs, batch_size=batch_size, eval_batch_size=eval_batch_size,
-                    accumulate=accumulate, scale_lr=scale_lr, seed=seed, out_dir=out_dir, resume=resume,
-                    quiet=quiet, progress=progress, max_steps=max_steps, drop_last=drop_last,
-                    return_state=return_state, model_spec=model_spec, checkpoint=checkpoint)
     for name, obj in (("model_fn", model_fn), ("data", data), ("optimizer_fn", optimizer_fn),
                       ("loss_fn", loss_fn), ("scheduler_fn", scheduler_fn)):
         _check_picklable(name, obj)
     results = launch(_fit_worker, model_fn, data, optimizer_fn, loss_fn, scheduler_fn, cfg,
-                     workers=workers, strategy=strat, timeout=timeout, backend=backend, device=device,
-                     threads=threads, nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                     master_port=master_port)
+                     strategy=strat, **launch_cfg.as_kwargs())
     return results[0]
 
 
@@ -216,23 +182,69 @@ class _Batches:
                 yield x.to(self.device, non_blocking=non_blocking), y.to(self.device, non_blocking=non_blocking)
 
 
+@dataclass
+class _Parts:
+    """What one worker trains with, as `build` made it."""
+
+    model: nn.Module  # wrapped by the strategy
+    optimizer: Optimizer
+    scheduler: Any
+    train_ds: Dataset
+    test_ds: Dataset
+
+
+@dataclass
+class _Position:
+    """Where the run stands: the next epoch, optimizer steps taken, the figures so far."""
+
+    epoch: int = 0
+    step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _EpochTotals:
+    """This worker's sums over one epoch (reduced over workers in `record`)."""
+
+    loss_sum: torch.Tensor
+    correct: torch.Tensor
+    seen: int
+    times: StepTimes
+    comm_bytes: int
+    seconds: float = 0.0
+
+
 def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
                 optimizer_fn: Callable[..., Optimizer], loss_fn: LossFn,
-                scheduler_fn: Callable[[Optimizer], Any] | None, cfg: FitConfig) -> RunResult | None:
-    main = strategy.is_main
-    device = strategy.device
-    train_ds, test_ds = resolve_data(data)
+                scheduler_fn: SchedulerFn | None, cfg: FitConfig) -> RunResult | None:
+    ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
+    parts = build(strategy, model_fn, data, optimizer_fn, scheduler_fn, cfg, ckpt)
+    position = restore(strategy, parts, ckpt)
+    writer = _start_outputs(strategy, cfg, resumed=ckpt is not None)
+    for epoch in range(position.epoch, cfg.epochs):
+        if cfg.max_steps is not None and position.step >= cfg.max_steps:
+            break
+        totals = train_epoch(strategy, parts, loss_fn, cfg, epoch, position)
+        position.history.append(record(strategy, parts, loss_fn, cfg, epoch, position.step, totals))
+        position.epoch = epoch + 1
+        save(strategy, parts, cfg, position, writer)
+    return _result(strategy, parts, cfg, position)
 
+
+def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
+          optimizer_fn: Callable[..., Optimizer], scheduler_fn: SchedulerFn | None, cfg: FitConfig,
+          ckpt: dict[str, Any] | None) -> _Parts:
+    """Data, model (with a checkpoint's weights and frozen slices), optimizer, strategy wrap."""
+    train_ds, test_ds = resolve_data(data)
     torch.manual_seed(cfg.seed)  # same initial weights on every worker
     model = model_fn()
-    if main:
+    if strategy.is_main:
         check_model_takes(model, train_ds)
-    ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         if ckpt.get("freeze"):  # frozen slices stay frozen across a resume
             load_freeze_state_dict(model, ckpt["freeze"], strict=False)
-    model = model.to(device)
+    model = model.to(strategy.device)
     optimizer = optimizer_fn(model.parameters())
     if cfg.scale_lr:
         for group in optimizer.param_groups:
@@ -241,145 +253,178 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
                 group["initial_lr"] = group["lr"]
     model, optimizer = strategy.prepare(model, optimizer)
     scheduler = scheduler_fn(optimizer) if scheduler_fn else None
-    start_epoch, step, history = 0, 0, []
-    if ckpt is not None:
-        if ckpt.get("optimizer") is not None:
-            optimizer.load_state_dict(ckpt["optimizer"])
-        if ckpt.get("strategy"):
-            strategy.load_state_dict(ckpt["strategy"])
-        if scheduler is not None and ckpt.get("scheduler") is not None:
-            scheduler.load_state_dict(ckpt["scheduler"])
-        start_epoch, step, history = ckpt["epoch"], ckpt["step"], list(ckpt.get("metrics") or [])
+    return _Parts(model, optimizer, scheduler, train_ds, test_ds)
 
-    writer = MetricsWriter(cfg.out_dir, resume=ckpt is not None) if main and cfg.out_dir else None
-    if writer and ckpt is None:
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:  # type: ignore[arg-type]
-            json.dump({**asdict(cfg), "strategy": strategy.name, "strategy_options": _jsonable(strategy.options()),
-                       "workers": strategy.num_workers}, f, indent=2, default=str)
-    show_bar = main and not cfg.quiet and (cfg.progress if cfg.progress is not None else sys.stderr.isatty())
-    ckpt_path = os.path.join(cfg.out_dir, "checkpoint.pt") if cfg.out_dir else None
 
-    for epoch in range(start_epoch, cfg.epochs):
-        if cfg.max_steps is not None and step >= cfg.max_steps:
-            break
-        torch.manual_seed(cfg.seed * 7919 + epoch * 1009 + strategy.rank)
-        sampler = strategy.shard(len(train_ds), cfg.batch_size, shuffle=True, seed=cfg.seed,  # type: ignore[arg-type]
-                                 drop_last=cfg.drop_last)
-        sampler.set_epoch(epoch)
-        batches = _Batches(train_ds, sampler, device)
-        model.train()
-        times = StepTimes()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        correct = torch.zeros((), dtype=torch.float64, device=device)
-        seen = 0
-        bytes0 = strategy.comm_bytes
-        t_epoch = time.perf_counter()
-        bar = _progress(len(batches), epoch, cfg.epochs) if show_bar else None
-        n_batches = len(batches)
-        window_total = 0
-        times.start()
-        # claimed batches (asynchronous strategies): the step count is not known ahead, each
-        # worker normalises by its own micro-batches and flushes a partial window at the end
-        dynamic = getattr(sampler, "dynamic", False)
-        pending = False
-        for i, (x, y) in enumerate(batches):
-            times.data_ready()
-            comm_before = strategy.comm_seconds
-            if dynamic:
-                last_micro = (i + 1) % cfg.accumulate == 0
-                window_total = strategy.num_workers * len(y) * cfg.accumulate
-            else:
-                if i % cfg.accumulate == 0:  # global samples in this optimizer step
-                    window_total = sum(sampler.global_batch_size(j)
-                                       for j in range(i, min(i + cfg.accumulate, n_batches)))
-                last_micro = (i + 1) % cfg.accumulate == 0 or i + 1 == n_batches
-            # inner micro-batches of an accumulation window skip gradient communication;
-            # the forward pass must be inside no_sync too (DDP decides there)
-            sync = strategy.no_sync(model) if not last_micro else contextlib.nullcontext()
-            with sync:
-                out = model(x)
-                per_sample = loss_fn(out, y)
-                (per_sample.sum() * (strategy.num_workers / max(window_total, 1))).backward()
-            pending = not last_micro
-            if last_micro:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-            with torch.no_grad():
-                loss_sum += per_sample.detach().sum()
-                if out.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
-                    correct += (out.detach().argmax(1) == y).sum()
-            seen += len(y)
-            times.step_done(strategy.comm_seconds - comm_before)
-            if bar is not None:
-                bar.update(1)
-            if last_micro and cfg.max_steps is not None and step >= cfg.max_steps:
-                break
-        if pending:  # the last accumulation window of claimed batches was partial
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
+def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None) -> _Position:
+    """Optimizer, strategy and scheduler state of a checkpoint, and where it stopped."""
+    if ckpt is None:
+        return _Position()
+    if ckpt.get("optimizer") is not None:
+        parts.optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt.get("strategy"):
+        strategy.load_state_dict(ckpt["strategy"])
+    if parts.scheduler is not None and ckpt.get("scheduler") is not None:
+        parts.scheduler.load_state_dict(ckpt["scheduler"])
+    return _Position(ckpt["epoch"], ckpt["step"], list(ckpt.get("metrics") or []))
+
+
+def train_epoch(strategy: Strategy, parts: _Parts, loss_fn: LossFn, cfg: FitConfig, epoch: int,
+                position: _Position) -> _EpochTotals:
+    """One epoch of this worker's batches; advances ``position.step``."""
+    device = strategy.device
+    torch.manual_seed(cfg.seed * 7919 + epoch * 1009 + strategy.rank)
+    sampler = strategy.shard(len(parts.train_ds), cfg.batch_size, shuffle=True, seed=cfg.seed,  # type: ignore[arg-type]
+                             drop_last=cfg.drop_last)
+    sampler.set_epoch(epoch)
+    batches = _Batches(parts.train_ds, sampler, device)
+    parts.model.train()
+    totals = _EpochTotals(torch.zeros((), dtype=torch.float64, device=device),
+                          torch.zeros((), dtype=torch.float64, device=device), 0, StepTimes(),
+                          strategy.comm_bytes)
+    t_epoch = time.perf_counter()
+    bar = _progress(len(batches), epoch, cfg.epochs) if _show_bar(strategy, cfg) else None
+    n_batches = len(batches)
+    window_total = 0
+    pending = False  # gradients of an unfinished accumulation window
+    totals.times.start()
+    for i, (x, y) in enumerate(batches):
+        totals.times.data_ready()
+        comm_before = strategy.comm_seconds
+        if sampler.claims_batches:
+            # claimed batches (asynchronous strategies): the step count is not known ahead, each
+            # worker normalises by its own micro-batches and flushes a partial window at the end
+            update = (i + 1) % cfg.accumulate == 0
+            window_total = strategy.num_workers * len(y) * cfg.accumulate
+        else:
+            if i % cfg.accumulate == 0:  # global samples in this optimizer step
+                window_total = sum(sampler.global_batch_size(j)
+                                   for j in range(i, min(i + cfg.accumulate, n_batches)))
+            update = (i + 1) % cfg.accumulate == 0 or i + 1 == n_batches
+        out, per_sample = strategy.train_step(parts.model, parts.optimizer, x, y, loss_fn,
+                                              loss_scale=strategy.num_workers / max(window_total, 1),
+                                              update=update)
+        pending = not update
+        if update:
+            position.step += 1
+        totals.loss_sum += per_sample.sum()
+        totals.correct += _correct(out, y)
+        totals.seen += len(y)
+        totals.times.step_done(strategy.comm_seconds - comm_before)
         if bar is not None:
-            bar.close()
-        if scheduler is not None:
-            scheduler.step()
-        strategy.barrier()  # the epoch lasts until its slowest worker is done
-        epoch_seconds = time.perf_counter() - t_epoch
-        train = torch.tensor([loss_sum.item(), correct.item(), float(seen), times.data, times.compute,
-                              times.comm, float(strategy.comm_bytes - bytes0)], dtype=torch.float64)
-        test_loss, test_acc = evaluate(strategy, model, test_ds, loss_fn, cfg.eval_batch_size)
-        strategy.all_reduce_sum(train)
-        n = max(train[2].item(), 1.0)
-        w = strategy.num_workers
-        row: dict[str, Any] = {
-            "epoch": epoch + 1,
-            "step": step,
-            "train_loss": train[0].item() / n,
-            "train_accuracy": train[1].item() / n,
-            "test_loss": test_loss,
-            "test_accuracy": test_acc,
-            "samples": int(train[2].item()),
-            "seconds": epoch_seconds,
-            "samples_per_s": train[2].item() / epoch_seconds if epoch_seconds > 0 else math.nan,
-            "time_data": train[3].item() / w,
-            "time_compute": train[4].item() / w,
-            "time_comm": train[5].item() / w,
-            "comm_bytes": int(train[6].item()),
-            "lr": optimizer.param_groups[0]["lr"],
-            "workers": w,
-            "strategy": strategy.name,
-        }
-        row.update({f"{strategy.name}_{k}": v for k, v in strategy.metrics().items()})
-        history.append(row)
-        state = None
-        if cfg.checkpoint and ckpt_path is not None:
-            model_state = strategy.model_state_dict(model)
-            strategy_state = strategy.state_dict()
-            state = {"model": {k: v.detach().cpu() for k, v in model_state.items()},
-                     "model_spec": cfg.model_spec,
-                     "freeze": freeze_state_dict(strategy.unwrap(model)),
-                     "optimizer": _optimizer_state(optimizer),
-                     "strategy": strategy_state,
-                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                     "epoch": epoch + 1, "step": step,
-                     "config": _jsonable({**asdict(cfg), "strategy": strategy.name, "workers": w}),
-                     "metrics": history}
-        if main:
-            if writer is not None:
-                writer.write(history)
-            if state is not None and ckpt_path is not None and cfg.checkpoint:
-                save_checkpoint(ckpt_path, state)
-            if not cfg.quiet:
-                print(_summary(row, cfg.epochs), flush=True)
-        strategy.barrier()
+            bar.update(1)
+        if update and cfg.max_steps is not None and position.step >= cfg.max_steps:
+            break
+    if pending:  # the last accumulation window of claimed batches was partial
+        strategy.optimizer_step(parts.optimizer)
+        position.step += 1
+    if bar is not None:
+        bar.close()
+    if parts.scheduler is not None:
+        parts.scheduler.step()
+    strategy.barrier()  # the epoch lasts until its slowest worker is done
+    totals.seconds = time.perf_counter() - t_epoch
+    return totals
 
+
+def record(strategy: Strategy, parts: _Parts, loss_fn: LossFn, cfg: FitConfig, epoch: int, step: int,
+           totals: _EpochTotals) -> dict[str, Any]:
+    """The epoch's row of figures: training sums and test figures, reduced over workers."""
+    times = totals.times
+    train = torch.tensor([totals.loss_sum.item(), totals.correct.item(), float(totals.seen), times.data,
+                          times.compute, times.comm, float(strategy.comm_bytes - totals.comm_bytes)],
+                         dtype=torch.float64)
+    test_loss, test_acc = evaluate(strategy, parts.model, parts.test_ds, loss_fn, cfg.eval_batch_size)
+    strategy.all_reduce_sum(train)
+    n = max(train[2].item(), 1.0)
+    w = strategy.num_workers
+    seconds = totals.seconds
+    row: dict[str, Any] = {
+        "epoch": epoch + 1,
+        "step": step,
+        "train_loss": train[0].item() / n,
+        "train_accuracy": train[1].item() / n,
+        "test_loss": test_loss,
+        "test_accuracy": test_acc,
+        "samples": int(train[2].item()),
+        "seconds": seconds,
+        "samples_per_s": train[2].item() / seconds if seconds > 0 else math.nan,
+        "time_data": train[3].item() / w,
+        "time_compute": train[4].item() / w,
+        "time_comm": train[5].item() / w,
+        "comm_bytes": int(train[6].item()),
+        "lr": parts.optimizer.param_groups[0]["lr"],
+        "workers": w,
+        "strategy": strategy.name,
+    }
+    row.update({f"{strategy.name}_{k}": v for k, v in strategy.metrics().items()})
+    return row
+
+
+def save(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position,
+         writer: MetricsWriter | None) -> None:
+    """The end of an epoch: checkpoint, metrics files and the epoch line (worker 0 writes)."""
+    path = _checkpoint_path(cfg)
+    state = None
+    if path is not None:  # every worker takes part: a strategy may gather its state
+        model_state = strategy.model_state_dict(parts.model)
+        state = {"model": {k: v.detach().cpu() for k, v in model_state.items()},
+                 "model_spec": cfg.model_spec,
+                 "freeze": freeze_state_dict(strategy.unwrap(parts.model)),
+                 "optimizer": _optimizer_state(parts.optimizer),
+                 "strategy": strategy.state_dict(),
+                 "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
+                 "epoch": position.epoch, "step": position.step,
+                 "config": _jsonable({**asdict(cfg), "strategy": strategy.name,
+                                      "workers": strategy.num_workers}),
+                 "metrics": position.history}
+    if strategy.is_main:
+        if writer is not None:
+            writer.write(position.history)
+        if state is not None and path is not None:
+            save_checkpoint(path, state)
+        if not cfg.quiet:
+            print(_summary(position.history[-1], cfg.epochs), flush=True)
+    strategy.barrier()
+
+
+def _start_outputs(strategy: Strategy, cfg: FitConfig, resumed: bool) -> MetricsWriter | None:
+    """Worker 0's metrics writer, and config.json for a new run."""
+    if not strategy.is_main or not cfg.out_dir:
+        return None
+    writer = MetricsWriter(cfg.out_dir, resume=resumed)
+    if not resumed:
+        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+            json.dump({**asdict(cfg), "strategy": strategy.name,
+                       "strategy_options": _jsonable(strategy.options()), "workers": strategy.num_workers},
+                      f, indent=2, default=str)
+    return writer
+
+
+def _result(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position) -> RunResult | None:
     final_state = None
     if cfg.return_state:  # every worker takes part: a strategy may gather the parameters
-        final_state = {k: v.detach().cpu().clone() for k, v in strategy.model_state_dict(model).items()}
-    if not main:
+        final_state = {k: v.detach().cpu().clone() for k, v in strategy.model_state_dict(parts.model).items()}
+    if not strategy.is_main:
         return None
-    return RunResult(history=history, out_dir=cfg.out_dir,
-                     checkpoint=ckpt_path if cfg.checkpoint and ckpt_path else None, model_state=final_state)
+    return RunResult(history=position.history, out_dir=cfg.out_dir,
+                     checkpoint=_checkpoint_path(cfg), model_state=final_state)
+
+
+def _checkpoint_path(cfg: FitConfig) -> str | None:
+    return os.path.join(cfg.out_dir, "checkpoint.pt") if cfg.checkpoint and cfg.out_dir else None
+
+
+def _show_bar(strategy: Strategy, cfg: FitConfig) -> bool:
+    return strategy.is_main and not cfg.quiet and (cfg.progress if cfg.progress is not None
+                                                   else sys.stderr.isatty())
+
+
+def _correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Correct predictions of a classification batch (0 for other tasks), on the device."""
+    if out.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
+        return (out.argmax(1) == y).sum()
+    return torch.zeros((), dtype=torch.int64, device=out.device)
 
 
 def evaluate(strategy: Strategy, model: nn.Module, ds: Dataset, loss_fn: LossFn, batch_size: int) -> tuple[float, float]:
@@ -396,8 +441,7 @@ def evaluate(strategy: Strategy, model: nn.Module, ds: Dataset, loss_fn: LossFn,
         for x, y in _Batches(ds, sampler, strategy.device):
             out = net(x)
             totals[0] += loss_fn(out, y).sum()
-            if out.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
-                totals[1] += (out.argmax(1) == y).sum()
+            totals[1] += _correct(out, y)
             totals[2] += len(y)
     net.train(was_training)
     strategy.all_reduce_sum(totals)

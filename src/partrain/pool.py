@@ -1,0 +1,336 @@
+"""Processes that run a job's ranks, and the supervisor that watches them.
+
+Every local process a `launch` needs is started with the ``spawn`` method and
+runs *jobs*: one rank of one `launch` each. By default the processes live for
+one job (``launch`` starts them and they exit with it). A `WorkerPool` keeps
+them between jobs, so a notebook or a test module that trains many times pays
+the start-up (a fresh interpreter importing torch, seconds) once:
+
+    with partrain.WorkerPool(2):
+        for lr in (0.01, 0.05, 0.1):
+            partrain.fit(model_fn, "digits", functools.partial(SGD, lr=lr), workers=2)
+
+Each job still gets a fresh process group on a fresh store, the caller's
+environment variables and working directory of the moment, and its own
+thread count. A process whose job failed or that died is replaced by a new
+one at the next job; the others are stopped when a job fails, since they may
+be blocked in a collective with the failed rank.
+
+The supervisor turns every failure into a `WorkerError` naming the rank that
+failed first (not one of its victims), unless the strategy survives the loss
+of a worker (an asynchronous parameter server): then the job goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import itertools
+import os
+import pickle
+import queue as queue_mod
+import re
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.util import Finalize
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ._process import run_in_process
+from .env import DistEnv, default_backend, pick_device
+from .errors import UsageError, WorkerError
+from .strategies.base import WORKER, Strategy
+
+_CURRENT: contextvars.ContextVar[WorkerPool | None] = contextvars.ContextVar("partrain_pool", default=None)
+
+
+@dataclass
+class Job:
+    """One rank of one `launch`: everything its process needs (pickled to it)."""
+
+    job_id: int
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    strategy: Strategy
+    store_spec: tuple[str, ...]  # ("file", path) or ("tcp", host, port)
+    rank: int
+    local_rank: int
+    local: int  # processes of this job on this machine
+    world: int
+    backend: str | None
+    device: str | None
+    timeout: float
+    threads: int | None
+    environ: dict[str, str] | None = None  # for a reused process: the caller's environment now
+    cwd: str | None = None
+
+
+class WorkerPool:
+    """Up to ``processes`` worker processes, started on first use and reused by every `launch`.
+
+    Use it as a context manager: inside ``with WorkerPool(n):`` every `launch` (and
+    `fit`) of this thread or task runs on the pool; ``launch(..., pool=p)`` and
+    ``fit(..., pool=p)`` name one explicitly. A job needing more processes than the
+    pool holds is an error. ``close()`` (or leaving the block) stops the processes.
+    """
+
+    def __init__(self, processes: int, *, one_shot: bool = False) -> None:
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise UsageError(f"Expected a positive number of pool processes. Received: processes={processes!r}")
+        self.processes = processes
+        self.one_shot = one_shot
+        self._ctx = mp.get_context("spawn")
+        self._results: Any = self._ctx.Queue()
+        self._slots: list[tuple[Any, Any] | None] = [None] * processes
+        self._jobs = itertools.count(1)
+        self._closed = False
+        self._tokens: list[contextvars.Token] = []
+        # a pool nobody closed must not keep the interpreter from exiting (non-daemon children
+        # are joined at exit): stop the processes first
+        self._finalizer = Finalize(self, _shutdown, args=(self._slots, self._results), exitpriority=10)
+
+    # ----- context ------------------------------------------------------------------------
+    def __enter__(self) -> WorkerPool:
+        self._tokens.append(_CURRENT.set(self))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _CURRENT.reset(self._tokens.pop())
+        self.close()
+
+    @staticmethod
+    def current() -> WorkerPool | None:
+        """The pool of the innermost ``with WorkerPool(...)`` block, if any."""
+        return _CURRENT.get()
+
+    def close(self) -> None:
+        """Stop every process of the pool (idempotent)."""
+        self._closed = True
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        alive = sum(1 for s in self._slots if s is not None and s[0].exitcode is None)
+        return f"WorkerPool(processes={self.processes}, alive={alive})"
+
+    # ----- jobs ---------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy,
+            store_spec: tuple[str, ...], first_rank: int, local: int, world: int, backend: str | None,
+            device: str | None, timeout: float, threads: int | None) -> list[Any]:
+        """Run one job's ``local`` ranks on this pool; the workers' values in worker-rank order."""
+        if self._closed:
+            raise UsageError("Expected an open WorkerPool. Received: one that was closed")
+        if local > self.processes:
+            raise UsageError(f"Expected a job of at most {self.processes} processes on this pool. "
+                             f"Received: {local} (workers plus the strategy's extra processes)")
+        job_id = next(self._jobs)
+        reused = not self.one_shot
+        procs = {}
+        for local_rank in range(local):
+            rank = first_rank + local_rank
+            job = Job(job_id, fn, args, kwargs, strat, store_spec, rank, local_rank, local, world, backend,
+                      device, timeout, threads, dict(os.environ) if reused else None,
+                      os.getcwd() if reused else None)
+            proc, tasks = self._slot(local_rank, name=f"partrain-rank{rank}")
+            tasks.put(job)
+            procs[rank] = proc
+        ok = False
+        try:
+            values = _supervise(procs, self._results, job_id, strat.roles(world), strat)
+            ok = True
+        finally:
+            if not ok or self.one_shot:
+                _stop(procs.values(), grace=5.0 if ok else 0.0)
+        roles = strat.roles(world)
+        return [values.get(r) for r in sorted(procs) if roles[r] == WORKER]  # None for a lost worker
+
+    def _slot(self, index: int, name: str) -> tuple[Any, Any]:
+        slot = self._slots[index]
+        if slot is None or slot[0].exitcode is not None:
+            tasks = self._ctx.SimpleQueue()
+            proc = self._ctx.Process(target=_process_main, args=(tasks, self._results, self.one_shot),
+                                     name=name if self.one_shot else f"partrain-pool{index}", daemon=False)
+            proc.start()
+            slot = self._slots[index] = (proc, tasks)
+        return slot
+
+
+@contextlib.contextmanager
+def no_pool() -> Iterator[None]:
+    """Inside, a `launch` starts processes of its own even within a ``with WorkerPool`` block."""
+    token = _CURRENT.set(None)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def _shutdown(slots: list[tuple[Any, Any] | None], results: Any) -> None:
+    live = [s for s in slots if s is not None and s[0].exitcode is None]
+    for _, tasks in live:
+        try:
+            tasks.put(None)  # asks an idle process to return
+        except (OSError, ValueError):
+            pass
+    _stop([proc for proc, _ in live], grace=5.0)
+    for i in range(len(slots)):
+        slots[i] = None
+    results.close()
+
+
+# ----- inside a pool process ----------------------------------------------------------------
+
+def _process_main(tasks: Any, results: Any, one_shot: bool) -> None:
+    try:
+        while True:
+            job = tasks.get()
+            if job is None:
+                return
+            if not _run_job(job, results):
+                # after a failure the process may hold a broken group or threads stuck in gloo:
+                # leave now (the pool starts a fresh one), once the report is flushed
+                results.close()
+                results.join_thread()
+                os._exit(1)
+            if one_shot:
+                return
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent reports it
+        return
+
+
+def _run_job(job: Job, results: Any) -> bool:
+    try:
+        if job.environ is not None:  # a reused process sees the caller's environment of now
+            for key in set(os.environ) - set(job.environ):
+                del os.environ[key]
+            os.environ.update(job.environ)
+        if job.cwd is not None:
+            os.chdir(job.cwd)
+        os.environ.update(RANK=str(job.rank), WORLD_SIZE=str(job.world), LOCAL_RANK=str(job.local_rank),
+                          LOCAL_WORLD_SIZE=str(job.local))
+        dev = pick_device(job.local_rank, job.device)
+        env = DistEnv(job.rank, job.world, job.local_rank, job.local, dev, job.backend or default_backend(dev))
+        if job.store_spec[0] == "file":
+            store = dist.FileStore(job.store_spec[1], job.world)
+        else:
+            store = dist.TCPStore(job.store_spec[1], int(job.store_spec[2]), world_size=None, is_master=False,
+                                  timeout=datetime.timedelta(seconds=job.timeout))
+        value = run_in_process(job.fn, job.args, job.kwargs, job.strategy, env, job.timeout, job.threads, store)
+        # plain pickle: tensors go by value (torch's queue reducers would pass shared-memory
+        # handles that die with this process before the parent reads them)
+        results.put(("ok", job.job_id, job.rank, pickle.dumps(value)))
+        return True
+    except BaseException as exc:  # report, then the caller exits non-zero: the parent stops the others
+        summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+        results.put(("error", job.job_id, job.rank, (summary, traceback.format_exc())))
+        return False
+
+
+# ----- the supervisor (in the caller) --------------------------------------------------------
+
+_GRACE = 1.5
+_PEER_LOSS = re.compile(r"gloo|nccl|connection|closed|reset by peer|timed out|timeout|broken pipe", re.I)
+
+
+def _is_peer_loss(summary: str) -> bool:
+    """An error that is the echo of another rank's failure rather than a cause."""
+    return bool(_PEER_LOSS.search(summary))
+
+
+@dataclass
+class _Failure:
+    rank: int
+    summary: str
+    traceback: str
+    died: bool = False
+    order: int = field(default_factory=lambda: next(_ORDER))
+
+
+_ORDER = itertools.count()
+
+
+def _supervise(procs: dict[int, Any], results: Any, job_id: int, roles: list[str],
+               strat: Strategy) -> dict[int, Any]:
+    """Wait until every rank of the job reported (or was lost); raise on the first real failure."""
+    values: dict[int, Any] = {}
+    failures: list[_Failure] = []
+    lost: set[int] = set()
+    first_failure = 0.0
+
+    def settled(rank: int) -> bool:
+        return rank in values or any(f.rank == rank for f in failures)
+
+    while True:
+        _drain(results, job_id, values, failures, block=0.05)
+        for rank, p in procs.items():
+            if p.exitcode is None or settled(rank):
+                continue
+            _drain(results, job_id, values, failures, block=0.5)  # it may have reported just before exiting
+            if not settled(rank):
+                failures.append(_Failure(rank, _describe_exit(p.exitcode), "", died=True))
+        for f in [f for f in failures if f.rank not in lost]:
+            if roles[f.rank] == WORKER and strat.survives_worker_loss and not f.summary.startswith("UsageError"):
+                print(f"partrain: warning: worker rank {f.rank} {f.summary}; strategy {strat.name!r} goes on "
+                      f"without it", file=sys.stderr)
+                lost.add(f.rank)
+        fatal = [f for f in failures if f.rank not in lost]
+        if fatal:
+            # peers of a failed rank fail too (connection closed): wait a moment so the
+            # error names the rank that failed first, not one of its victims
+            first_failure = first_failure or time.monotonic()
+            if time.monotonic() - first_failure > _GRACE or all(settled(r) for r in procs):
+                root = min(fatal, key=lambda f: (not f.died and _is_peer_loss(f.summary), f.order))
+                raise WorkerError(root.rank, root.summary, root.traceback, role=roles[root.rank])
+        elif all(settled(r) for r in procs):
+            return values
+
+
+def _drain(results: Any, job_id: int, values: dict[int, Any], failures: list[_Failure],
+           block: float = 0.0) -> None:
+    while True:
+        try:
+            kind, job, rank, payload = results.get(timeout=block) if block else results.get_nowait()
+        except queue_mod.Empty:
+            return
+        block = 0.0
+        if job != job_id:  # a late report of an earlier, failed job
+            continue
+        if kind == "ok":
+            values[rank] = pickle.loads(payload)
+        else:
+            failures.append(_Failure(rank, *payload))
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"died with {name} (exit code {code})"
+    return f"exited with code {code} without reporting a result"
+
+
+def _stop(procs: Any, grace: float = 0.0) -> None:
+    """Let processes end within ``grace`` seconds, then terminate, then kill."""
+    procs = list(procs)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    procs = [p for p in procs if p.exitcode is None]
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(timeout=5)

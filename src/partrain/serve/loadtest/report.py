@@ -1,0 +1,80 @@
+"""What a load test saw, and how it is shown: `LoadReport` (figures for ``--json``, lines for the terminal)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class LoadReport:
+    """What one load test saw: one outcome per request sent (a latency or an error kind)."""
+
+    mode: str  # "closed loop, concurrency 16" / "open loop, poisson 200/s"
+    elapsed: float
+    sent: int
+    latencies: list[float]  # seconds, answered requests only
+    errors: Counter  # kind -> count: "HTTP 503", "timeout", "connection error", ...
+    duplicates: int = 0  # requests that recorded more than one outcome (must be 0)
+    missing: int = 0  # requests with no outcome at all (must be 0)
+    id_mismatches: int = 0  # answers that echoed another request's id
+    checked: int = 0  # answers compared with the local model
+    wrong: int = 0  # answers that differ from the local model beyond atol/rtol
+    first_wrong: str = ""  # a description of the first wrong answer
+
+    @property
+    def ok(self) -> int:
+        return len(self.latencies)
+
+    @property
+    def failed(self) -> int:
+        return sum(self.errors.values())
+
+    @property
+    def throughput(self) -> float:
+        return self.ok / self.elapsed if self.elapsed > 0 else float("nan")
+
+    def percentile(self, q: float) -> float:
+        """Latency percentile in milliseconds (nan when nothing was answered)."""
+        if not self.latencies:
+            return float("nan")
+        return float(np.percentile(np.asarray(self.latencies), q) * 1e3)
+
+    @property
+    def lost(self) -> int:
+        """Requests without exactly one answer of their own."""
+        return self.missing + self.duplicates + self.id_mismatches
+
+    def figures(self) -> dict[str, float]:
+        """Every figure as a flat dict (``--json``); errors as ``errors.<kind>``."""
+        out: dict[str, float] = {
+            "sent": self.sent, "ok": self.ok, "failed": self.failed, "elapsed_s": self.elapsed,
+            "throughput_rps": self.throughput, "p50_ms": self.percentile(50),
+            "p90_ms": self.percentile(90), "p99_ms": self.percentile(99),
+            "mean_ms": float(np.mean(self.latencies) * 1e3) if self.latencies else float("nan"),
+            "lost": self.lost, "duplicates": self.duplicates, "missing": self.missing,
+            "id_mismatches": self.id_mismatches, "checked": self.checked, "wrong": self.wrong,
+        }
+        for kind, n in sorted(self.errors.items()):
+            out[f"errors.{kind}"] = n
+        return out
+
+    def format(self) -> str:
+        """A few readable lines for the terminal."""
+        lines = [
+            f"{self.mode}: {self.sent} requests in {self.elapsed:.2f} s",
+            f"  answered  {self.ok}  ({self.throughput:,.1f} requests/s)",
+            f"  latency   p50 {self.percentile(50):.2f} ms  p90 {self.percentile(90):.2f} ms  "
+            f"p99 {self.percentile(99):.2f} ms",
+            "  errors    " + (", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "none"),
+            f"  exactly one answer each: {'yes' if self.lost == 0 else 'NO'} "
+            f"(missing {self.missing}, duplicated {self.duplicates}, wrong id {self.id_mismatches})",
+        ]
+        if self.checked:
+            verdict = "all right" if self.wrong == 0 else f"{self.wrong} WRONG ({self.first_wrong})"
+            lines.append(f"  answers checked against the local model: {self.checked}, {verdict}")
+        else:
+            lines.append("  answers not checked (no --check model)")
+        return "\n".join(lines)

@@ -1,0 +1,219 @@
+"""Running and timing a load test: closed or open loop, one outcome recorded per request.
+
+Every wait is bounded: each request has ``cfg.timeout``, the metadata query
+``cfg.connect_timeout``, and the whole run stops at ``cfg.run_limit()`` (requests
+still in flight then are counted as cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...errors import UsageError
+from ..protocol import ProtocolError
+from .checking import AnswerChecker, load_reference_model
+from .client import ConnectionPool
+from .config import LoadConfig, parse_target
+from .inputs import npz_inputs, random_inputs
+from .report import LoadReport
+from .target import ModelInfo, query_model_info
+from .wire import RequestEncoder, read_answer
+
+
+class _Recorder:
+    """One outcome per request: latency or error kind, and the answer to check later."""
+
+    def __init__(self) -> None:
+        self.seen: Counter = Counter()
+        self.latencies: list[float] = []
+        self.errors: Counter = Counter()
+        self.id_mismatches = 0
+        self.answers: list[tuple[int, dict[str, np.ndarray]]] = []
+
+    def answered(self, index: int, latency: float, sample: int, outputs: dict[str, np.ndarray],
+                 keep: bool) -> None:
+        self.seen[index] += 1
+        self.latencies.append(latency)
+        if keep:
+            self.answers.append((sample, outputs))
+
+    def failed(self, index: int, kind: str) -> None:
+        self.seen[index] += 1
+        self.errors[kind] += 1
+
+
+async def _send(pool: ConnectionPool, path: str, encoder: RequestEncoder, index: int, sample: int,
+                start: float, timeout: float, recorder: _Recorder, keep: bool) -> None:
+    import h11
+
+    request_id = str(index)
+    body, headers = encoder.encode(request_id, sample)
+    try:
+        status, response_headers, content = await asyncio.wait_for(pool.post(path, body, headers), timeout)
+    except asyncio.TimeoutError:
+        recorder.failed(index, "timeout")
+        return
+    except asyncio.CancelledError:
+        recorder.failed(index, "cancelled")
+        raise
+    except (OSError, h11.ProtocolError):  # refused, reset, closed mid-answer, garbled HTTP
+        recorder.failed(index, "connection error")
+        return
+    latency = time.perf_counter() - start
+    if status != 200:
+        recorder.failed(index, f"HTTP {status}")
+        return
+    try:
+        answer_id, outputs = read_answer(content, response_headers)
+    except (ProtocolError, ValueError, KeyError, TypeError):
+        recorder.failed(index, "malformed answer")
+        return
+    if answer_id is not None and answer_id != request_id:
+        recorder.id_mismatches += 1
+    recorder.answered(index, latency, sample, outputs, keep)
+
+
+async def _closed_loop(make_pool: Any, path: str, cfg: LoadConfig, encoder: RequestEncoder,
+                       recorder: _Recorder, keep: bool, t0: float) -> int:
+    counter = iter(range(cfg.requests if cfg.requests is not None else 2**62))
+    end = t0 + cfg.duration if cfg.duration is not None else math.inf
+    sent = 0
+
+    async def client_loop() -> None:
+        # each client owns one connection, like N independent users
+        nonlocal sent
+        async with make_pool(1) as pool:
+            for index in counter:
+                now = time.perf_counter()
+                if now >= end:
+                    return
+                sent += 1
+                await _send(pool, path, encoder, index, index % len(encoder), now, cfg.timeout, recorder,
+                            keep)
+
+    assert cfg.concurrency is not None
+    await asyncio.gather(*(client_loop() for _ in range(cfg.concurrency)))
+    return sent
+
+
+async def _open_loop(pool: ConnectionPool, path: str, cfg: LoadConfig, encoder: RequestEncoder,
+                     recorder: _Recorder, keep: bool, t0: float) -> int:
+    assert cfg.rate is not None
+    rng = random.Random(cfg.seed)
+    count = cfg.requests if cfg.requests is not None else 2**62
+    horizon = cfg.duration if cfg.duration is not None else math.inf
+    tasks: set[asyncio.Task] = set()
+    arrival, index = 0.0, 0
+    try:
+        while index < count and arrival < horizon:
+            delay = t0 + arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.ensure_future(_send(pool, path, encoder, index, index % len(encoder),
+                                               t0 + arrival, cfg.timeout, recorder, keep))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            index += 1
+            gap = rng.expovariate(cfg.rate) if cfg.arrivals == "poisson" else 1.0 / cfg.rate
+            arrival += gap
+        if tasks:
+            await asyncio.gather(*tasks)
+    finally:
+        for task in list(tasks):
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return index
+
+
+async def run_load_async(cfg: LoadConfig, samples: Sequence[Mapping[str, np.ndarray]] | None = None,
+                         checker: AnswerChecker | None = None,
+                         info: ModelInfo | None = None) -> LoadReport:
+    """Run one load test (see `LoadConfig`) and return what it saw.
+
+    ``samples`` default to random inputs shaped by the model's metadata (or
+    ``cfg.npz``); ``info`` skips the metadata query; ``checker`` compares answers.
+    """
+    cfg.validate()
+    base, model = parse_target(cfg.url, cfg.model)
+    if samples is None:
+        if info is None:
+            info = await query_model_info(base, model, cfg.connect_timeout, cfg.headers)
+        samples = _samples(cfg, info)
+    if checker is not None and len(checker.expected) != len(samples):
+        raise UsageError(f"Expected a checker built on the {len(samples)} samples sent. "
+                         f"Received: one built on {len(checker.expected)}")
+    encoder = RequestEncoder(samples, binary=cfg.binary)
+    path = f"/v2/models/{model}/infer"
+    recorder = _Recorder()
+    keep = checker is not None
+
+    def make_pool(size: int) -> ConnectionPool:
+        return ConnectionPool(base, size, cfg.headers)
+
+    async with make_pool(cfg.connections or 256) as shared:
+        t0 = time.perf_counter()
+        if cfg.concurrency is not None:
+            mode = f"closed loop, concurrency {cfg.concurrency}"
+            loop = _closed_loop(make_pool, path, cfg, encoder, recorder, keep, t0)
+        else:
+            mode = f"open loop, {cfg.arrivals} arrivals at {cfg.rate:g}/s"
+            loop = _open_loop(shared, path, cfg, encoder, recorder, keep, t0)
+        task = asyncio.ensure_future(loop)
+        try:
+            sent = await asyncio.wait_for(asyncio.shield(task), cfg.run_limit())
+        except asyncio.TimeoutError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            sent = max(recorder.seen, default=-1) + 1
+        elapsed = time.perf_counter() - t0
+
+    report = LoadReport(mode=mode, elapsed=elapsed, sent=sent, latencies=recorder.latencies,
+                        errors=recorder.errors, id_mismatches=recorder.id_mismatches)
+    report.duplicates = sum(1 for n in recorder.seen.values() if n > 1)
+    report.missing = sum(1 for i in range(sent) if i not in recorder.seen)
+    if checker is not None:
+        for sample, outputs in recorder.answers:
+            problem = checker.compare(sample, outputs)
+            report.checked += 1
+            if problem:
+                report.wrong += 1
+                report.first_wrong = report.first_wrong or f"sample {sample}: {problem}"
+    return report
+
+
+def run_load(cfg: LoadConfig, samples: Sequence[Mapping[str, np.ndarray]] | None = None,
+             checker: AnswerChecker | None = None, info: ModelInfo | None = None) -> LoadReport:
+    """Blocking `run_load_async` (starts its own event loop)."""
+    return asyncio.run(run_load_async(cfg, samples, checker, info))
+
+
+def prepare(cfg: LoadConfig, check: str | None = None, atol: float = 1e-4,
+            rtol: float = 1e-4) -> tuple[ModelInfo, list[dict[str, np.ndarray]], AnswerChecker | None]:
+    """Query the model's metadata, build the samples and (with ``check``) the checker.
+
+    Separate from the run so that a bad URL, model or input fails before any load
+    is sent, and so the reference model runs before the clock starts.
+    """
+    cfg.validate()
+    base, model = parse_target(cfg.url, cfg.model)
+    info = asyncio.run(query_model_info(base, model, cfg.connect_timeout, cfg.headers))
+    samples = _samples(cfg, info)
+    checker = None
+    if check:
+        checker = AnswerChecker(load_reference_model(check), samples, atol=atol, rtol=rtol)
+    return info, samples, checker
+
+
+def _samples(cfg: LoadConfig, info: ModelInfo) -> list[dict[str, np.ndarray]]:
+    if cfg.npz:
+        return npz_inputs(cfg.npz, info, cfg.shape)
+    return random_inputs(info, cfg.samples, cfg.shape, cfg.seed)

@@ -1,0 +1,119 @@
+"""`fit`'s settings in two groups: how the loop trains (`FitConfig`) and where it runs (`LaunchConfig`).
+
+Users can build either and pass it to `fit`, or name any field as a keyword
+argument (``fit(..., epochs=5, workers=2)``): keywords override the objects'
+fields. Every value is checked here, before a process starts, with one line
+saying what was expected and what was received.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..env import DEFAULT_TIMEOUT
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from ..pool import WorkerPool
+
+
+@dataclass
+class FitConfig:
+    """How the loop trains and what it writes (picklable: it travels to the workers).
+
+    Batch size is **per worker**: with ``batch_size=32`` and 4 workers an optimizer
+    step sees 128 samples (times ``accumulate`` micro-batches).
+    """
+
+    epochs: int = 1
+    batch_size: int = 32
+    eval_batch_size: int = 512
+    #: micro-batches per optimizer step; the inner ones skip gradient communication
+    accumulate: int = 1
+    #: linear scaling rule: ``lr * workers * accumulate``
+    scale_lr: bool = False
+    seed: int = 0
+    #: stop after this many optimizer steps in total (None: run every epoch)
+    max_steps: int | None = None
+    drop_last: bool = False
+    #: where metrics, curves and checkpoints go (nothing is written without it)
+    out_dir: str | None = None
+    #: a checkpoint to continue from; ``"auto"``: ``out_dir/checkpoint.pt`` if it exists
+    resume: str | None = None
+    checkpoint: bool = True
+    quiet: bool = False
+    #: a progress bar; None: when stderr is a terminal
+    progress: bool | None = None
+    #: put the final model ``state_dict`` in the result
+    return_state: bool = False
+    #: how ``partrain serve`` rebuilds the model from the checkpoint (name, kwargs, input shape)
+    model_spec: dict[str, Any] | None = None
+
+    def validate(self) -> None:
+        _positive("epochs", self.epochs, "number of epochs")
+        _positive("batch_size", self.batch_size, "batch size")
+        _positive("eval_batch_size", self.eval_batch_size, "evaluation batch size")
+        _positive("accumulate", self.accumulate, "number of micro-batches to accumulate")
+        if self.max_steps is not None:
+            _positive("max_steps", self.max_steps, "number of steps")
+        if self.out_dir is not None and not str(self.out_dir).strip():
+            raise UsageError("Expected out_dir to be a directory path or None. Received: an empty string")
+
+
+@dataclass
+class LaunchConfig:
+    """Where the workers run: passed to `partrain.launch` (see it for each field)."""
+
+    workers: int = 1
+    #: seconds for rendezvous, every collective and every queue wait
+    timeout: float = DEFAULT_TIMEOUT
+    backend: str | None = None
+    device: str | None = None
+    #: intra-op threads per process; None: the available cores divided among the processes
+    threads: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    #: processes kept between runs (`partrain.WorkerPool`); None: the enclosing pool or fresh ones
+    pool: WorkerPool | None = None
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields as `partrain.launch` keywords (shallow: the pool is not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def validate(self) -> None:
+        _positive("workers", self.workers, "number of workers")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
+                or not math.isfinite(self.timeout) or self.timeout <= 0:
+            raise UsageError(f"Expected a positive, finite timeout in seconds. Received: timeout={self.timeout!r}")
+        if self.threads is not None:
+            _positive("threads", self.threads, "number of threads")
+
+
+def split_options(config: FitConfig | None, launch_config: LaunchConfig | None,
+                  options: dict[str, Any]) -> tuple[FitConfig, LaunchConfig]:
+    """``fit``'s keyword options applied over the two config objects (defaults when None)."""
+    fit_names = {f.name for f in dataclasses.fields(FitConfig)}
+    launch_names = {f.name for f in dataclasses.fields(LaunchConfig)}
+    unknown = sorted(set(options) - fit_names - launch_names)
+    if unknown:
+        raise UsageError(f"Expected fit options among {sorted(fit_names | launch_names)}. "
+                         f"Received: {', '.join(unknown)}")
+    for name, value, cls in (("config", config, FitConfig), ("launch_config", launch_config, LaunchConfig)):
+        if value is not None and not isinstance(value, cls):
+            raise UsageError(f"Expected {name} to be a {cls.__name__} or None. Received: {type(value).__name__}")
+    cfg = dataclasses.replace(config or FitConfig(), **{k: v for k, v in options.items() if k in fit_names})
+    launch_cfg = dataclasses.replace(launch_config or LaunchConfig(),
+                                     **{k: v for k, v in options.items() if k in launch_names})
+    cfg.validate()
+    launch_cfg.validate()
+    return cfg, launch_cfg
+
+
+def _positive(name: str, value: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"Expected a positive {what}. Received: {name}={value!r}")

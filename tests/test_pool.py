@@ -1,0 +1,67 @@
+"""WorkerPool: processes reused across launches, each launch still a fresh job.
+
+Guards what reuse must not change: results, a fresh process group per launch, the
+caller's current environment, and recovery after a job whose rank failed or died.
+"""
+
+import os
+import signal
+
+import pytest
+import torch
+
+import partrain
+from partrain.errors import UsageError, WorkerError
+from partrain.pool import no_pool
+
+
+def pid_and_sum(strategy, value):
+    t = torch.tensor([float(value)])
+    strategy.all_reduce_sum(t)
+    return os.getpid(), t.item(), os.environ.get("PARTRAIN_TEST_MARK")
+
+
+def fail_on_rank_1(strategy, how):
+    if strategy.rank == 1:
+        if how == "raise":
+            raise KeyError("boom")
+        os.kill(os.getpid(), signal.SIGKILL)
+    strategy.barrier()
+
+
+def test_processes_are_reused_and_each_launch_is_a_fresh_job(monkeypatch):
+    with partrain.WorkerPool(2) as pool:
+        first = partrain.launch(pid_and_sum, 1, workers=2, timeout=30)
+        monkeypatch.setenv("PARTRAIN_TEST_MARK", "now")  # set after the processes started
+        second = partrain.launch(pid_and_sum, 2, workers=2, timeout=30, pool=pool)
+    assert [o[1] for o in first] == [2.0, 2.0] and [o[1] for o in second] == [4.0, 4.0]
+    assert [o[0] for o in first] == [o[0] for o in second]  # the same two processes
+    assert len({o[0] for o in first}) == 2 and os.getpid() not in {o[0] for o in first}
+    assert [o[2] for o in second] == ["now", "now"]  # the caller's environment of the moment
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_failed_job_is_reported_and_the_pool_recovers(how):
+    with partrain.WorkerPool(2):
+        before = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
+        with pytest.raises(WorkerError) as info:
+            partrain.launch(fail_on_rank_1, how, workers=2, timeout=20)
+        assert info.value.rank == 1
+        after = partrain.launch(pid_and_sum, 3, workers=2, timeout=30)
+    assert [o[1] for o in after] == [6.0, 6.0]
+    assert after[1][0] != before[1][0]  # the failed rank's process was replaced
+
+
+def test_outside_the_pool_and_limits():
+    with partrain.WorkerPool(2) as pool:
+        pooled = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
+        with no_pool():
+            fresh = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
+        assert {o[0] for o in pooled}.isdisjoint(o[0] for o in fresh)
+        with pytest.raises(UsageError, match="at most 2 processes on this pool. Received: 3"):
+            partrain.launch(pid_and_sum, 0, workers=3, timeout=30)
+    assert "alive=0" in repr(pool)
+    with pytest.raises(UsageError, match="open WorkerPool"):
+        partrain.launch(pid_and_sum, 0, workers=2, pool=pool)
+    with pytest.raises(UsageError, match="processes=0"):
+        partrain.WorkerPool(0)
