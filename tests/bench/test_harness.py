@@ -45,6 +45,7 @@ def test_spread_is_median_with_min_and_max():
     assert (s.median, s.low, s.high) == (2.5, 1.0, 10.0)  # even count: mean of the middle two
     assert s.cell() == "2.5 (1-10)"
     assert Spread.of([4.0, 4.0]).cell() == "4"  # every round agreed: no range to show
+    assert Spread.of([999.7, 1204.0]).cell() == "1,102 (1,000-1,204)"  # no "1e+03"
 
 
 def test_spread_leaves_missing_rounds_out():

@@ -78,7 +78,8 @@ def format_number(v: Any) -> str:
     if isinstance(v, float):
         if math.isnan(v):
             return "-"
-        return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        # 3 significant places, without an exponent: 999.6 rounds up to "1,000", not "1e+03"
+        return f"{v:,.3g}" if abs(v) < 999.5 else f"{v:,.0f}"
     return str(v)
 
 

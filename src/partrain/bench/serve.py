@@ -314,8 +314,8 @@ def _report(report: Report, points: list[Point], names: list[str], levels: list[
     for name in names:
         speedup = ratio(find(name, "adaptive", hi), find(name, "unbatched", hi))
         vs_lit = ratio(find(name, "adaptive", hi), find(name, "litserve", hi))
-        a1, u1 = find(name, "adaptive", lo), find(name, "unbatched", lo)
-        p50_cost = a1.p50 - u1.p50 if a1 and u1 else math.nan
+        adaptive_alone, unbatched_alone = find(name, "adaptive", lo), find(name, "unbatched", lo)
+        p50_cost = adaptive_alone.p50 - unbatched_alone.p50 if adaptive_alone and unbatched_alone else math.nan
         rows += [[name, f"adaptive / unbatched req/s at c={hi}", speedup.cell()],
                  [name, f"adaptive / litserve req/s at c={hi}", vs_lit.cell()],
                  [name, f"p50 adaptive - unbatched at c={lo} (ms)", p50_cost]]

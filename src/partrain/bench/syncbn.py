@@ -120,25 +120,26 @@ def _worker(strategy: Any, batch: int, image_size: int, width: int, steps: int, 
         runs[kind] = (model, opt)
 
     # one layer alone: the second BatchNorm of the model, on its activation's shape
-    c = 2 * width
-    xl = torch.randn(batch, c, image_size, image_size, generator=g).to(device)
-    gl = torch.randn(batch, c, image_size, image_size, generator=g).to(device)
-    layers = {"plain": nn.BatchNorm2d(c).to(device)}
-    layers["partrain"] = convert_sync_batchnorm(nn.BatchNorm2d(c)).to(device)
+    channels = 2 * width
+    layer_input = torch.randn(batch, channels, image_size, image_size, generator=g).to(device)
+    layer_grad = torch.randn(batch, channels, image_size, image_size, generator=g).to(device)
+    layers = {"plain": nn.BatchNorm2d(channels).to(device)}
+    layers["partrain"] = convert_sync_batchnorm(nn.BatchNorm2d(channels)).to(device)
     if "torch" in runs:
-        layers["torch"] = nn.SyncBatchNorm(c).to(device)
+        layers["torch"] = nn.SyncBatchNorm(channels).to(device)
     for layer in layers.values():
-        _time_layer(layer, xl, gl, 2)
+        _time_layer(layer, layer_input, layer_grad, 2)
 
     def in_step(measure: Any) -> float:
         strategy.barrier()  # every worker starts the variant together: its collectives pair up
         return measure()
 
     # the turn order is the same on every worker (alternate is deterministic): collectives match
-    times = alternate({kind: functools.partial(in_step, functools.partial(_time_steps, model, opt, x, y, steps))
-                       for kind, (model, opt) in runs.items()}, rounds)
-    layer_times = alternate({kind: functools.partial(in_step, functools.partial(_time_layer, layer, xl, gl, steps))
-                             for kind, layer in layers.items()}, rounds)
+    step_timers = {kind: functools.partial(_time_steps, model, opt, x, y, steps) for kind, (model, opt) in runs.items()}
+    layer_timers = {kind: functools.partial(_time_layer, module, layer_input, layer_grad, steps)
+                    for kind, module in layers.items()}
+    times = alternate({kind: functools.partial(in_step, timer) for kind, timer in step_timers.items()}, rounds)
+    layer_times = alternate({kind: functools.partial(in_step, timer) for kind, timer in layer_timers.items()}, rounds)
     return {"times": times, "layer_times": layer_times, "unavailable": unavailable, "device": device.type}
 
 
