@@ -2,9 +2,13 @@
 
 Each benchmark is a module ``partrain.bench.<module>`` exposing
 ``add_arguments(parser)`` (its own options; ``--quick`` and ``--json`` are added
-for every benchmark) and ``run(args) -> dict[str, float]``: it prints a readable
-table with ratios against the baseline a user would otherwise use, measured in
-the same run, and returns every figure it printed; ``--json FILE`` writes them.
+for every benchmark) and ``run(args) -> harness.Report``. It measures a capability
+and the alternative a user would otherwise pick, in the same run, on the one
+harness (`partrain.bench.harness`): variants in alternating rounds, medians with
+their min-max spread, ratios, and goals under stable names; ``--json FILE``
+writes every figure and goal.
+
+Library code never imports this package: it measures the library, not the reverse.
 """
 
 BENCHMARKS = {

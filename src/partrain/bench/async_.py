@@ -1,9 +1,8 @@
 """Async: allreduce vs ps (staleness 0, 2, inf), hogwild and localsgd/DiLoCo, with and without a straggler.
 
-One run, one model (the small CNN), one synthetic task (Gaussian clusters in
-8x8 images, noisy enough that accuracy climbs over several epochs), every
-variant trained by the same ``partrain.fit`` loop with 2 workers of one
-thread each:
+One model (the small CNN), one synthetic task (Gaussian clusters in 8x8 images,
+noisy enough that accuracy climbs over several epochs), every variant trained by
+the same ``partrain.fit`` loop with 2 workers of one thread each:
 
 - ``allreduce`` (the baseline every ratio is taken against, in the same
   straggler setting), ``ps`` with staleness 0, 2 and inf (1 server),
@@ -17,10 +16,17 @@ thread each:
   speed);
 - ``hogwild`` with one process (one thread): the baseline of hogwild's scaling.
 
-Figures per variant: samples/s (training time only, epochs after the first),
-training seconds until the test accuracy first reaches ``--target`` (checked
-at epoch ends), communicated bytes per training sample (all workers), and the
-final test loss; ratios against allreduce. Timings are noisy on a shared machine.
+Every variant runs once per round, in alternating rounds. Figures per variant:
+samples/s (training time only, epochs after the first), training seconds until
+the test accuracy first reaches ``--target`` (checked at epoch ends), communicated
+bytes per training sample (all workers), and the final test loss; medians over
+rounds, ratios against allreduce round by round.
+
+Goals: async.hogwild_scaling (hogwild 2 workers / 1 process, samples/s) >= 1.7;
+async.ps_straggler_time (best ps with staleness 2 or inf / allreduce, time to
+target, with the straggler) <= 0.7; async.diloco_bytes (allreduce bytes / DiLoCo
+long-period bytes per sample) >= 50; async.diloco_loss (DiLoCo long-period final
+test loss / allreduce's) <= 1.02.
 """
 
 from __future__ import annotations
@@ -29,28 +35,90 @@ import argparse
 import functools
 import math
 import os
-import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from ..errors import UsageError
 from ..models import cnn
+from ..strategies import get_strategy
 from ..train.loop import fit
-from .common import format_table
+from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
+
+FIGURES = ("samples_per_s", "time_to_target", "bytes_per_sample", "final_test_loss", "final_test_accuracy")
+
+
+@dataclass(frozen=True)
+class Size:
+    samples: int
+    epochs: int
+    rounds: int
+    target: float  # test accuracy for time-to-target
+    period: int  # localsgd / DiLoCo H
+    long_period: int  # DiLoCo's long H (0: skip)
+
+
+FULL = Size(samples=8192, epochs=6, rounds=3, target=0.85, period=8, long_period=64)
+QUICK = Size(samples=4096, epochs=3, rounds=1, target=0.85, period=8, long_period=64)
+# the toy's target is reached after the first epoch, so time-to-target is a number
+TOY = Size(samples=512, epochs=2, rounds=1, target=0.0, period=2, long_period=4)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to train: a strategy with its options, with or without the straggler."""
+
+    key: str  # the --variants name
+    label: str
+    strategy: str
+    options: dict[str, Any]
+    workers: int = 2
+    straggle: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} +straggler" if self.straggle else self.label
+
+
+def variants(period: int, long_period: int) -> list[Variant]:
+    out = [
+        Variant("allreduce", "allreduce", "allreduce", {}),
+        Variant("ps-s0", "ps s=0", "ps", {"staleness": 0}),
+        Variant("ps-s2", "ps s=2", "ps", {"staleness": 2}),
+        Variant("ps-sinf", "ps s=inf", "ps", {"staleness": math.inf}),
+        Variant("hogwild", "hogwild", "hogwild", {}),
+        Variant("localsgd", f"localsgd H={period}", "localsgd", {"period": period}),
+        # a short period wants little outer momentum (0.9 overshoots at H=8 on this task)
+        Variant("diloco", f"diloco H={period}", "localsgd",
+                {"period": period, "outer": "nesterov", "outer_lr": 0.8, "outer_momentum": 0.3}),
+    ]
+    if long_period:
+        out.append(Variant("diloco-long", f"diloco H={long_period}", "localsgd",
+                           {"period": long_period, "outer": "nesterov"}))
+    return out
+
+
+HOGWILD_ONE_PROCESS = Variant("hogwild-1", "hogwild, 1 process", "hogwild", {}, workers=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--samples", type=int, default=None, help="training samples (default 8192, quick 4096)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs per variant (default 6, quick 3)")
-    p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size")
-    p.add_argument("--target", type=float, default=0.85, help="test accuracy for time-to-target")
-    p.add_argument("--period", type=int, default=8, help="localsgd/DiLoCo period H")
-    p.add_argument("--long-period", type=int, default=64, help="DiLoCo's long period (0: skip the row)")
+    p.add_argument("--samples", type=positive_int, default=None, help="training samples (default 8192, quick 4096)")
+    p.add_argument("--epochs", type=positive_int, default=None, help="epochs per run, >= 2 (default 6, quick 3)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="per-worker batch size")
+    p.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 3, quick 1)")
+    p.add_argument("--target", type=float, default=None, help="test accuracy for time-to-target (default 0.85)")
+    p.add_argument("--period", type=positive_int, default=None, help="localsgd/DiLoCo period H (default 8)")
+    p.add_argument("--long-period", type=int, default=None, help="DiLoCo's long period (default 64; 0: skip)")
     p.add_argument("--straggler", choices=("both", "off", "on"), default="both",
                    help="run without and with a worker slowed 2x (default both)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated among allreduce, ps-s0, ps-s2, ps-sinf, hogwild, localsgd, diloco, "
+                        "diloco-long (default: all; allreduce always runs, it is the baseline)")
 
 
 # ----- the task ---------------------------------------------------------------------
@@ -87,7 +155,7 @@ class Straggler(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             if self._start is not None and self._grads_done is not None and self._grads_done > self._start:
-                time.sleep(self._grads_done - self._start)
+                time.sleep(self._grads_done - self._start)  # the straggler's delay itself, not a wait on anything
             self._start = time.perf_counter()
         return self.inner(x)
 
@@ -107,144 +175,148 @@ def bench_model(straggle: bool = False, workers: int = 2) -> nn.Module:
     return model
 
 
-# ----- one variant ------------------------------------------------------------------
-def _train(strategy: str, options: dict[str, Any], workers: int, data: Any, args: argparse.Namespace,
-           epochs: int, straggle: bool) -> dict[str, float]:
-    from ..strategies import get_strategy
-
-    model_fn = functools.partial(bench_model, straggle, workers)
-    kwargs: dict[str, Any] = dict(strategy=get_strategy(strategy, **options), workers=workers, epochs=epochs,
-                                  batch_size=args.batch_size, quiet=True, checkpoint=False, timeout=120,
-                                  threads=1)
-    threads = torch.get_num_threads()
-    if workers == 1:
-        torch.set_num_threads(1)  # one process runs in this one: give it one thread like each worker
-    try:
-        res = fit(model_fn, data, _optimizer, **kwargs)
-    finally:
-        torch.set_num_threads(threads)
-    assert res is not None
-    hist = res.history
-    steady = hist[1:] if len(hist) > 1 else hist
+# ----- one run of one variant -------------------------------------------------------
+def train(variant: Variant, data: Any, epochs: int, batch_size: int, target: float) -> dict[str, float]:
+    """Train ``variant`` once with ``partrain.fit``; its figures (`FIGURES`)."""
+    result = fit(functools.partial(bench_model, variant.straggle, variant.workers), data, _optimizer,
+                 strategy=get_strategy(variant.strategy, **variant.options), workers=variant.workers,
+                 epochs=epochs, batch_size=batch_size, quiet=True, checkpoint=False, timeout=120, threads=1)
+    assert result is not None  # fit returns worker 0's result when it launched the workers
+    history = result.history
+    steady = history[1:] or history
     samples = sum(r["samples"] for r in steady)
     seconds = sum(r["seconds"] for r in steady)
     to_target, elapsed = math.nan, 0.0
-    for r in hist:
+    for r in history:
         elapsed += r["seconds"]
-        if r["test_accuracy"] >= args.target:
+        if r["test_accuracy"] >= target:
             to_target = elapsed
             break
     return {
         "samples_per_s": samples / seconds if seconds > 0 else math.nan,
         "time_to_target": to_target,
-        "bytes_per_sample": sum(r["comm_bytes"] for r in hist) / max(1, sum(r["samples"] for r in hist)),
-        "final_test_loss": hist[-1]["test_loss"],
-        "final_test_accuracy": hist[-1]["test_accuracy"],
+        "bytes_per_sample": sum(r["comm_bytes"] for r in history) / max(1, sum(r["samples"] for r in history)),
+        "final_test_loss": history[-1]["test_loss"],
+        "final_test_accuracy": history[-1]["test_accuracy"],
     }
 
 
-def _variants(args: argparse.Namespace) -> list[tuple[str, str, dict[str, Any]]]:
-    h = args.period
-    out = [
-        ("allreduce", "allreduce", {}),
-        ("ps s=0", "ps", {"staleness": 0}),
-        ("ps s=2", "ps", {"staleness": 2}),
-        ("ps s=inf", "ps", {"staleness": math.inf}),
-        ("hogwild", "hogwild", {}),
-        (f"localsgd H={h}", "localsgd", {"period": h}),
-        # a short period wants little outer momentum (0.9 overshoots at H=8 on this task)
-        (f"diloco H={h}", "localsgd", {"period": h, "outer": "nesterov", "outer_lr": 0.8, "outer_momentum": 0.3}),
-    ]
-    if args.long_period:
-        out.append((f"diloco H={args.long_period}", "localsgd", {"period": args.long_period, "outer": "nesterov"}))
-    return out
+def _unless_broken(run: Callable[[], dict[str, float]], name: str, report: Report) -> Callable[[], dict[str, float]]:
+    """A variant that fails (a strategy missing or broken here) is reported once and skipped after."""
+    failed: list[str] = []
 
-
-def _key(label: str, straggle: bool) -> str:
-    name = label.replace(" ", "_").replace("=", "")
-    return f"{name}{'_straggler' if straggle else ''}"
-
-
-def run(args: argparse.Namespace) -> dict[str, float]:
-    samples = args.samples or (4096 if args.quick else 8192)
-    epochs = args.epochs or (3 if args.quick else 6)
-    data = make_data(samples)
-    settings = {"both": [False, True], "off": [False], "on": [True]}[args.straggler]
-    print(f"async: {samples} samples of 8x8 (10 noisy clusters), CNN, batch {args.batch_size} per worker, "
-          f"{epochs} epochs, 2 workers x 1 thread, target test accuracy {args.target:g}", flush=True)
-
-    figures: dict[str, float] = {}
-    results: dict[tuple[str, bool], dict[str, float]] = {}
-    single = _train("hogwild", {}, 1, data, args, epochs, False)
-    for k, v in single.items():
-        figures[f"hogwild_1proc_{k}"] = v
-    for straggle in settings:
-        for label, name, options in _variants(args):
+    def measure() -> dict[str, float]:
+        if not failed:
             try:
-                r = _train(name, options, 2, data, args, epochs, straggle)
-            except Exception as exc:  # a strategy that is missing or broken: say so, run the rest
-                print(f"{label}{' +straggler' if straggle else ''}: not available ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0] if str(exc) else ''})", flush=True)
-                continue
-            results[(label, straggle)] = r
-            print(f"  {label}{' +straggler' if straggle else ''}: {r['samples_per_s']:,.0f} samples/s, "
-                  f"target after {r['time_to_target']:.2f} s, test accuracy {r['final_test_accuracy']:.3f}",
-                  file=sys.stderr, flush=True)
-            for k, v in r.items():
-                figures[f"{_key(label, straggle)}_{k}"] = v
+                return run()
+            except Exception as exc:  # noqa: BLE001 - said in one line, the other variants go on
+                failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                report.note(f"{name}: not available ({failed[0]})")
+        return dict.fromkeys(FIGURES, math.nan)
 
-    headers = ["variant", "straggler", "samples/s", "x allreduce", "s to target", "x allreduce",
-               "bytes/sample", "x fewer", "test loss", "x allreduce", "test acc"]
-    rows: list[list[Any]] = [["hogwild 1 process", "no", single["samples_per_s"], math.nan,
-                              single["time_to_target"], math.nan, 0.0, math.nan, single["final_test_loss"],
-                              math.nan, single["final_test_accuracy"]]]
-    for straggle in settings:
-        base = results.get(("allreduce", straggle))
-        for label, _, _ in _variants(args):
-            r = results.get((label, straggle))
-            if r is None:
-                rows.append([label, "yes" if straggle else "no", "not available"] + [math.nan] * 8)
-                continue
-            ratios = _ratios(r, base)
-            for k, v in ratios.items():
-                figures[f"{_key(label, straggle)}_{k}"] = v
-            rows.append([label, "yes" if straggle else "no", r["samples_per_s"], ratios["speed_vs_allreduce"],
-                         r["time_to_target"], ratios["time_to_target_vs_allreduce"], r["bytes_per_sample"],
-                         ratios["bytes_fewer_than_allreduce"], r["final_test_loss"], ratios["loss_vs_allreduce"],
-                         r["final_test_accuracy"]])
-    print(format_table(headers, rows))
-
-    hog = results.get(("hogwild", False))
-    if hog is not None:
-        figures["hogwild_scaling_2_workers_vs_1_process"] = hog["samples_per_s"] / single["samples_per_s"]
-        print(f"hogwild scaling, 2 workers vs 1 process: "
-              f"{figures['hogwild_scaling_2_workers_vs_1_process']:.2f}x samples/s (goal >= 1.7x)")
-    if True in settings:
-        ps_ratios = [figures.get(f"{_key(lbl, True)}_time_to_target_vs_allreduce", math.nan)
-                     for lbl in ("ps s=2", "ps s=inf")]
-        best = min((v for v in ps_ratios if not math.isnan(v)), default=math.nan)
-        figures["straggler_best_ps_time_to_target_vs_allreduce"] = best
-        print(f"with the straggler, best ps (s=2 or inf) time to target vs allreduce: {best:.2f}x (goal <= 0.7x)")
-    for label, _, _ in _variants(args)[5:]:
-        key = _key(label, False)
-        if f"{key}_bytes_fewer_than_allreduce" in figures:
-            print(f"{label}: {figures[f'{key}_bytes_fewer_than_allreduce']:.1f}x fewer bytes than allreduce, "
-                  f"final test loss {figures[f'{key}_loss_vs_allreduce']:.3f}x allreduce's "
-                  f"(goal >= 50x fewer, within 2%)")
-    return figures
+    return measure
 
 
-def _ratios(r: dict[str, float], base: dict[str, float] | None) -> dict[str, float]:
-    if base is None:
-        return dict.fromkeys(("speed_vs_allreduce", "time_to_target_vs_allreduce", "bytes_fewer_than_allreduce",
-                              "loss_vs_allreduce"), math.nan)
+def _plan(args: argparse.Namespace, size: Size) -> list[Variant]:
+    """The runs of one round: every chosen variant in every chosen straggler setting."""
+    every = variants(size.period, size.long_period)
+    if args.toy:
+        # few launches for a smoke test: three goals measured, async.ps_straggler_time left
+        # unmeasured (that path of the report runs too)
+        return [v for v in every if v.key in ("allreduce", "hogwild", "diloco-long")]
+    chosen = [v.key for v in every]
+    if args.variants:
+        chosen = [k.strip() for k in args.variants.split(",") if k.strip()]
+        unknown = [k for k in chosen if k not in {v.key for v in every}]
+        if unknown:
+            raise UsageError(f"Expected --variants among {[v.key for v in every]}. Received: {unknown}")
+        chosen = ["allreduce", *[k for k in chosen if k != "allreduce"]]
+    settings = {"both": [False, True], "off": [False], "on": [True]}[args.straggler]
+    return [replace(v, straggle=s) for s in settings for v in every if v.key in chosen]
 
-    def div(a: float, b: float) -> float:
-        return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
 
-    return {
-        "speed_vs_allreduce": div(r["samples_per_s"], base["samples_per_s"]),
-        "time_to_target_vs_allreduce": div(r["time_to_target"], base["time_to_target"]),
-        "bytes_fewer_than_allreduce": div(base["bytes_per_sample"], r["bytes_per_sample"]),
-        "loss_vs_allreduce": div(r["final_test_loss"], base["final_test_loss"]),
-    }
+def run(args: argparse.Namespace) -> Report:
+    size, smoke = pick_size(args, FULL, QUICK, TOY)
+    size = replace(size, **{k: v for k, v in (("samples", args.samples), ("epochs", args.epochs),
+                                                ("rounds", args.rounds), ("target", args.target),
+                                                ("period", args.period), ("long_period", args.long_period))
+                            if v is not None})
+    if size.epochs < 2:
+        raise UsageError(f"Expected at least 2 epochs (the first is warm-up). Received: --epochs {size.epochs}")
+    report = Report("async", smoke=smoke)
+    data = make_data(size.samples)
+    plan = [HOGWILD_ONE_PROCESS, *_plan(args, size)]
+    report.say(f"partrain bench async: {size.samples} samples of 8x8 (10 noisy clusters), CNN, batch "
+               f"{args.batch_size} per worker, {size.epochs} epochs per run, 2 workers x 1 thread, "
+               f"{size.rounds} alternating rounds, target test accuracy {size.target:g}")
+
+    def progress(r: int, name: str, f: dict[str, float]) -> None:
+        report.progress(f"round {r + 1}: {name}: {f['samples_per_s']:,.0f} samples/s, target after "
+                        f"{f['time_to_target']:.2f} s, test accuracy {f['final_test_accuracy']:.3f}")
+
+    runs = alternate({v.name: _unless_broken(functools.partial(train, v, data, size.epochs, args.batch_size,
+                                                               size.target), v.name, report) for v in plan},
+                     size.rounds, on_result=progress)
+
+    def figure(v: Variant, key: str) -> list[float]:
+        return [r[key] for r in runs[v.name]]
+
+    def against_allreduce(v: Variant) -> dict[str, Spread]:
+        base = next((b for b in plan if b.key == "allreduce" and b.straggle == v.straggle), None)
+        if base is None:
+            return {}
+        return {"speed_vs_allreduce": paired_ratio(figure(v, "samples_per_s"), figure(base, "samples_per_s")),
+                "time_to_target_vs_allreduce": paired_ratio(figure(v, "time_to_target"),
+                                                            figure(base, "time_to_target")),
+                "bytes_fewer_than_allreduce": paired_ratio(figure(base, "bytes_per_sample"),
+                                                           figure(v, "bytes_per_sample")),
+                "loss_vs_allreduce": paired_ratio(figure(v, "final_test_loss"), figure(base, "final_test_loss"))}
+
+    rows: list[list[Any]] = []
+    ratios: dict[str, dict[str, Spread]] = {}
+    for v in plan:
+        spreads = {k: Spread.of(figure(v, k)) for k in FIGURES}
+        ratios[v.name] = against_allreduce(v) if v.workers > 1 else {}
+        for k, s in {**spreads, **ratios[v.name]}.items():
+            report.figure(f"{_key(v.name)}_{k}", s)
+        r = {k: s.median for k, s in ratios[v.name].items()}
+        rows.append([v.label, "yes" if v.straggle else "no", spreads["samples_per_s"].cell(),
+                     r.get("speed_vs_allreduce", math.nan), spreads["time_to_target"].cell(),
+                     r.get("time_to_target_vs_allreduce", math.nan), spreads["bytes_per_sample"].median,
+                     r.get("bytes_fewer_than_allreduce", math.nan), spreads["final_test_loss"].median,
+                     r.get("loss_vs_allreduce", math.nan), spreads["final_test_accuracy"].median])
+    report.table(["variant", "straggler", "samples/s", "x allreduce", "s to target", "x allreduce",
+                  "bytes/sample", "x fewer", "test loss", "x allreduce", "test acc"], rows,
+                 title="medians over rounds, (min-max) where rounds differ; ratios round by round")
+
+    def find(key: str, straggle: bool) -> Variant | None:
+        return next((v for v in plan if v.key == key and v.straggle == straggle), None)
+
+    hogwild = find("hogwild", False)
+    scaling = paired_ratio(figure(hogwild, "samples_per_s"),
+                           figure(HOGWILD_ONE_PROCESS, "samples_per_s")).median if hogwild else None
+    report.figure("hogwild_scaling_2_workers_vs_1_process", scaling if scaling is not None else math.nan)
+    report.goal("async.hogwild_scaling", scaling, ">=", 1.7, "hogwild 2 workers / 1 process, samples/s")
+
+    ps_times = [ratios[v.name]["time_to_target_vs_allreduce"].median
+                for v in (find("ps-s2", True), find("ps-sinf", True)) if v is not None]
+    ps_best = min((t for t in ps_times if not math.isnan(t)), default=None)
+    report.goal("async.ps_straggler_time", ps_best, "<=", 0.7,
+                "with the straggler: best ps (s=2 or inf) / allreduce, time to target")
+
+    diloco = find("diloco-long", False)
+    diloco_ratios = ratios[diloco.name] if diloco is not None else {}
+    label = diloco.label if diloco is not None else "diloco, long period"
+    report.goal("async.diloco_bytes", _median(diloco_ratios.get("bytes_fewer_than_allreduce")), ">=", 50.0,
+                f"allreduce / {label}, bytes per sample")
+    report.goal("async.diloco_loss", _median(diloco_ratios.get("loss_vs_allreduce")), "<=", 1.02,
+                f"{label} / allreduce, final test loss")
+    return report
+
+
+def _median(spread: Spread | None) -> float | None:
+    return spread.median if spread is not None else None
+
+
+def _key(name: str) -> str:
+    return name.replace(" +", "_").replace(" ", "_").replace("=", "").replace(",", "")

@@ -7,7 +7,6 @@ import importlib
 
 from ..errors import UsageError
 from . import BENCHMARKS
-from .common import write_json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +14,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="run a benchmark against its baseline and print ratios",
         description="Run a benchmark. Each one measures partrain against the alternative a user "
-        "would otherwise pick, in the same run, and prints the ratios.",
+        "would otherwise pick, in the same run: variants in alternating rounds, medians with "
+        "their spread, ratios and goals.",
     )
     names = p.add_subparsers(dest="bench", metavar="NAME")
     for name, module_name in BENCHMARKS.items():
@@ -26,9 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                 continue
             raise
         bp = names.add_parser(name, help=(module.__doc__ or name).strip().splitlines()[0],
-                              description=module.__doc__)
-        bp.add_argument("--quick", action="store_true", help="a smaller run that finishes within a minute")
-        bp.add_argument("--json", metavar="FILE", help="write every printed figure to FILE as JSON")
+                              description=module.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        bp.add_argument("--quick", action="store_true",
+                        help="a smoke run that finishes within about a minute (its figures are noise)")
+        # the smallest run that goes through every code path: for the test suite only
+        bp.add_argument("--toy", action="store_true", help=argparse.SUPPRESS)
+        bp.add_argument("--json", metavar="FILE",
+                        help="write every figure, and every goal with its target and verdict, to FILE")
         module.add_arguments(bp)
         bp.set_defaults(func=_run(module))
     p.set_defaults(func=_no_name)
@@ -40,8 +45,9 @@ def _no_name(args: argparse.Namespace) -> int:
 
 def _run(module):  # noqa: ANN001, ANN202
     def run(args: argparse.Namespace) -> int:
-        figures = module.run(args)
-        write_json(args.json, figures)
+        report = module.run(args)
+        report.finish()
+        report.write_json(args.json)
         return 0
 
     return run

@@ -1,16 +1,25 @@
 """Core: fit() against a hand-written loop and a raw DistributedDataParallel script, plus 1->2 worker scaling.
 
-Four ways to train the same model on the same data, in one run:
+Seven variants train the same small CNN on the same synthetic data, in
+alternating rounds (every variant once per round, the turn order rotating):
 
-(a) a plain hand-written PyTorch loop in one process,
-(b) ``fit`` with ``single``,
-(c) a raw DistributedDataParallel script with 2 processes (what a user writes by hand),
-(d) ``fit`` with ``allreduce`` and 2 workers,
+  plain loop      a hand-written PyTorch loop in one process (what fit replaces)
+  fit single      partrain.fit with strategy "single"
+  raw DDP         a hand-written DistributedDataParallel script, 2 processes of 1 thread
+  fit allreduce   partrain.fit with "allreduce" and 2 workers of 1 thread (the same kernels)
 
-and a compute-bound configuration trained by ``fit``/``allreduce`` with 1 then
-2 workers (one thread each), next to one process using every core (what a
-user gets without partrain). Rates are the best epoch of several (steady state:
-process start-up and the first epoch's warm-up are excluded for every variant).
+and, on a compute-bound configuration (a wider CNN, larger batches):
+
+  1 worker        fit "allreduce" with 1 worker of 1 thread
+  2 workers       fit "allreduce" with 2 workers of 1 thread each
+  1 process, all cores   fit "single" using every available core (no partrain parallelism)
+
+A variant's figure in a round is its steady-state samples/s: the epochs after
+the first (process start-up and warm-up excluded). Tables show the median over
+rounds with the min-max spread; ratios are taken round by round.
+
+Goals: core.fit_vs_plain >= 0.98, core.allreduce_vs_ddp >= 0.98, core.scaling
+(2 workers / 1 worker, compute-bound) >= 1.6.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import functools
 import os
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -30,140 +40,201 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from ..data.datasets import synthetic
+from ..env import available_cores
 from ..models import cnn
 from ..train.loop import fit
-from .common import format_table
+from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training configuration every variant of a comparison runs."""
+
+    samples: int
+    epochs: int
+    batch: int  # per worker
+    width: int  # channels of the CNN's first convolution
+    image: int = 16  # square 1-channel images
+
+
+@dataclass(frozen=True)
+class Size:
+    light: Workload  # fit vs the hand-written loop and the raw DDP script
+    heavy: Workload  # compute-bound: where adding a worker should pay
+    rounds: int
+
+
+FULL = Size(Workload(12288, 5, 64, 16), Workload(12288, 5, 128, 48), rounds=3)
+QUICK = Size(Workload(4096, 3, 64, 16), Workload(4096, 3, 128, 48), rounds=2)
+TOY = Size(Workload(256, 2, 32, 4, image=8), Workload(256, 2, 32, 4, image=8), rounds=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--samples", type=int, default=None, help="training samples (default 12288, quick 4096)")
-    p.add_argument("--epochs", type=int, default=None, help="epochs per variant (default 5, quick 3)")
-    p.add_argument("--batch-size", type=int, default=64, help="per-worker batch size")
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds per pair (default 3, quick 2)")
+    p.add_argument("--samples", type=positive_int, default=None, help="training samples (default 12288, quick 4096)")
+    p.add_argument("--epochs", type=positive_int, default=None, help="epochs per run, >= 2 (default 5, quick 3)")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="per-worker batch size (default 64)")
+    p.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 3, quick 2)")
 
 
-def _data(samples: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    train, _ = synthetic(samples=samples, shape=(1, size, size), classes=10, test_fraction=0.0, seed=0)
+def _size(args: argparse.Namespace) -> tuple[Size, bool]:
+    size, smoke = pick_size(args, FULL, QUICK, TOY)
+    common = {k: v for k, v in (("samples", args.samples), ("epochs", args.epochs)) if v}
+    light = replace(size.light, **common, **({"batch": args.batch_size} if args.batch_size else {}))
+    return Size(light, replace(size.heavy, **common), args.rounds or size.rounds), smoke
+
+
+# ----- the workload ----------------------------------------------------------------
+def _data(work: Workload) -> tuple[torch.Tensor, torch.Tensor]:
+    train, _ = synthetic(samples=work.samples, shape=(1, work.image, work.image), classes=10,
+                         test_fraction=0.0, seed=0)
     return train.tensors[0], train.tensors[1]
 
 
-def _model(width: int, size: int) -> torch.nn.Module:
-    return cnn(in_channels=1, num_classes=10, image_size=size, width=width)
+def _model(width: int, image: int) -> torch.nn.Module:
+    return cnn(in_channels=1, num_classes=10, image_size=image, width=width)
 
 
-def _opt(params: Any) -> torch.optim.Optimizer:
+def _optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def _hand_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int, epochs: int,
-                 rank: int = 0, world: int = 1) -> list[float]:
-    """The loop a user writes: shuffle, slice this rank's part, forward, backward, step."""
-    opt = _opt(model.parameters())
-    rates = []
-    for epoch in range(epochs):
-        g = torch.Generator().manual_seed(epoch)
-        perm = torch.randperm(len(x), generator=g)
-        t0 = time.perf_counter()
-        n = 0
-        for start in range(0, len(x), batch * world):
-            idx = perm[start : start + batch * world][rank::world]
-            xb, yb = x.index_select(0, idx), y.index_select(0, idx)
-            loss = F.cross_entropy(model(xb), yb)
+def steady_rate(epochs: list[tuple[int, float]]) -> float:
+    """Samples/s over the epochs after the first (the first pays for warm-up)."""
+    steady = epochs[1:] or epochs
+    seconds = sum(s for _, s in steady)
+    return sum(n for n, _ in steady) / seconds if seconds > 0 else float("nan")
+
+
+# ----- the hand-written baselines ------------------------------------------------------
+def _hand_epochs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, work: Workload,
+                 rank: int = 0, world: int = 1) -> list[tuple[int, float]]:
+    """The loop a user writes: shuffle, slice this rank's part, forward, backward, step.
+
+    Returns (samples of all ranks, seconds) per epoch.
+    """
+    opt = _optimizer(model.parameters())
+    epochs = []
+    for epoch in range(work.epochs):
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(epoch))
+        start_time, samples = time.perf_counter(), 0
+        for start in range(0, len(x), work.batch * world):
+            idx = perm[start : start + work.batch * world][rank::world]
+            loss = F.cross_entropy(model(x.index_select(0, idx)), y.index_select(0, idx))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            n += len(idx)
-        rates.append(n * world / (time.perf_counter() - t0))
-    return rates
+            samples += len(idx)
+        epochs.append((samples * world, time.perf_counter() - start_time))
+    return epochs
 
 
-def _raw_ddp_worker(rank: int, world: int, store_path: str, cfg: dict, out: Any) -> None:
+def plain_loop(work: Workload) -> float:
+    """Steady samples/s of the hand-written loop in this process."""
+    x, y = _data(work)
+    torch.manual_seed(0)
+    return steady_rate(_hand_epochs(_model(work.width, work.image), x, y, work))
+
+
+def _raw_ddp_worker(rank: int, world: int, store_path: str, work: Workload, out: Any) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        x, y = _data(cfg["samples"], cfg["size"])
+        x, y = _data(work)
         torch.manual_seed(0)
-        model = DistributedDataParallel(_model(cfg["width"], cfg["size"]))
-        rates = _hand_epochs(model, x, y, cfg["batch"], cfg["epochs"], rank, world)
+        model = DistributedDataParallel(_model(work.width, work.image))
+        epochs = _hand_epochs(model, x, y, work, rank, world)
         if rank == 0:
-            out.put(rates)
+            out.put(epochs)
     finally:
         dist.destroy_process_group()
 
 
-def raw_ddp(cfg: dict, world: int = 2) -> float:
-    """Best epoch samples/s of a hand-written DDP script with ``world`` processes."""
+def raw_ddp(work: Workload, world: int = 2) -> float:
+    """Steady samples/s of a hand-written DDP script with ``world`` processes of one thread."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_raw_ddp_worker, args=(r, world, os.path.join(tmp, "store"), cfg, out))
+        procs = [ctx.Process(target=_raw_ddp_worker, args=(r, world, os.path.join(tmp, "store"), work, out))
                  for r in range(world)]
         for p in procs:
             p.start()
         try:
-            rates = out.get(timeout=600)
+            epochs = out.get(timeout=600)
         finally:
             for p in procs:
                 p.join(timeout=60)
                 if p.exitcode is None:
                     p.kill()
-    return max(rates[1:] or rates)
+    return steady_rate(epochs)
 
 
-def fit_rate(cfg: dict, strategy: str, workers: int, threads: int | None = None) -> float:
-    data = (torch.utils.data.TensorDataset(*_data(cfg["samples"], cfg["size"])), None)
-    res = fit(functools.partial(_model, cfg["width"], cfg["size"]), data, _opt, strategy=strategy, workers=workers,
-              epochs=cfg["epochs"], batch_size=cfg["batch"], quiet=True, checkpoint=False, threads=threads,
-              timeout=600)
-    rates = [r["samples_per_s"] for r in res.history]
-    return max(rates[1:] or rates)
+# ----- partrain.fit ------------------------------------------------------------------
+def fit_rate(work: Workload, strategy: str, workers: int, threads: int | None = None) -> float:
+    """Steady samples/s of ``partrain.fit`` on ``work``."""
+    data = (torch.utils.data.TensorDataset(*_data(work)), None)
+    result = fit(functools.partial(_model, work.width, work.image), data, _optimizer, strategy=strategy,
+                 workers=workers, epochs=work.epochs, batch_size=work.batch, quiet=True, checkpoint=False,
+                 threads=threads, timeout=600)
+    assert result is not None  # fit returns worker 0's result when it launched the workers
+    return steady_rate([(r["samples"], r["seconds"]) for r in result.history])
 
 
-def run(args: argparse.Namespace) -> dict[str, float]:
-    samples = args.samples or (4096 if args.quick else 12288)
-    epochs = args.epochs or (3 if args.quick else 5)
-    cores = os.cpu_count() or 1
-    base = {"samples": samples, "epochs": epochs, "batch": args.batch_size, "width": 16, "size": 16}
-    heavy = {**base, "width": 48, "batch": 128}
+def run(args: argparse.Namespace) -> Report:
+    size, smoke = _size(args)
+    light, heavy = size.light, size.heavy
+    cores = available_cores()
+    report = Report("core", smoke=smoke)
+    report.say(f"partrain bench core: {light.samples} samples of 1x{light.image}x{light.image}, "
+               f"{light.epochs} epochs per run, {size.rounds} alternating rounds, batch {light.batch}/worker "
+               f"(compute-bound: width {heavy.width}, batch {heavy.batch}), {cores} cores, torch {torch.__version__}")
 
-    # Each pair is measured in alternating rounds and each variant keeps its best round:
-    # on a shared machine, noise only ever slows a variant down.
-    rounds = args.rounds or (2 if args.quick else 3)
-    x, y = _data(samples, base["size"])
-    a = b = c = d = one = two = 0.0
-    for _ in range(rounds):
-        a = max(a, max(_hand_epochs(_model(base["width"], base["size"]), x, y, base["batch"], epochs)[1:]))
-        b = max(b, fit_rate(base, "single", 1))
-    for _ in range(rounds):
-        c = max(c, raw_ddp(base))
-        d = max(d, fit_rate(base, "allreduce", 2))
-    one_two_threads = 0.0
-    for _ in range(rounds):
-        one = max(one, fit_rate(heavy, "allreduce", 1, threads=1))
-        two = max(two, fit_rate(heavy, "allreduce", 2, threads=1))
-        one_two_threads = max(one_two_threads, fit_rate(heavy, "single", 1, threads=cores))
-
-    figures = {
-        "plain_loop_samples_per_s": a, "fit_single_samples_per_s": b,
-        "raw_ddp_2proc_samples_per_s": c, "fit_allreduce_2w_samples_per_s": d,
-        "heavy_1_worker_samples_per_s": one, "heavy_2_workers_samples_per_s": two,
-        "heavy_1_process_all_cores_samples_per_s": one_two_threads,
-        "ratio_2_workers_vs_1_process_all_cores": two / one_two_threads,
-        "ratio_fit_single_vs_plain": b / a, "ratio_fit_allreduce_vs_raw_ddp": d / c, "scaling_1_to_2": two / one,
+    all_cores = f"compute-bound: fit single, 1 process x {cores} threads"
+    # raw DDP runs one thread per process: fit's workers get one too, the same kernels
+    variants = {
+        "plain PyTorch loop, 1 process": functools.partial(plain_loop, light),
+        "fit single": functools.partial(fit_rate, light, "single", 1),
+        "raw DDP script, 2 processes": functools.partial(raw_ddp, light),
+        "fit allreduce, 2 workers": functools.partial(fit_rate, light, "allreduce", 2, 1),
+        "compute-bound: fit allreduce, 1 worker x 1 thread": functools.partial(fit_rate, heavy, "allreduce", 1, 1),
+        "compute-bound: fit allreduce, 2 workers x 1 thread": functools.partial(fit_rate, heavy, "allreduce", 2, 1),
+        all_cores: functools.partial(fit_rate, heavy, "single", 1, cores),
     }
-    rows = [
-        ["(a) plain PyTorch loop, 1 process", a, "", ""],
-        ["(b) fit, single", b, b / a, ">= 0.98 x (a)"],
-        ["(c) raw DDP script, 2 processes", c, "", ""],
-        ["(d) fit, allreduce, 2 workers", d, d / c, ">= 0.98 x (c)"],
-        ["compute-bound, allreduce, 1 worker", one, "", ""],
-        ["compute-bound, allreduce, 2 workers", two, two / one, ">= 1.6 x (1 worker)"],
-        [f"compute-bound, 1 process, {cores} threads", one_two_threads, two / one_two_threads,
-         "(2 workers vs this)"],
-    ]
-    print(f"partrain bench core: {samples} samples of 1x16x16, {epochs} epochs x {rounds} rounds each, "
-          f"batch {base['batch']}/worker, {cores} cores, torch {torch.__version__}")
-    print(format_table(["variant", "samples/s", "ratio", "goal"], rows))
-    return figures
+    # where two variants are the same run (the toy size makes both workloads one), run it once
+    same_as = {label: next(first for first, other in variants.items()
+                           if (fn.func, fn.args) == (other.func, other.args)) for label, fn in variants.items()}
+    rates = alternate({label: fn for label, fn in variants.items() if same_as[label] == label}, size.rounds,
+                      on_result=lambda r, name, v: report.progress(f"round {r + 1}: {name}: {v:,.0f} samples/s"))
+    rates = {label: rates[same_as[label]] for label in variants}
+    labels = list(variants)
+    plain, single, ddp, allreduce, one_worker, two_workers, one_process = labels
+    fit_vs_plain = paired_ratio(rates[single], rates[plain])
+    allreduce_vs_ddp = paired_ratio(rates[allreduce], rates[ddp])
+    scaling = paired_ratio(rates[two_workers], rates[one_worker])
+    vs_all_cores = paired_ratio(rates[two_workers], rates[one_process])
+
+    ratio_of = {single: (fit_vs_plain, "this / plain loop"), allreduce: (allreduce_vs_ddp, "this / raw DDP"),
+                two_workers: (scaling, "this / 1 worker"), one_process: (vs_all_cores, "2 workers / this")}
+    rows = []
+    for label in labels:
+        spread = Spread.of(rates[label])
+        report.figure(f"{_key(label)}_samples_per_s", spread)
+        ratio, of = ratio_of.get(label, (None, ""))
+        rows.append([label, spread.cell(), ratio.cell() if ratio else "", of])
+    report.table(["variant", "samples/s median (min-max)", "ratio", "ratio of"], rows)
+    report.figure("ratio_fit_single_vs_plain", fit_vs_plain)
+    report.figure("ratio_fit_allreduce_vs_raw_ddp", allreduce_vs_ddp)
+    report.figure("ratio_2_workers_vs_1_worker", scaling)
+    report.figure("ratio_2_workers_vs_1_process_all_cores", vs_all_cores)
+
+    report.goal("core.fit_vs_plain", fit_vs_plain.median, ">=", 0.98, "fit single / plain loop, samples/s")
+    report.goal("core.allreduce_vs_ddp", allreduce_vs_ddp.median, ">=", 0.98,
+                "fit allreduce / raw DDP script, 2 processes, samples/s")
+    report.goal("core.scaling", scaling.median, ">=", 1.6, "compute-bound: 2 workers / 1 worker, samples/s")
+    return report
+
+
+def _key(label: str) -> str:
+    """A figure name from a row label: lower-case words joined by underscores."""
+    return "_".join("".join(c if c.isalnum() else " " for c in label.lower()).split())

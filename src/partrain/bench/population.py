@@ -1,41 +1,67 @@
 """Populations: 32 LeNet-5s in one process (vmap / loop / auto) against a process per member.
 
-For each per-member batch size it measures steady-state training samples/s of
-the vectorized engine, the loop engine and the automatic choice (after its
-calibration steps, which are real training steps), and of the usual approach: a
-pool of processes, one model each, one thread each (startup reported apart).
-Memory: resident-set growth per additional member when a process goes from N
-to 2N members, against that member's parameters + optimizer state, and the
-resident set of one pool process.
+For each per-member batch size, four variants train in alternating rounds,
+each for a timing window per round: the vectorized engine, the loop engine, the
+automatic choice (after its calibration steps, which are real training steps,
+timed apart) and the usual approach, a pool of processes, one model each, one
+thread each, all training at once (started once and kept for every round;
+startup reported apart). Figures are steady-state samples/s: medians over rounds
+with their min-max spread; ratios are taken round by round. Memory: resident-set
+growth per additional member when a process goes from N to 2N members, against
+that member's parameters + optimizer state, and the resident set of one pool
+process.
+
+Goals (the worst batch size counts): population.auto_vs_best (auto /
+max(vmap, loop)) >= 0.9; population.vs_pool (auto / pool) >= 2. Check: RSS per
+added member <= 3x its parameters + optimizer state.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .common import format_table
+from ..env import available_cores
+from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int, torch_threads
 
-MEMBERS = 32
-BATCHES = (8, 64, 256)
 IMAGE = (1, 28, 28)
 
 
+@dataclass(frozen=True)
+class Size:
+    members: int
+    batches: tuple[int, ...]  # per-member batch sizes
+    seconds: float  # timing window of one variant in one round
+    min_steps: int  # at least this many steps per window
+    calibration: int  # auto's calibration steps per engine
+    rounds: int
+    pool_processes: int  # 0: one per member
+    memory_engines: tuple[str, ...]
+    memory_batches: tuple[int, ...]  # () : every batch size
+
+
+FULL = Size(32, (8, 64, 256), 2.0, 2, 3, 3, 0, ("vmap", "loop"), ())
+QUICK = Size(32, (8, 64, 256), 0.3, 1, 1, 2, 4, ("vmap", "loop"), (8,))
+TOY = Size(4, (4,), 0.05, 1, 1, 1, 2, ("vmap",), (4,))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--members", type=int, default=MEMBERS, help=f"population size (default {MEMBERS})")
-    parser.add_argument("--batch-sizes", default=",".join(map(str, BATCHES)),
-                        help="per-member batch sizes (default 8,64,256)")
-    parser.add_argument("--pool-processes", type=int, default=None,
+    parser.add_argument("--members", type=positive_int, default=None, help="population size (default 32)")
+    parser.add_argument("--batch-sizes", default=None, help="per-member batch sizes (default 8,64,256)")
+    parser.add_argument("--pool-processes", type=positive_int, default=None,
                         help="processes in the baseline pool (default: one per member; --quick: 4)")
-    parser.add_argument("--threads", type=int, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="intra-op threads of the population process (default: torch's, one per core)")
     parser.add_argument("--seconds", type=float, default=None,
                         help="seconds per timing window (default 2; --quick: 0.3)")
+    parser.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 3; --quick: 2)")
 
 
 def rss_bytes() -> int:
@@ -73,110 +99,116 @@ def _rate(pop: Any, x: torch.Tensor, y: torch.Tensor, seconds: float, min_steps:
     return steps * x.shape[0] * x.shape[1] / (time.perf_counter() - t0)
 
 
-def measure_engines(members: int, batch: int, seconds: float, min_steps: int, calibration: int,
-                    rounds: int) -> dict[str, Any]:
-    """Samples/s of vmap, loop and auto at one batch size.
-
-    The three populations are timed in turns, ``rounds`` times, keeping each one's
-    best window: a burst of load from other processes then hits all three alike.
-    """
-    x, y = _data(members, batch)
-    pops = {"vmap": _population(members, "vmap"), "loop": _population(members, "loop"),
-            "auto": _population(members, "auto", calibration)}
-    out: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    calib_steps = 0
-    while pops["auto"].engine == "auto":  # auto's calibration: real training steps, timed apart
-        pops["auto"].step(x, y)
-        calib_steps += 1
-    out["calibration_s"] = time.perf_counter() - t0
-    out["calibration_steps"] = calib_steps
-    pops["vmap"].step(x, y)  # warm-up
-    pops["loop"].step(x, y)
-    for _ in range(rounds):
-        for name, pop in pops.items():
-            out[name] = max(out.get(name, 0.0), _rate(pop, x, y, seconds, min_steps))
-    out["chosen"] = pops["auto"].engine
-    out["report"] = pops["auto"].engine_report
-    return out
+def calibrate(pop: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
+    """Run auto's calibration (real training steps) to its end: seconds and steps it took."""
+    t0, steps = time.perf_counter(), 0
+    while pop.engine == "auto":
+        pop.step(x, y)
+        steps += 1
+    return time.perf_counter() - t0, steps
 
 
 # ------------------------------------------------------------------------------ process pool
-def _pool_worker(index: int, batches: list[int], seconds: float, barrier: Any, results: Any) -> None:
+def _pool_worker(index: int, seconds: float, min_steps: int, commands: Any, barrier: Any, results: Any) -> None:
+    """One pool process: for each batch size it is told, train one window alongside the others."""
     torch.set_num_threads(1)
     torch.manual_seed(index)
     model = _lenet()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.functional.cross_entropy
+    data: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     barrier.wait()  # everyone started: the parent notes the startup time
-    for batch in batches:
-        x, y = _data(1, batch, seed=index)
-        x, y = x[0], y[0]
-        loss_fn(model(x), y).backward()  # warm-up
-        opt.step()
-        opt.zero_grad()
-        barrier.wait()  # all processes train at the same time
+    while (batch := commands.get(timeout=600)) is not None:
+        if batch not in data:
+            x, y = _data(1, batch, seed=index)
+            data[batch] = x[0], y[0]
+            loss_fn(model(x[0]), y[0]).backward()  # warm-up at this shape
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        x, y = data[batch]
+        barrier.wait()  # every process (and the parent) ready: all train at the same time
         steps, t0 = 0, time.perf_counter()
-        while steps < 1 or time.perf_counter() - t0 < seconds:
+        while steps < min_steps or time.perf_counter() - t0 < seconds:
             loss_fn(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             steps += 1
-        results.put((index, batch, steps * batch, time.perf_counter() - t0))
-        barrier.wait()
-    results.put((index, "rss", rss_bytes(), 0.0))
+        results.put((steps * batch, time.perf_counter() - t0))
+    results.put(rss_bytes())
 
 
-def measure_pool(processes: int, batches: list[int], seconds: float) -> dict[str, Any]:
-    """A process per member, one thread each: startup, samples/s per batch size, RSS per process."""
-    import torch.multiprocessing as mp
+class Pool:
+    """The usual approach: a process per member, one thread each, kept alive across rounds.
 
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(processes + 1, timeout=600)
-    results = ctx.Queue()
-    t0 = time.perf_counter()
-    procs = [ctx.Process(target=_pool_worker, args=(i, batches, seconds, barrier, results), daemon=True)
-             for i in range(processes)]
-    for p in procs:
-        p.start()
-    try:
-        barrier.wait()
-        out: dict[str, Any] = {"startup_s": time.perf_counter() - t0}
-        for batch in batches:
-            barrier.wait()
-            got = [results.get(timeout=600) for _ in range(processes)]
-            # processes ran concurrently: aggregate rate = total samples / the longest elapsed time
-            out[batch] = sum(g[2] for g in got) / max(g[3] for g in got)
-            barrier.wait()
-        rss = [results.get(timeout=600)[2] for _ in range(processes)]
-        out["rss_per_process"] = sum(rss) / len(rss)
-    finally:
-        for p in procs:
+    Between windows its processes wait on a queue (no CPU), so it can take its turn
+    in the same rounds as the one-process engines.
+    """
+
+    def __init__(self, processes: int, seconds: float, min_steps: int) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.processes = processes
+        self.barrier = ctx.Barrier(processes + 1, timeout=600)
+        self.commands = ctx.Queue()
+        self.results = ctx.Queue()
+        t0 = time.perf_counter()
+        self.procs = [ctx.Process(target=_pool_worker, daemon=True,
+                                  args=(i, seconds, min_steps, self.commands, self.barrier, self.results))
+                      for i in range(processes)]
+        for p in self.procs:
+            p.start()
+        try:
+            self.barrier.wait()
+        except BaseException:
+            self._stop()
+            raise
+        self.startup_s = time.perf_counter() - t0
+
+    def rate(self, batch: int) -> float:
+        """One window at ``batch`` per member: aggregate samples/s (total samples / longest elapsed)."""
+        for _ in range(self.processes):
+            self.commands.put(batch)  # each process takes one: the barrier holds it until all have
+        self.barrier.wait()
+        got = [self.results.get(timeout=600) for _ in range(self.processes)]
+        return sum(n for n, _ in got) / max(t for _, t in got)
+
+    def close(self) -> float:
+        """Stop the processes; the mean resident set of one of them, in bytes."""
+        try:
+            for _ in range(self.processes):
+                self.commands.put(None)
+            rss = [self.results.get(timeout=600) for _ in range(self.processes)]
+            return sum(rss) / len(rss)
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        for p in self.procs:
             p.join(timeout=10)
             if p.exitcode is None:
                 p.terminate()
-    return out
 
 
 # --------------------------------------------------------------------------------- memory
 def _memory_child(members: int, engine: str, batch: int, results: Any) -> None:
     torch.set_num_threads(1)
     x, y = _data(members, batch)
-    a = _population(members, engine)
+    population = _population(members, engine)
     for _ in range(2):
-        a.step(x, y)
+        population.step(x, y)
     gc.collect()
-    first = rss_bytes()
-    b = _population(members, engine)  # N more members in the same process
+    before = rss_bytes()
+    added = _population(members, engine)  # N more members in the same process
     for _ in range(2):
-        a.step(x, y)
-        b.step(x, y)
+        population.step(x, y)
+        added.step(x, y)
     gc.collect()
-    second = rss_bytes()
-    store = a.store
+    after = rss_bytes()
+    store = population.store
     state_bytes = (store.flat.numel() + sum(v.numel() for k, v in store.opt.items() if k != "step")) \
         * store.flat.element_size() // members
-    results.put(((second - first) / members, state_bytes))
+    results.put(((after - before) / members, state_bytes))
 
 
 def measure_memory(members: int, engine: str, batch: int) -> tuple[float, int]:
@@ -194,74 +226,110 @@ def measure_memory(members: int, engine: str, batch: int) -> tuple[float, int]:
 
 
 # ------------------------------------------------------------------------------------ run
-def run(args: argparse.Namespace) -> dict[str, float]:
-    quick = bool(getattr(args, "quick", False))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    members = args.members
-    batches = [int(b) for b in str(args.batch_sizes).split(",")]
-    seconds = args.seconds if args.seconds is not None else (0.3 if quick else 2.0)
-    min_steps = 1 if quick else 2
-    calibration = 1 if quick else 3
-    rounds = 1 if quick else 3
-    pool_procs = args.pool_processes or (min(4, members) if quick else members)
-    figures: dict[str, float] = {"members": members, "pool_processes": pool_procs}
-    print(f"{members} LeNet-5 members, 1x28x28 synthetic data, SGD momentum, {torch.get_num_threads()} "
-          f"threads, {os.cpu_count()} cores{' (--quick)' if quick else ''}", flush=True)
+def _size(args: argparse.Namespace) -> tuple[Size, bool]:
+    size, smoke = pick_size(args, FULL, QUICK, TOY)
+    members = args.members or size.members
+    batches = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else size.batches
+    return Size(members, batches, args.seconds if args.seconds is not None else size.seconds, size.min_steps,
+                size.calibration, args.rounds or size.rounds,
+                args.pool_processes or min(size.pool_processes or members, members), size.memory_engines,
+                size.memory_batches or batches), smoke
+
+
+def run(args: argparse.Namespace) -> Report:
+    size, smoke = _size(args)
+    with torch_threads(args.threads):
+        return _run(size, smoke)
+
+
+def _run(size: Size, smoke: bool) -> Report:
+    report = Report("population", smoke=smoke)
+    members, cores = size.members, available_cores()
+    report.say(f"partrain bench population: {members} LeNet-5 members, 1x28x28 synthetic data, SGD momentum, "
+               f"{torch.get_num_threads()} threads, {cores} cores, {size.rounds} alternating rounds of "
+               f"{size.seconds:g} s windows; pool of {size.pool_processes} processes x 1 thread")
+    pool = Pool(size.pool_processes, size.seconds, size.min_steps)
+    try:
+        results = {batch: _measure_batch(size, batch, pool, report) for batch in size.batches}
+    finally:
+        pool_rss = pool.close()
+    report.figure("pool_startup_s", pool.startup_s)
+    report.figure("pool_rss_per_process_mib", pool_rss / 2**20)
 
     rows = []
-    engines = {}
-    for batch in batches:
-        m = measure_engines(members, batch, seconds, min_steps, calibration, rounds)
-        engines[batch] = m
-        print(f"  batch {batch}: vmap {m['vmap']:,.0f}, loop {m['loop']:,.0f}, auto ({m['chosen']}) "
-              f"{m['auto']:,.0f} samples/s", flush=True)
-    print(f"  pool of {pool_procs} processes...", flush=True)
-    pool = measure_pool(pool_procs, batches, seconds * 2)
-    scale_note = ""
-    if pool_procs != members:
-        scale_note = (f"pool: {pool_procs} processes measured; on {os.cpu_count()} cores the pool is "
-                      f"CPU-bound, so a {members}-process pool is credited with the same aggregate "
-                      f"samples/s ({members / pool_procs:g}x fewer per member) - favourable to the pool")
-    for batch in batches:
-        m = engines[batch]
-        best = max(m["vmap"], m["loop"])
-        pool_rate = pool[batch]
-        rows.append([batch, m["vmap"], m["loop"], m["auto"], m["chosen"], pool_rate,
-                     m["auto"] / best, m["auto"] / pool_rate, m["calibration_s"]])
+    vs_best, vs_pool = [], []
+    for batch, (rates, calibration) in results.items():
+        best = [max(v, lo) for v, lo in zip(rates["vmap"], rates["loop"])]
+        auto_vs_best = paired_ratio(rates["auto"], best)
+        auto_vs_pool = paired_ratio(rates["auto"], rates["pool"])
+        vs_best.append(auto_vs_best.median)
+        vs_pool.append(auto_vs_pool.median)
+        spreads = {k: Spread.of(v) for k, v in rates.items()}
+        rows.append([batch, spreads["vmap"].cell(), spreads["loop"].cell(), spreads["auto"].cell(),
+                     calibration["chosen"], spreads["pool"].cell(), auto_vs_best.cell(), auto_vs_pool.cell(),
+                     calibration["seconds"]])
         key = f"b{batch}"
-        figures.update({f"{key}_vmap_samples_per_s": m["vmap"], f"{key}_loop_samples_per_s": m["loop"],
-                        f"{key}_auto_samples_per_s": m["auto"], f"{key}_pool_samples_per_s": pool_rate,
-                        f"{key}_auto_chose_vmap": float(m["chosen"] == "vmap"),
-                        f"{key}_auto_over_best": m["auto"] / best, f"{key}_auto_over_pool": m["auto"] / pool_rate,
-                        f"{key}_auto_calibration_s": m["calibration_s"],
-                        f"{key}_auto_measured_vmap_step_s": m["report"]["vmap_step_s"],
-                        f"{key}_auto_measured_loop_step_s": m["report"]["loop_step_s"]})
-    print()
-    print(format_table(["batch/member", "vmap samples/s", "loop samples/s", "auto samples/s", "auto chose",
-                        "pool samples/s", "auto/max(vmap,loop)", "auto/pool", "calibration s"], rows))
-    print("goals: auto/max(vmap,loop) >= 0.9; auto/pool >= 2")
-    if scale_note:
-        print(scale_note)
-    print(f"pool startup (spawn {pool_procs} processes, import torch, build model): {pool['startup_s']:.1f} s "
-          f"(not in its samples/s)")
-    figures["pool_startup_s"] = pool["startup_s"]
+        for name, spread in spreads.items():
+            report.figure(f"{key}_{name}_samples_per_s", spread)
+        report.figure(f"{key}_auto_chose_vmap", float(calibration["chosen"] == "vmap"))
+        report.figure(f"{key}_auto_over_best", auto_vs_best)
+        report.figure(f"{key}_auto_over_pool", auto_vs_pool)
+        report.figure(f"{key}_auto_calibration_s", calibration["seconds"])
+        report.figure(f"{key}_auto_measured_vmap_step_s", calibration["report"]["vmap_step_s"])
+        report.figure(f"{key}_auto_measured_loop_step_s", calibration["report"]["loop_step_s"])
+    report.table(["batch/member", "vmap samples/s", "loop samples/s", "auto samples/s", "auto chose",
+                  "pool samples/s", "auto/max(vmap,loop)", "auto/pool", "calibration s"], rows,
+                 title="medians over rounds, (min-max) where rounds differ; ratios round by round")
+    if size.pool_processes != members:
+        report.say(f"pool: {size.pool_processes} processes measured; on {cores} cores the pool is CPU-bound, so "
+                   f"a {members}-process pool is credited with the same aggregate samples/s "
+                   f"({members / size.pool_processes:g}x fewer per member) - favourable to the pool")
+    report.say(f"pool startup (spawn {size.pool_processes} processes, import torch, build model): "
+               f"{pool.startup_s:.1f} s (not in its samples/s)")
 
-    mem_batches = [min(batches)] if quick else batches
     mem_rows = []
-    for batch in mem_batches:
-        for engine in ("vmap", "loop"):
+    worst_memory = None
+    for batch in size.memory_batches:
+        for engine in size.memory_engines:
             per_member, state = measure_memory(members, engine, batch)
-            mem_rows.append([engine, batch, per_member / 2**20, state / 2**20, per_member / state,
-                             pool["rss_per_process"] / 2**20, pool["rss_per_process"] / max(per_member, 1.0)])
+            over_state = per_member / state
+            worst_memory = over_state if worst_memory is None else max(worst_memory, over_state)
+            mem_rows.append([engine, batch, per_member / 2**20, state / 2**20, over_state, pool_rss / 2**20,
+                             pool_rss / max(per_member, 1.0)])
             key = f"mem_{engine}_b{batch}"
-            figures.update({f"{key}_per_member_mib": per_member / 2**20, f"{key}_over_state": per_member / state,
-                            f"{key}_pool_process_over_member": pool["rss_per_process"] / max(per_member, 1.0)})
-            figures["state_per_member_mib"] = state / 2**20
-    figures["pool_rss_per_process_mib"] = pool["rss_per_process"] / 2**20
-    print()
-    print(format_table(["engine", "batch/member", "RSS per added member MiB", "params+opt MiB",
-                        "RSS/(params+opt)", "pool RSS/process MiB", "pool process/member"], mem_rows))
-    print(f"goal: RSS per added member <= 3x params+opt state (RSS growth from {members} to "
-          f"{2 * members} members in one fresh process, after training steps)")
-    return figures
+            report.figure(f"{key}_per_member_mib", per_member / 2**20)
+            report.figure(f"{key}_over_state", over_state)
+            report.figure(f"{key}_pool_process_over_member", pool_rss / max(per_member, 1.0))
+            report.figure("state_per_member_mib", state / 2**20)
+    report.table(["engine", "batch/member", "RSS per added member MiB", "params+opt MiB", "RSS/(params+opt)",
+                  "pool RSS/process MiB", "pool process/member"], mem_rows,
+                 title=f"memory: RSS growth from {members} to {2 * members} members in one fresh process, "
+                       f"after training steps")
+
+    def worst(values: list[float]) -> float | None:
+        return min(values) if values and not any(v != v for v in values) else None
+
+    report.goal("population.auto_vs_best", worst(vs_best), ">=", 0.9,
+                "auto / max(vmap, loop), samples/s (worst batch size)")
+    report.goal("population.vs_pool", worst(vs_pool), ">=", 2.0,
+                "auto / a process per member, samples/s (worst batch size)")
+    report.check("population.memory_per_member", worst_memory, "<=", 3.0,
+                 "RSS per added member / its params + optimizer state (worst)")
+    return report
+
+
+def _measure_batch(size: Size, batch: int, pool: Pool, report: Report) -> tuple[dict[str, list[float]],
+                                                                                  dict[str, Any]]:
+    """vmap, loop, auto and the pool at one batch size, in alternating rounds."""
+    x, y = _data(size.members, batch)
+    pops = {"vmap": _population(size.members, "vmap"), "loop": _population(size.members, "loop"),
+            "auto": _population(size.members, "auto", size.calibration)}
+    seconds, steps = calibrate(pops["auto"], x, y)
+    pops["vmap"].step(x, y)  # warm-up
+    pops["loop"].step(x, y)
+    variants = {name: functools.partial(_rate, pop, x, y, size.seconds, size.min_steps) for name, pop in pops.items()}
+    variants["pool"] = functools.partial(pool.rate, batch)
+    rates = alternate(variants, size.rounds, on_result=lambda r, name, v: report.progress(
+        f"batch {batch}, round {r + 1}: {name} {v:,.0f} samples/s"))
+    return rates, {"seconds": seconds, "steps": steps, "chosen": pops["auto"].engine,
+                   "report": pops["auto"].engine_report}

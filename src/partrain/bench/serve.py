@@ -1,38 +1,39 @@
 """Serving: partrain serve with adaptive batching vs batching off vs LitServe, at concurrency 1/16/64.
 
-Each server runs in its own subprocess on a free loopback port with the same
-number of torch threads, serving the same weights (LeNet-5 on 1x28x28 images and
-an MLP on the same images). This process is the load generator
-(`partrain.serve.loadtest`, closed loop): it starts all servers of a model, warms
-each up, then measures them in interleaved rounds (so a drift in the machine's
-load hits all of them alike): throughput, p50 and p99 latency, errors, lost
-answers (a request without exactly one answer of its own) and wrong answers
-(checked against a local copy of the model) at each concurrency.
+Each server runs in its own subprocess with the same number of torch threads,
+serving the same weights (LeNet-5 on 1x28x28 images and an MLP on the same
+images); each picks its own loopback port and announces it. This process is the
+load generator (`partrain.serve.loadtest`, closed loop): it starts all servers of
+a model, warms each up, then measures every (server, concurrency) point in
+alternating rounds (so a drift in the machine's load hits all of them alike):
+throughput (median over rounds, min-max spread), p50 and p99 latency over all
+rounds' answers, errors, lost answers (a request without exactly one answer of
+its own) and wrong answers (checked against a local copy of the model).
 
 LitServe speaks no Open Inference Protocol, so it is given a `LitAPI` that
 decodes and encodes OIP JSON on the same path (``/v2/models/NAME/infer``), with
-its own batching (``batch``/``unbatch``); it runs at every setting of a small
-``max_batch_size`` x ``batch_timeout`` grid and each concurrency keeps its best
-setting (the most favourable comparison for LitServe).
+its own batching (``partrain.bench._litserve_app``); it runs at every setting of
+a small ``max_batch_size`` x ``batch_timeout`` grid and each concurrency keeps
+its best setting (the most favourable comparison for LitServe). LitServe comes
+with the ``bench`` extra; without it that comparison is skipped and said so.
 
-Ratios (goals from the serving issue): adaptive / unbatched throughput at
-concurrency 64 (>= 5x), adaptive / LitServe at 64 (>= 1.2x), p50 adaptive -
-unbatched at concurrency 1 (<= 1 ms), lost + wrong answers (0).
+Goals (from the serving issue; the worst model counts): serve.batched_vs_unbatched
+(adaptive / unbatched throughput at the highest concurrency) >= 5,
+serve.vs_litserve (adaptive / LitServe's best there) >= 1.2. Checks: p50
+adaptive - unbatched at the lowest concurrency <= 1 ms; lost + wrong answers = 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
+import math
 import os
-import signal
-import socket
-import subprocess
+import re
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,15 @@ from torch import nn
 
 from ..errors import UsageError
 from ..models import build_model, lenet5, mlp
-from .common import format_table
+from .harness import (
+    Report,
+    Spread,
+    alternate,
+    paired_ratio,
+    pick_size,
+    positive_int,
+    server_process,
+)
 
 IMAGE = (1, 1, 28, 28)  # one request: one 1x28x28 image
 
@@ -66,22 +75,39 @@ MODELS = {
     "lenet": "partrain.bench.serve:lenet_factory",
     "mlp": "partrain.bench.serve:mlp_factory",
 }
-LITSERVE_GRID = [(16, 0.001), (64, 0.002), (64, 0.005)]
-LITSERVE_GRID_QUICK = [(16, 0.001), (64, 0.002)]
+
+
+@dataclass(frozen=True)
+class Size:
+    models: str  # comma-separated names of MODELS
+    concurrency: str  # comma-separated closed-loop client counts
+    duration: float  # seconds measured per point, split over the rounds
+    warmup: float  # seconds of load on each server before measuring
+    rounds: int
+    litserve_grid: tuple[tuple[int, float], ...]  # (max_batch_size, batch_timeout s)
+
+
+FULL = Size("lenet,mlp", "1,16,64", 4.0, 1.0, 3, ((16, 0.001), (64, 0.002), (64, 0.005)))
+QUICK = Size("lenet", "1,16,64", 1.0, 0.3, 2, ((16, 0.001), (64, 0.002)))
+TOY = Size("lenet", "1,4", 0.4, 0.1, 1, ((16, 0.001),))
+
+# what the servers print once they listen (partrain serve) or are about to (the LitServe adapter)
+OURS_ANNOUNCE = re.compile(r"serving .* at (?P<url>https?://[^\s/]+)")
+LITSERVE_ANNOUNCE = re.compile(r"litserve: serving .* at (?P<url>https?://[^\s/]+)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=None,
                         help=f"comma-separated among {sorted(MODELS)} (default: all; --quick: lenet)")
-    parser.add_argument("--concurrency", default="1,16,64", help="closed-loop client counts (default 1,16,64)")
+    parser.add_argument("--concurrency", default=None, help="closed-loop client counts (default 1,16,64)")
     parser.add_argument("--duration", type=float, default=None,
-                        help="seconds measured per point (default 4; --quick 1)")
+                        help="seconds measured per point, split over the rounds (default 4; --quick 1)")
     parser.add_argument("--warmup", type=float, default=None, help="seconds of load before measuring "
                         "each server (default 1; --quick 0.3)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds over all servers "
-                        "(default 2; --quick 1); each point's duration is split across them")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of every server (default 1)")
-    parser.add_argument("--max-batch-size", type=int, default=64,
+    parser.add_argument("--rounds", type=positive_int, default=None,
+                        help="alternating rounds over all points (default 3; --quick 2)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads of every server (default 1)")
+    parser.add_argument("--max-batch-size", type=positive_int, default=64,
                         help="max batch size of partrain serve with adaptive batching (default 64)")
     parser.add_argument("--binary", action="store_true",
                         help="binary tensor extension for partrain serve (LitServe gets JSON)")
@@ -90,178 +116,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a server may take to become ready (default 90)")
 
 
-# --------------------------------------------------------------------------- server processes
+# --------------------------------------------------------------------------- the servers
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@dataclass(frozen=True)
+class Contender:
+    """One server configuration: how to start it, how it announces itself, how to ask if it is ready."""
+
+    server: str  # "adaptive" | "unbatched" | "litserve"
+    setting: str
+    command: tuple[str, ...]
+    announce: re.Pattern[str]
+    ready_path: str
+    binary: bool
+
+    @property
+    def label(self) -> str:
+        return f"partrain {self.server}" if self.server != "litserve" else f"litserve ({self.setting})"
 
 
-@dataclass
-class Server:
-    """A server subprocess in its own session (so its children die with it)."""
-
-    label: str
-    url: str
-    process: subprocess.Popen
-    log: Any
-
-    def log_tail(self, lines: int = 15) -> str:
-        self.log.flush()
-        with open(self.log.name, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
+def ours(name: str, factory: str, max_batch_size: int, threads: int, binary: bool) -> Contender:
+    """``partrain serve`` as a user would start it, on a port of its choosing (``--port 0``)."""
+    server = "adaptive" if max_batch_size > 1 else "unbatched"
+    command = (sys.executable, "-m", "partrain", "serve", f"{name}={factory}", "--host", "127.0.0.1",
+               "--port", "0", "--max-batch-size", str(max_batch_size),
+               "--policy", "adaptive" if max_batch_size > 1 else "none", "--threads", str(threads))
+    return Contender(server, f"max {max_batch_size}", command, OURS_ANNOUNCE, "/v2/health/ready", binary)
 
 
-@contextlib.contextmanager
-def server_process(label: str, command: list[str], port: int, ready_path: str, threads: int,
-                   start_timeout: float) -> Iterator[Server]:
-    """Start ``command``, wait until ``GET ready_path`` answers 200, kill it (and its children) on exit."""
-    import httpx
-
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               PYTHONUNBUFFERED="1")
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"partrain-bench-{label.split()[0]}-", suffix=".log")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                               start_new_session=True)
-    server = Server(label, f"http://127.0.0.1:{port}", process, log)
-    try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{label} exited with status {process.returncode} before it was ready:\n"
-                                   f"{server.log_tail()}")
-            try:
-                if httpx.get(server.url + ready_path, timeout=1.0, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{label} was not ready within {start_timeout:g} s:\n{server.log_tail()}")
-            time.sleep(0.1)
-        yield server
-    finally:
-        _kill(process)
-        log.close()
+def litserve(name: str, factory: str, max_batch_size: int, batch_timeout: float, threads: int) -> Contender:
+    """LitServe with the OIP adapter of `partrain.bench._litserve_app` (JSON only)."""
+    command = (sys.executable, "-m", "partrain.bench._litserve_app", name, factory,
+               ",".join(map(str, IMAGE[1:])), str(max_batch_size), str(batch_timeout), str(threads))
+    return Contender("litserve", f"max {max_batch_size}, {batch_timeout * 1e3:g} ms", command,
+                     LITSERVE_ANNOUNCE, "/health", False)
 
 
-def _kill(process: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 10 s; every wait bounded."""
-    for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            process.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            continue
-        # the leader is gone; its children may not be
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        return
-
-
-def ours_command(name: str, factory: str, port: int, max_batch_size: int, threads: int) -> list[str]:
-    """``partrain serve`` as a user would start it."""
-    cmd = [sys.executable, "-m", "partrain", "serve", f"{name}={factory}", "--host", "127.0.0.1",
-           "--port", str(port), "--max-batch-size", str(max_batch_size)]
-    cmd += ["--policy", "adaptive" if max_batch_size > 1 else "none"]
-    return cmd + ["--threads", str(threads)]
-
-
-def litserve_command(name: str, factory: str, port: int, max_batch_size: int, batch_timeout: float,
-                     threads: int) -> list[str]:
-    return [sys.executable, "-m", "partrain.bench.serve", "litserve", name, factory, str(port),
-            str(max_batch_size), str(batch_timeout), str(threads)]
-
-
-# --------------------------------------------------------------------------- LitServe, speaking OIP JSON
-
-
-def _lit_api_class() -> type:
-    """The LitAPI class, built on first use so that importing this module never imports LitServe.
-
-    It is reachable as ``partrain.bench.serve.OIPLitAPI`` (module ``__getattr__``),
-    which lets LitServe's spawned inference worker unpickle it.
-    """
-    cls = globals().get("_OIPLitAPI")
-    if cls is not None:
-        return cls
-    if __name__ != "partrain.bench.serve":  # run as a script: build it in the importable module
-        import importlib
-
-        return importlib.import_module("partrain.bench.serve")._lit_api_class()
-    import litserve as ls
-
-    class OIPLitAPI(ls.LitAPI):
-        """One model behind ``/v2/models/NAME/infer``: OIP JSON in and out, LitServe's batching."""
-
-        def __init__(self, name: str, factory: str, threads: int, **kwargs: Any):
-            super().__init__(api_path=f"/v2/models/{name}/infer", **kwargs)
-            self.name, self.factory, self.threads = name, factory, threads
-
-        def setup(self, device: str) -> None:
-            from ..models import build_model
-
-            torch.set_num_threads(self.threads)
-            self.model = build_model(self.factory).eval()
-
-        def decode_request(self, request):  # noqa: ANN001, ANN201 - LitServe passes the parsed JSON
-            (inp,) = request["inputs"]
-            x = torch.tensor(inp["data"], dtype=torch.float32).reshape(inp["shape"])
-            return request.get("id"), x
-
-        def batch(self, inputs):  # noqa: ANN001, ANN201
-            ids = [i for i, _ in inputs]
-            rows = [x.shape[0] for _, x in inputs]
-            return ids, rows, torch.cat([x for _, x in inputs])
-
-        def predict(self, x):  # noqa: ANN001, ANN201
-            with torch.inference_mode():
-                if len(x) == 2:  # not batched: (id, tensor)
-                    return x[0], self.model(x[1])
-                ids, rows, xs = x
-                return ids, rows, self.model(xs)
-
-        def unbatch(self, output):  # noqa: ANN001, ANN201
-            ids, rows, ys = output
-            return list(zip(ids, torch.split(ys, rows)))
-
-        def encode_response(self, output):  # noqa: ANN001, ANN201
-            request_id, y = output
-            return {"id": request_id, "model_name": self.name, "outputs": [
-                {"name": "output", "datatype": "FP32", "shape": list(y.shape), "data": y.reshape(-1).tolist()}]}
-
-    OIPLitAPI.__module__ = "partrain.bench.serve"  # also when this file runs as __main__
-    OIPLitAPI.__qualname__ = OIPLitAPI.__name__ = "OIPLitAPI"
-    globals()["_OIPLitAPI"] = OIPLitAPI
-    return OIPLitAPI
-
-
-def __getattr__(name: str) -> Any:
-    if name == "OIPLitAPI":
-        return _lit_api_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def litserve_main(argv: list[str]) -> None:
-    """Run LitServe for one model: ``NAME FACTORY PORT MAX_BATCH_SIZE BATCH_TIMEOUT THREADS``."""
-    import litserve as ls
-
-    name, factory, port, max_batch_size, batch_timeout, threads = argv
-    torch.set_num_threads(int(threads))
-    api = _lit_api_class()(name, factory, int(threads), max_batch_size=int(max_batch_size),
-                           batch_timeout=float(batch_timeout))
-    server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=1, timeout=30)
-    metadata = {"name": name, "versions": ["1"], "platform": "pytorch",
-                "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, *IMAGE[1:]]}],
-                "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, 10]}]}
-    server.app.add_api_route(f"/v2/models/{name}", lambda: metadata, methods=["GET"])
-    server.run(host="127.0.0.1", port=int(port), num_api_servers=1, log_level="warning",
-               generate_client_file=False)
+def _server_env(threads: int) -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
 
 
 # --------------------------------------------------------------------------- measuring
@@ -269,17 +161,18 @@ def litserve_main(argv: list[str]) -> None:
 
 @dataclass
 class Point:
+    """One server at one concurrency, over the rounds."""
+
     model: str
-    server: str
+    contender: Contender
     concurrency: int
-    throughput: float
-    p50: float
+    throughput: Spread  # answers/s, one value per round
+    p50: float  # ms, over every round's answers
     p99: float
     errors: int
     lost: int
     wrong: int
     client_cpu: float  # share of one core the load generator used (1.0: it may be the bottleneck)
-    setting: str = ""
 
 
 def _measure(url: str, name: str, samples: list, checker: Any, concurrency: int, duration: float,
@@ -294,195 +187,157 @@ def _measure(url: str, name: str, samples: list, checker: Any, concurrency: int,
     return report, (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
 
 
-def _merge(reports: list[Any], cpus: list[float], concurrency: int) -> Point:
-    """One point from several rounds: total answers over total time, percentiles over all latencies."""
+def _point(model: str, contender: Contender, concurrency: int, runs: list[tuple[Any, float]]) -> Point:
     import numpy as np
 
+    reports = [r for r, _ in runs]
     latencies = [x for r in reports for x in r.latencies]
-    elapsed = sum(r.elapsed for r in reports)
 
     def pct(q: float) -> float:
-        return float(np.percentile(latencies, q) * 1e3) if latencies else float("nan")
+        return float(np.percentile(latencies, q) * 1e3) if latencies else math.nan
 
-    return Point("", "", concurrency, len(latencies) / elapsed if elapsed > 0 else float("nan"),
-                 pct(50), pct(99), sum(r.failed for r in reports), sum(r.lost for r in reports),
-                 sum(r.wrong for r in reports), max(cpus))
-
-
-@dataclass
-class _Contender:
-    server: str  # "adaptive" | "unbatched" | "litserve"
-    setting: str
-    label: str
-    command: list[str]
-    port: int
-    ready: str
-    binary: bool
+    return Point(model, contender, concurrency, Spread.of([r.throughput for r in reports]), pct(50), pct(99),
+                 sum(r.failed for r in reports), sum(r.lost for r in reports), sum(r.wrong for r in reports),
+                 max(cpu for _, cpu in runs))
 
 
-def _measure_all(contenders: list[_Contender], name: str, samples: list, checker: Any,
-                 args: argparse.Namespace) -> list[Point]:
-    """Start every server of one model at once, then measure them in interleaved rounds.
+def measure_model(name: str, contenders: list[Contender], levels: list[int], size: Size,
+                  args: argparse.Namespace, report: Report) -> list[Point]:
+    """Start every server of one model at once, warm each up, then measure all points in alternating rounds.
 
-    Round robin (every server at every concurrency, then again) spreads slow drifts
-    of the machine (other jobs, thermal) over all servers instead of penalising
-    whichever ran last. Idle servers cost next to nothing meanwhile.
+    Idle servers cost next to nothing while another one is measured.
     """
-    with contextlib.ExitStack() as stack:
-        urls = []
-        for c in contenders:
-            server = stack.enter_context(server_process(c.label, c.command, c.port, c.ready, args.threads,
-                                                        args.start_timeout))
-            urls.append(server.url)
-        for c, url in zip(contenders, urls):
-            _measure(url, name, samples, None, max(args.levels), args.warmup, c.binary)
-        runs: dict[tuple[int, int], list[tuple[Any, float]]] = {}
-        for _ in range(args.rounds):
-            for level in args.levels:
-                for i, (c, url) in enumerate(zip(contenders, urls)):
-                    runs.setdefault((i, level), []).append(
-                        _measure(url, name, samples, checker, level, args.duration / args.rounds, c.binary))
-    points = []
-    for i, c in enumerate(contenders):
-        for level in args.levels:
-            reports, cpus = zip(*runs[(i, level)])
-            p = _merge(list(reports), list(cpus), level)
-            p.model, p.server, p.setting = name, c.server, c.setting
-            points.append(p)
-            print(f"  {c.label:<28} c={level:<3} {p.throughput:8,.0f} req/s  p50 {p.p50:6.2f} ms  "
-                  f"p99 {p.p99:6.2f} ms  errors {p.errors} lost {p.lost} wrong {p.wrong}", flush=True)
-    return points
-
-
-def _ours_available() -> bool:
-    return importlib.util.find_spec("partrain.serve.cli") is not None
-
-
-def _litserve_available() -> bool:
-    return importlib.util.find_spec("litserve") is not None
-
-
-def run(args: argparse.Namespace) -> dict[str, float]:
     from ..serve.loadtest import AnswerChecker, ModelInfo, TensorSpec, random_inputs
 
-    names = (args.models or ("lenet" if args.quick else ",".join(MODELS))).split(",")
+    factory = MODELS[name]
+    info = ModelInfo(name, (TensorSpec("input", "FP32", (-1, *IMAGE[1:])),))
+    samples = random_inputs(info, 64, IMAGE, seed=0)
+    checker = AnswerChecker(build_model(factory), samples)
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(server_process(c.label, c.command, c.announce, ready_path=c.ready_path,
+                                                   env=_server_env(args.threads),
+                                                   start_timeout=args.start_timeout)).url
+                for c in contenders]
+        for c, url in zip(contenders, urls):
+            _measure(url, name, samples, None, max(levels), size.warmup, c.binary)
+        points = {f"{c.label} c={level}": functools.partial(_measure, url, name, samples, checker, level,
+                                                            size.duration / size.rounds, c.binary)
+                  for c, url in zip(contenders, urls) for level in levels}
+        runs = alternate(points, size.rounds, on_result=lambda r, key, res: report.progress(
+            f"round {r + 1}: {name} {key}: {res[0].throughput:,.0f} req/s"))
+    return [_point(name, c, level, runs[f"{c.label} c={level}"]) for c in contenders for level in levels]
+
+
+def _best_litserve(points: list[Point], levels: list[int]) -> list[Point]:
+    """Per concurrency, LitServe's best setting; wrong or lost answers at any setting count against it."""
+    best = []
+    for level in levels:
+        at_level = [p for p in points if p.contender.server == "litserve" and p.concurrency == level]
+        if at_level:
+            top = max(at_level, key=lambda p: p.throughput.median)
+            top.lost, top.wrong = sum(p.lost for p in at_level), sum(p.wrong for p in at_level)
+            best.append(top)
+    return best
+
+
+def _sizes(args: argparse.Namespace) -> tuple[Size, bool, list[str], list[int]]:
+    size, smoke = pick_size(args, FULL, QUICK, TOY)
+    size = Size(args.models or size.models, args.concurrency or size.concurrency,
+                args.duration or size.duration, args.warmup if args.warmup is not None else size.warmup,
+                args.rounds or size.rounds, size.litserve_grid)
+    names = size.models.split(",")
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         raise UsageError(f"Expected models among {sorted(MODELS)}. Received: {unknown}")
     try:
-        args.levels = [int(c) for c in args.concurrency.split(",")]
+        levels = [int(c) for c in size.concurrency.split(",")]
     except ValueError:
-        raise UsageError(f"Expected concurrencies like 1,16,64. Received: {args.concurrency!r}") from None
-    if not args.levels or min(args.levels) < 1:
-        raise UsageError(f"Expected positive concurrencies. Received: {args.concurrency!r}")
-    if args.threads < 1:
-        raise UsageError(f"Expected a positive number of threads. Received: --threads {args.threads}")
-    args.duration = args.duration or (1.0 if args.quick else 4.0)
-    args.warmup = args.warmup if args.warmup is not None else (0.3 if args.quick else 1.0)
-    args.rounds = args.rounds or (1 if args.quick else 2)
-    if args.rounds < 1:
-        raise UsageError(f"Expected a positive number of rounds. Received: --rounds {args.rounds}")
-    grid = LITSERVE_GRID_QUICK if args.quick else LITSERVE_GRID
+        raise UsageError(f"Expected concurrencies like 1,16,64. Received: {size.concurrency!r}") from None
+    if not levels or min(levels) < 1:
+        raise UsageError(f"Expected positive concurrencies. Received: {size.concurrency!r}")
+    return size, smoke, names, levels
 
-    torch.set_num_threads(1)
+
+def run(args: argparse.Namespace) -> Report:
+    size, smoke, names, levels = _sizes(args)
+    report = Report("serve", smoke=smoke)
+    have_ours = importlib.util.find_spec("partrain.serve.cli") is not None
+    if not have_ours:
+        report.note("partrain serve: not available (partrain.serve.cli missing); nothing to compare")
+    with_litserve = not args.no_litserve and importlib.util.find_spec("litserve") is not None
+    if args.no_litserve:
+        report.note("litserve: skipped (--no-litserve); serve.vs_litserve not measured")
+    elif not with_litserve:
+        report.note("litserve: not installed (pip install 'partrain[bench]'); serve.vs_litserve not measured")
+
     points: list[Point] = []
-    notes: list[str] = []
-    ours = _ours_available()
-    if not ours:
-        notes.append("partrain serve: not available (partrain.serve.cli missing)")
-    litserve = _litserve_available() and not args.no_litserve
-    if not _litserve_available():
-        notes.append("litserve: not installed (pip install litserve)")
-    for note in notes:
-        print(note)
-
     for name in names:
-        factory = MODELS[name]
-        info = ModelInfo(name, (TensorSpec("input", "FP32", (-1, *IMAGE[1:])),))
-        samples = random_inputs(info, 64, IMAGE, seed=0)
-        checker = AnswerChecker(build_model(factory), samples)
-        print(f"{name}: {factory}, {args.threads} torch thread(s) per server, {args.duration:g} s per "
-              f"point in {args.rounds} interleaved round(s)", flush=True)
+        report.say(f"{name}: {MODELS[name]}, {args.threads} torch thread(s) per server, {size.duration:g} s per "
+                   f"point over {size.rounds} alternating round(s)")
         contenders = []
-        if ours:
-            for server, size in (("adaptive", args.max_batch_size), ("unbatched", 1)):
-                port = free_port()
-                contenders.append(_Contender(server, f"max {size}", f"partrain {server}", ours_command(
-                    name, factory, port, size, args.threads), port, "/v2/health/ready", args.binary))
-        if litserve:
-            for size, timeout in grid:
-                port = free_port()
-                setting = f"max {size}, {timeout * 1e3:g} ms"
-                contenders.append(_Contender("litserve", setting, f"litserve ({setting})", litserve_command(
-                    name, factory, port, size, timeout, args.threads), port, "/health", False))
-        measured = _measure_all(contenders, name, samples, checker, args)
-        points += [p for p in measured if p.server != "litserve"]
-        for c in args.levels:  # each concurrency keeps LitServe's best setting
-            at_c = [p for p in measured if p.server == "litserve" and p.concurrency == c]
-            if not at_c:
-                continue
-            best = max(at_c, key=lambda p: p.throughput)
-            # wrong or lost answers at any setting count against LitServe, not only the best
-            best.lost, best.wrong = sum(p.lost for p in at_c), sum(p.wrong for p in at_c)
-            points.append(best)
-    return _report(points, names, args.levels, notes)
+        if have_ours:
+            contenders += [ours(name, MODELS[name], n, args.threads, args.binary) for n in (args.max_batch_size, 1)]
+        if with_litserve:
+            contenders += [litserve(name, MODELS[name], n, t, args.threads) for n, t in size.litserve_grid]
+        if not contenders:
+            continue
+        measured = measure_model(name, contenders, levels, size, args, report)
+        points += [p for p in measured if p.contender.server != "litserve"] + _best_litserve(measured, levels)
+    _report(report, points, names, levels)
+    return report
 
 
-def _report(points: list[Point], names: list[str], levels: list[int], notes: list[str]) -> dict[str, float]:
-    figures: dict[str, float] = {}
+def _report(report: Report, points: list[Point], names: list[str], levels: list[int]) -> None:
     rows = []
     for p in points:
-        rows.append([p.model, p.server, p.setting, p.concurrency, p.throughput, p.p50, p.p99,
-                     p.errors, p.lost, p.wrong, round(p.client_cpu * 100)])
-        key = f"{p.model}.{p.server}.c{p.concurrency}"
-        figures.update({f"{key}.throughput_rps": p.throughput, f"{key}.p50_ms": p.p50,
-                        f"{key}.p99_ms": p.p99, f"{key}.errors": p.errors, f"{key}.lost": p.lost,
-                        f"{key}.wrong": p.wrong, f"{key}.client_cpu_pct": round(p.client_cpu * 100)})
-    print()
-    print(format_table(["model", "server", "setting", "conc", "req/s", "p50 ms", "p99 ms", "errors",
-                        "lost", "wrong", "client cpu %"], rows))
+        rows.append([p.model, p.contender.server, p.contender.setting, p.concurrency, p.throughput.cell(), p.p50,
+                     p.p99, p.errors, p.lost, p.wrong, round(p.client_cpu * 100)])
+        key = f"{p.model}.{p.contender.server}.c{p.concurrency}"
+        report.figure(f"{key}.throughput_rps", p.throughput)
+        for k, v in (("p50_ms", p.p50), ("p99_ms", p.p99), ("errors", p.errors), ("lost", p.lost),
+                     ("wrong", p.wrong), ("client_cpu_pct", round(p.client_cpu * 100))):
+            report.figure(f"{key}.{k}", v)
+        if p.contender.server == "litserve":
+            report.figure(f"{key}.setting", p.contender.setting)
+    report.table(["model", "server", "setting", "conc", "req/s median (min-max)", "p50 ms", "p99 ms", "errors",
+                  "lost", "wrong", "client cpu %"], rows)
 
     def find(model: str, server: str, c: int) -> Point | None:
-        return next((p for p in points if (p.model, p.server, p.concurrency) == (model, server, c)), None)
+        return next((p for p in points if (p.model, p.contender.server, p.concurrency) == (model, server, c)), None)
 
-    nan = float("nan")
+    def ratio(a: Point | None, b: Point | None) -> Spread:
+        return paired_ratio(a.throughput.values, b.throughput.values) if a and b else Spread.of([])
+
     hi, lo = max(levels), min(levels)
-    ratio_rows = []
+    speedups, vs_litserve, p50_costs = [], [], []
+    rows = []
     for name in names:
-        a, u, ls = find(name, "adaptive", hi), find(name, "unbatched", hi), find(name, "litserve", hi)
-        a1, u1 = find(name, "adaptive", lo), find(name, "unbatched", lo)
-        speedup = a.throughput / u.throughput if a and u and u.throughput > 0 else nan
-        vs_lit = a.throughput / ls.throughput if a and ls and ls.throughput > 0 else nan
-        p50_diff = a1.p50 - u1.p50 if a1 and u1 else nan
-        bad = sum(p.lost + p.wrong for p in points if p.model == name)
-        ratio_rows += [
-            [name, f"adaptive / unbatched req/s at c={hi}", f"{speedup:.2f}", ">= 5",
-             _verdict(speedup, speedup >= 5)],
-            [name, f"adaptive / litserve req/s at c={hi}", f"{vs_lit:.2f}", ">= 1.2",
-             _verdict(vs_lit, vs_lit >= 1.2)],
-            [name, f"p50 adaptive - unbatched at c={lo} (ms)", f"{p50_diff:+.2f}", "<= 1",
-             _verdict(p50_diff, p50_diff <= 1)],
-            [name, "lost + wrong answers (all servers)", str(bad), "0", _verdict(bad, bad == 0)],
-        ]
-        figures.update({f"{name}.adaptive_over_unbatched_c{hi}": speedup,
-                        f"{name}.adaptive_over_litserve_c{hi}": vs_lit,
-                        f"{name}.p50_adaptive_minus_unbatched_c{lo}_ms": p50_diff,
-                        f"{name}.lost_plus_wrong": bad})
-    print()
-    print(format_table(["model", "ratio", "value", "goal", "met"], ratio_rows))
-    for note in notes:
-        print(note)
-    return figures
+        speedup = ratio(find(name, "adaptive", hi), find(name, "unbatched", hi))
+        vs_lit = ratio(find(name, "adaptive", hi), find(name, "litserve", hi))
+        adaptive_alone, unbatched_alone = find(name, "adaptive", lo), find(name, "unbatched", lo)
+        p50_cost = adaptive_alone.p50 - unbatched_alone.p50 if adaptive_alone and unbatched_alone else math.nan
+        rows += [[name, f"adaptive / unbatched req/s at c={hi}", speedup.cell()],
+                 [name, f"adaptive / litserve req/s at c={hi}", vs_lit.cell()],
+                 [name, f"p50 adaptive - unbatched at c={lo} (ms)", p50_cost]]
+        report.figure(f"{name}.adaptive_over_unbatched_c{hi}", speedup)
+        report.figure(f"{name}.adaptive_over_litserve_c{hi}", vs_lit)
+        report.figure(f"{name}.p50_adaptive_minus_unbatched_c{lo}_ms", p50_cost)
+        speedups.append(speedup.median)
+        vs_litserve.append(vs_lit.median)
+        p50_costs.append(p50_cost)
+    report.table(["model", "ratio", "median (min-max)"], rows, title="ratios, round by round")
 
+    def worst(values: list[float], pick: Any) -> float | None:
+        kept = [v for v in values if not math.isnan(v)]
+        # a goal holds only if it holds for every model: the worst one counts; a model not measured: not met
+        return pick(kept) if kept and len(kept) == len(values) else None
 
-def _verdict(value: float, ok: bool) -> str:
-    if value != value:  # nan: a server of the comparison did not run
-        return "-"
-    return "yes" if ok else "NO"
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 8 and sys.argv[1] == "litserve":
-        litserve_main(sys.argv[2:])
-    else:
-        sys.exit("usage: python -m partrain.bench.serve litserve NAME FACTORY PORT MAX_BATCH BATCH_TIMEOUT THREADS")
+    report.goal("serve.batched_vs_unbatched", worst(speedups, min), ">=", 5.0,
+                f"adaptive / unbatched req/s at concurrency {hi} (worst model)")
+    report.goal("serve.vs_litserve", worst(vs_litserve, min), ">=", 1.2,
+                f"adaptive / LitServe's best setting, req/s at concurrency {hi} (worst model)")
+    report.check("serve.p50_batching_cost_ms", worst(p50_costs, max), "<=", 1.0,
+                 f"p50 adaptive - unbatched at concurrency {lo}, ms (worst model)")
+    bad = sum(p.lost + p.wrong for p in points)
+    report.check("serve.lost_plus_wrong", float(bad) if points else None, "<=", 0.0,
+                 "lost + wrong answers, all servers")

@@ -1,0 +1,138 @@
+"""The benchmark harness on fake timings: no process, no clock.
+
+Guards what every benchmark's figures rest on: the turn order of alternating
+rounds, the median and min-max spread of a variant, round-by-round ratios, goal
+verdicts (a goal not measured is never met), the goal names a benchmark must
+report, and the --json layout (no NaN: JSON has none). Start with
+`test_alternate_rotates_the_turn_order`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from partrain.bench.harness import GOALS, Goal, Report, Spread, alternate, paired_ratio
+
+
+def test_alternate_rotates_the_turn_order():
+    calls: list[str] = []
+
+    def variant(name: str):
+        def measure() -> float:
+            calls.append(name)
+            return float(len(calls))  # the fake "timing": when it ran
+        return measure
+
+    results = alternate({n: variant(n) for n in "abc"}, rounds=4)
+    # round r starts at variant r mod 3: nobody always runs first or last
+    assert calls == list("abc" "bca" "cab" "abc")
+    assert results == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
+
+
+def test_alternate_reports_each_result_and_refuses_zero_rounds():
+    seen = []
+    alternate({"x": lambda: 1.0, "y": lambda: 2.0}, 2, on_result=lambda r, n, v: seen.append((r, n, v)))
+    assert seen == [(0, "x", 1.0), (0, "y", 2.0), (1, "y", 2.0), (1, "x", 1.0)]
+    with pytest.raises(ValueError, match="at least one round"):
+        alternate({"x": lambda: 1.0}, 0)
+
+
+def test_spread_is_median_with_min_and_max():
+    s = Spread.of([3.0, 1.0, 10.0, 2.0])
+    assert (s.median, s.low, s.high) == (2.5, 1.0, 10.0)  # even count: mean of the middle two
+    assert s.cell() == "2.5 (1-10)"
+    assert Spread.of([4.0, 4.0]).cell() == "4"  # every round agreed: no range to show
+    assert Spread.of([999.7, 1204.0]).cell() == "1,102 (1,000-1,204)"  # no "1e+03"
+
+
+def test_spread_leaves_missing_rounds_out():
+    s = Spread.of([math.nan, 2.0, 4.0])
+    assert (s.median, s.low, s.high) == (3.0, 2.0, 4.0)
+    empty = Spread.of([math.nan])
+    assert math.isnan(empty.median) and empty.cell() == "-"
+    assert empty.to_json() == {"median": None, "min": None, "max": None, "rounds": [None]}
+
+
+def test_paired_ratio_is_taken_round_by_round():
+    # the machine slowed down 2x in round 2 for both variants: the paired ratio does not move
+    fast = [200.0, 100.0, 210.0]
+    slow = [100.0, 50.0, 100.0]
+    r = paired_ratio(fast, slow)
+    assert r.values == (2.0, 2.0, 2.1)
+    assert (r.median, r.low, r.high) == (2.0, 2.0, 2.1)
+    assert math.isnan(paired_ratio([1.0], [0.0]).median)  # no division by zero, a missing figure
+    with pytest.raises(ValueError, match="same rounds"):
+        paired_ratio([1.0, 2.0], [1.0])
+
+
+@pytest.mark.parametrize("value, op, target, met", [
+    (1.0, ">=", 0.98, True), (0.97, ">=", 0.98, False), (0.98, ">=", 0.98, True),
+    (0.7, "<=", 0.7, True), (0.71, "<=", 0.7, False),
+    (None, ">=", 1.0, False), (math.nan, "<=", 1.0, False),  # not measured: never met
+])
+def test_goal_verdicts(value, op, target, met):
+    goal = Goal("core.scaling", value, op, target)
+    assert goal.met is met
+    as_json = goal.to_json()
+    assert as_json == {"value": None if value is None or value != value else value, "op": op,
+                       "target": target, "met": met}
+    assert goal.verdict() == ("not measured" if as_json["value"] is None else "yes" if met else "NO")
+
+
+def test_goal_refuses_an_unknown_comparison():
+    with pytest.raises(ValueError, match="Expected op"):
+        Goal("core.scaling", 1.0, ">", 1.0)
+
+
+def test_report_prints_every_goal_and_writes_json(tmp_path, capsys):
+    report = Report("core", smoke=True)
+    report.figure("plain_samples_per_s", Spread.of([100.0, 90.0, 110.0]))
+    report.figure("missing", math.nan)
+    report.goal("core.fit_vs_plain", 0.99, ">=", 0.98, "fit / plain")
+    report.goal("core.allreduce_vs_ddp", None, ">=", 0.98, "allreduce / ddp")
+    report.goal("core.scaling", 1.2, ">=", 1.6, "2 / 1 workers")
+    report.check("core.extra", 0.0, "<=", 0.0, "a bound outside the named goals")
+    report.finish()
+    out = capsys.readouterr().out
+    assert out.count("smoke run: figures are noise") >= 2  # first line and the goals table
+    for name, verdict in (("core.fit_vs_plain", "yes"), ("core.allreduce_vs_ddp", "not measured"),
+                          ("core.scaling", "NO"), ("core.extra", "yes")):
+        line = next(ln for ln in out.splitlines() if ln.startswith(name))
+        assert line.rstrip().endswith(verdict), line
+
+    path = tmp_path / "out.json"
+    report.write_json(str(path))
+    data = json.loads(path.read_text())  # strict JSON: NaN would not parse in most readers
+    assert data["benchmark"] == "core" and data["smoke"] is True
+    assert data["figures"] == {"plain_samples_per_s": {"median": 100.0, "min": 90.0, "max": 110.0,
+                                                       "rounds": [100.0, 90.0, 110.0]},
+                               "missing": None}
+    assert data["goals"] == {
+        "core.fit_vs_plain": {"value": 0.99, "op": ">=", "target": 0.98, "met": True},
+        "core.allreduce_vs_ddp": {"value": None, "op": ">=", "target": 0.98, "met": False},
+        "core.scaling": {"value": 1.2, "op": ">=", "target": 1.6, "met": False},
+    }
+    assert data["checks"] == {"core.extra": {"value": 0.0, "op": "<=", "target": 0.0, "met": True}}
+
+
+def test_a_report_must_state_exactly_its_named_goals():
+    report = Report("syncbn")
+    with pytest.raises(ValueError, match="Expected a goal among"):
+        report.goal("core.scaling", 1.0, ">=", 1.0, "not a syncbn goal")
+    with pytest.raises(RuntimeError, match="did not report goals"):
+        report.finish()  # syncbn.step_ratio was never stated, not even as not measured
+
+
+def test_goal_names_are_the_issues():
+    # the names issue 9 gave; readers of --json depend on them
+    assert GOALS == {
+        "core": ("core.fit_vs_plain", "core.allreduce_vs_ddp", "core.scaling"),
+        "async": ("async.hogwild_scaling", "async.ps_straggler_time", "async.diloco_bytes",
+                  "async.diloco_loss"),
+        "syncbn": ("syncbn.step_ratio",),
+        "serve": ("serve.batched_vs_unbatched", "serve.vs_litserve"),
+        "population": ("population.auto_vs_best", "population.vs_pool"),
+    }
