@@ -12,8 +12,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 import partrain
 
 SRC = Path(partrain.__file__).parent
@@ -37,8 +35,6 @@ def _imports_of_bench(path: Path, src: Path = SRC) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="partrain/population/report.py imports format_table from "
-                   "partrain.bench.common; remove this mark once it no longer does")
 def test_no_library_module_imports_the_benchmarks():
     offenders = [hit for path in sorted(SRC.rglob("*.py")) if "bench" not in path.relative_to(SRC).parts[:1]
                  for hit in _imports_of_bench(path)]

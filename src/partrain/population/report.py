@@ -6,7 +6,7 @@ import csv
 import json
 from typing import Any
 
-from ..bench.common import format_table
+from ..tables import format_table
 
 
 def format_leaderboard(rows: list[dict[str, Any]], limit: int = 20) -> str:
