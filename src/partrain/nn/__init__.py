@@ -3,20 +3,35 @@
 - `SyncBatchNorm` / `convert_sync_batchnorm`: batch statistics over the global
   batch of all ranks, on every backend (gloo on CPU included).
 - `freeze` / `unfreeze` (with `idx` for index expressions): chosen elements of
-  a parameter keep their exact values under any optimizer; `freeze_state_dict`
-  and `load_freeze_state_dict` carry the masks through checkpoints.
+  a parameter keep their exact values through the steps of an optimizer that
+  `keep_frozen` was attached to (every strategy attaches it);
+  `freeze_state_dict` and `load_freeze_state_dict` carry the masks through
+  checkpoints; `hold_frozen` keeps them through other changes (averaging).
 """
 
-from .freeze import freeze, freeze_state_dict, frozen_mask, idx, load_freeze_state_dict, unfreeze
+from .freeze import (
+    FrozenGuard,
+    freeze,
+    freeze_state_dict,
+    frozen_mask,
+    hold_frozen,
+    idx,
+    keep_frozen,
+    load_freeze_state_dict,
+    unfreeze,
+)
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
+    "FrozenGuard",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "freeze",
     "freeze_state_dict",
     "frozen_mask",
+    "hold_frozen",
     "idx",
+    "keep_frozen",
     "load_freeze_state_dict",
     "unfreeze",
 ]

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..nn.freeze import freeze, keep_frozen
 from . import _ps_wire as wire
 
 
@@ -159,9 +160,11 @@ class Server:
         if op == wire.HELLO:
             meta = self._recv(torch.empty(int(head[4]), dtype=torch.uint8), src)
             out = [meta]
-            if head[5] > 0:  # worker 0 sends the initial parameters
+            if head[5] > 0:  # worker 0 sends the initial parameters, then the frozen masks (if any)
                 spec = wire.decode_json(meta)
                 out.append(self._recv(torch.empty(spec["numel"], dtype=wire.dtype_from(spec["dtype"])), src))
+                if spec.get("frozen_numel", 0) > 0:
+                    out.append(self._recv(torch.empty(spec["frozen_numel"], dtype=torch.uint8), src))
             return out
         if op == wire.PUSH:
             hp = self._recv(torch.empty(int(head[2]), dtype=torch.float64), src)
@@ -196,7 +199,7 @@ class Server:
             return
         if msg.op == wire.HELLO:
             if self.flat is None and len(msg.payload) > 1:
-                self._init(wire.decode_json(msg.payload[0]), msg.payload[1])
+                self._init(wire.decode_json(msg.payload[0]), msg.payload[1], msg.payload[2:])
             self.hello_waiting.append(w)
             if self.flat is not None:
                 for v in self.hello_waiting:
@@ -222,7 +225,7 @@ class Server:
             raise RuntimeError(f"parameter server {self.index}: unknown message {msg.op} from worker {w}")
 
     # ----- state ----------------------------------------------------------------------------
-    def _init(self, meta: dict[str, Any], flat: torch.Tensor) -> None:
+    def _init(self, meta: dict[str, Any], flat: torch.Tensor, masks: list[torch.Tensor]) -> None:
         self.meta = meta
         self.flat = flat
         self.grad_flat = torch.zeros_like(flat)
@@ -235,6 +238,13 @@ class Server:
             self.params.append(p)
             offset += n
         self.optimizer = build_optimizer(self.params, meta["groups_of"], meta)
+        frozen = meta.get("frozen", [])
+        if frozen:  # the worker's frozen elements: our optimizer steps must leave them exact
+            shapes = [meta["shapes"][j] for j in frozen]
+            for j, mask in zip(frozen, wire.split_masks(masks[0], shapes), strict=True):
+                freeze(self.params[j], mask)
+            if self.optimizer is not None:
+                keep_frozen(self.optimizer)
         # hyperparameters the worker sends with every push: (group, key, tuple index, is int)
         self.hp_slots = [(g, k, i, is_int) for g, k, i, is_int in meta["hp_slots"]]
 

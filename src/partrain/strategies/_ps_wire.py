@@ -4,8 +4,8 @@ Every message between a worker and a server is a fixed-size float64 *header*
 followed by zero or more payload tensors, all on one tag, so point-to-point
 FIFO order per (peer, tag) keeps them together. Payloads are tensors:
 gradients and parameters as flat buffers in the parameters' dtype,
-hyperparameters as float64, metadata as JSON in a uint8 tensor. Nothing is
-pickled.
+hyperparameters as float64, metadata as JSON in a uint8 tensor, frozen
+masks as uint8. Nothing is pickled.
 
 Invariant that keeps the protocol simple: a worker has at most one request
 in flight per server, and posts the receives for the reply *before* sending
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from typing import Any
 
 import torch
@@ -102,6 +103,21 @@ def send_tensors(tensors: list[torch.Tensor], dst: int, group: Any) -> int:
 
 def isend_tensors(tensors: list[torch.Tensor], dst: int, group: Any) -> list[Any]:
     return [dist.isend(t, dst, group=group, tag=TAG) for t in tensors]
+
+
+def flat_masks(masks: list[torch.Tensor]) -> torch.Tensor:
+    """Boolean masks as one flat uint8 tensor (a byte per element: any backend sends it)."""
+    return torch.cat([m.reshape(-1).to("cpu", torch.uint8) for m in masks])
+
+
+def split_masks(flat: torch.Tensor, shapes: list[list[int]]) -> list[torch.Tensor]:
+    """The inverse of `flat_masks`: boolean masks of ``shapes``."""
+    out, offset = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[offset:offset + n].view(shape).bool())
+        offset += n
+    return out
 
 
 def describe_tensors(tensors: list[torch.Tensor]) -> list[list[Any]]:

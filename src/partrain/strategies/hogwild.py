@@ -24,6 +24,12 @@ exact for Adam-style moments and for SGD momentum without dampening) and moves
 it into the shared file too. A later ``optimizer.load_state_dict`` (resume)
 copies the loaded values into the shared memory instead of replacing it.
 
+Frozen elements (`partrain.nn.freeze`): `prepare` attaches `keep_frozen` to the
+optimizer and *pins* it once the memory is shared, so every step restores the
+frozen elements (and their optimizer state) to their values at set-up. A
+snapshot before each step would not do: another worker's step may be half way
+through the same elements when it is taken.
+
 Metrics: ``updates`` (optimizer steps applied by all workers together) and
 ``updates_w<i>`` (by worker ``i``), read from counters in the same shared file,
 so any worker can report them without a collective.
@@ -44,6 +50,7 @@ from torch.optim import Optimizer
 from .. import comm
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
+from ..nn.freeze import keep_frozen
 from .base import Strategy, register
 
 _ALIGN = 64  # bytes: keeps every view aligned for any dtype (and on its own cache line)
@@ -94,6 +101,7 @@ class Hogwild(Strategy):
         model = model.to(self.device)
         if self.device.type != "cpu":
             raise UsageError(f"Expected the CPU for hogwild (shared host memory). Received: device={self.device}")
+        frozen = keep_frozen(optimizer)
         _init_state(optimizer)
         tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
         state_keys = _state_tensors(optimizer)
@@ -120,7 +128,10 @@ class Hogwild(Strategy):
         self._state_views = {(id(p), k): tensors[n_model + i] for i, (p, k) in enumerate(state_keys)}
         assert self._memory is not None
         self._counts = self._memory[counts_at:total].view(torch.int64)
-        self.barrier()  # everyone has mapped it: the name is no longer needed
+        # frozen elements are restored to their values now, not to a snapshot taken before each
+        # step: another worker's step may be half way through them when that snapshot is taken
+        frozen.pin()
+        self.barrier()  # everyone has mapped it (and pinned): the name is no longer needed
         if self.rank == 0:
             self._unlink()
         optimizer.register_step_post_hook(self._count_update)

@@ -30,6 +30,10 @@ sync. These points are therefore collective: every worker reaches them, as in
 worker processes reads its batch sampler ahead: the end-of-pass sync then comes
 a few steps early and the next one catches up.)
 
+Frozen elements (`partrain.nn.freeze`) stay exact: `prepare` attaches
+`keep_frozen` to the optimizer, and a sync holds them (and DiLoCo's outer
+momentum there) through the averaging and the outer step.
+
 ``period=1`` with plain SGD is exactly synchronous data parallel training:
 the average of the workers' one-step updates is the update of the averaged
 gradient.
@@ -53,6 +57,7 @@ from torch.optim import Optimizer
 from .. import comm
 from ..data.sharding import ShardedBatchSampler
 from ..errors import UsageError
+from ..nn.freeze import hold_frozen, keep_frozen
 from .base import Strategy, register
 
 OUTERS = ("none", "nesterov")
@@ -98,6 +103,7 @@ class LocalSGD(Strategy):
             self._global = [p.detach().clone() for p in self._params]
             self._momentum = [torch.zeros_like(p) for p in self._params]
         self._optimizer = optimizer
+        keep_frozen(optimizer)  # attached first: its post-hook restores frozen elements before a sync
         optimizer.register_step_post_hook(self._after_step)
         return model, optimizer
 
@@ -119,7 +125,10 @@ class LocalSGD(Strategy):
             self.comm_seconds += time.perf_counter() - start
             self.comm_bytes += flat.numel() * flat.element_size()
             flat.div_(self.num_workers)
-        with torch.no_grad():
+        # frozen elements are equal on every worker, but (x + x + x) / 3 need not be x, and the
+        # outer step must not move them either: they (and the outer momentum there) are held
+        outer = (self._global, self._momentum) if self.outer == "nesterov" else ()
+        with torch.no_grad(), hold_frozen(self._params, *outer):
             if self.outer == "nesterov":
                 self._outer_step(flat)
             else:

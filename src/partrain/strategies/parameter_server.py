@@ -30,6 +30,11 @@ waits. ``staleness_lr=True`` divides a gradient's learning rate by its
 staleness (updates the shard received between the pull the gradient was
 computed on and this one; at least 1).
 
+Frozen elements (`partrain.nn.freeze`): the servers run the optimizer, so worker
+0's hello carries each shard's frozen masks (JSON indices and a uint8 tensor)
+and every server attaches `keep_frozen` to its optimizer: frozen elements and
+their optimizer state come back from every update bit-for-bit unchanged.
+
 In bounded and async modes a dead worker does not stop training (servers and
 the launcher carry on; the workers' ``all_reduce_sum``/``barrier`` then go
 through server 0 so they skip it); in sync mode it is an error naming it. A
@@ -53,6 +58,7 @@ from torch.optim import Optimizer
 from .. import comm
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
+from ..nn.freeze import frozen_mask
 from . import _ps_wire as wire
 from ._ps_server import Server
 from .base import WORKER, Strategy, register
@@ -157,17 +163,21 @@ class ParameterServer(Strategy):
         self._optimizer = _ServerOptimizer(self, optimizer)
         self._model = model
         self._versions = [0] * self.servers
-        # hello: worker 0 brings the initial parameters, every worker then pulls them
+        # hello: worker 0 brings the initial parameters and the frozen masks, every worker then pulls them
         replies = self._post_replies()
         for s, owned in enumerate(self._plan):
             shard = [params[i] for i in owned]
+            masks = {j: m for j, p in enumerate(shard) if (m := frozen_mask(p)) is not None}
             meta = {"shapes": [list(p.shape) for p in shard], "groups_of": [groups_of[i] for i in owned],
                     "dtype": wire.dtype_name(self._dtype), "numel": sum(p.numel() for p in shard),
-                    "optimizer": opt_meta, "hp_slots": self._hp_slots}
+                    "optimizer": opt_meta, "hp_slots": self._hp_slots, "frozen": sorted(masks),
+                    "frozen_numel": sum(m.numel() for m in masks.values())}
             payload = wire.encode_json(meta)
             tensors = [wire.header(wire.HELLO, 0, 0, 0, payload.numel(), 1 if self.rank == 0 else 0), payload]
             if self.rank == 0:
                 tensors.append(self._flat(shard, grads=False))
+                if masks:
+                    tensors.append(wire.flat_masks([masks[j] for j in sorted(masks)]))
             self._isend(s, tensors)
         self._pending = replies
         self._finish_pull()
