@@ -2,8 +2,9 @@
 
 Threads: one receiver thread per worker blocks in ``recv`` on that worker's
 messages (the GIL is released while it waits) and puts complete messages on a
-queue; the main thread takes them one at a time, applies updates and sends
-replies. So the optimizer runs on one thread, needs no lock, and a slow or
+queue until its worker is done or gone; the main thread takes them one at a
+time, applies updates and sends replies, and joins the receivers before it
+returns. So the optimizer runs on one thread, needs no lock, and a slow or
 dead worker never stalls the receipt of the others' messages. A worker whose
 connection closes is *dead*: in sync mode that is an error naming it; in
 bounded and async modes the server warns and carries on with the live ones.
@@ -20,6 +21,10 @@ Modes (``staleness``):
   than ``s`` ahead of the slowest live worker's clock is held back until the
   slowest catches up. The *lead* sent with a reply is that difference.
 - ``inf`` (async): apply, reply at once.
+
+Frozen elements (`partrain.nn.freeze`): worker 0's hello carries the shard's
+masks; the server records them on its parameters and attaches `keep_frozen`
+to its optimizer, so every update leaves them and their optimizer state exact.
 """
 
 from __future__ import annotations
@@ -190,7 +195,23 @@ class Server:
             except queue.Empty:
                 continue
             self.handle(msg)
+        self._join(threads)
         return self.stats()
+
+    def _join(self, threads: list[threading.Thread]) -> None:
+        """Wait (bounded) until every receiver thread has ended before the process may exit.
+
+        Each ended with its worker's ``done`` or with the error of its closed connection.
+        A thread still inside a gloo wait when the interpreter exits is stopped inside
+        C++ code, which aborts the process ("terminate called without an active exception").
+        """
+        deadline = time.monotonic() + self.timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            print(f"partrain: warning: parameter server {self.index}: receiver threads {stuck} still waiting "
+                  f"after {self.timeout:g} s", file=sys.stderr, flush=True)
 
     def handle(self, msg: _Message) -> None:
         w = msg.worker
