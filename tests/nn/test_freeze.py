@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 import partrain
 from partrain.errors import UsageError
@@ -297,6 +298,8 @@ def test_a_pinned_guard_restores_the_pinned_values():
 
 
 # ----- under partrain.fit, every strategy ----------------------------------------------------------
+# Each `fit` with two workers spawns processes (seconds each): small tensors instead of a dataset
+# to load, a few steps, and one launch per strategy (ps also runs its servers).
 
 def frozen_cnn():
     """The new user's model factory: half of the first convolution's filters frozen."""
@@ -314,23 +317,27 @@ def initial_first_conv():
     return frozen_cnn()[0].weight.detach().clone()
 
 
+def digits_like(n):
+    g = torch.Generator().manual_seed(n)
+    return TensorDataset(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+
+DATA = (digits_like(128), digits_like(16))  # 4 steps per epoch for 2 workers of 16 samples
 sgd_momentum_wd = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=0.1)
 adamw = functools.partial(torch.optim.AdamW, lr=0.01, weight_decay=0.5)
 
-FIT_CASES = {
+FIT_CASES = {  # two worker processes each
     "allreduce": ("allreduce", {}, sgd_momentum_wd),
     "ps_bounded": ("ps", {"staleness": 2}, adamw),
     "ps_async": ("ps", {"staleness": math.inf}, sgd_momentum_wd),
     "hogwild": ("hogwild", {}, sgd_momentum_wd),
-    "localsgd": ("localsgd", {"period": 2}, sgd_momentum_wd),
-    "diloco": ("localsgd", {"period": 2, "outer": "nesterov"}, sgd_momentum_wd),
 }
 
 
 def fit_frozen(strategy, optimizer_fn, model_fn=frozen_cnn, **kw):
-    kw = {"epochs": 1, "max_steps": 4, "checkpoint": False, **kw}
-    return partrain.fit(model_fn, "digits", optimizer_fn, strategy=strategy, workers=2, batch_size=16,
-                        quiet=True, return_state=True, timeout=60, **kw)
+    kw = {"workers": 2, "epochs": 1, "max_steps": 4, "checkpoint": False, **kw}
+    return partrain.fit(model_fn, DATA, optimizer_fn, strategy=strategy, batch_size=16, quiet=True,
+                        return_state=True, timeout=60, **kw)
 
 
 def assert_slice_frozen_rest_moved(weight, start):
@@ -345,6 +352,18 @@ def test_fit_keeps_the_frozen_slice_exact(case, capfd):
     assert_slice_frozen_rest_moved(result.model_state["0.weight"], initial_first_conv())
     # the worker processes write to this stderr too: none was aborted on its way out
     assert "terminate called" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("outer", ["none", "nesterov"])
+def test_fit_localsgd_and_diloco_keep_the_frozen_slice_exact(outer):
+    """One worker, in this process (no spawn): the syncs still run, and DiLoCo's outer Nesterov
+    step still moves the replica (its pseudo-gradient is the local steps' displacement) - but
+    must not move the frozen slice. Averaging equal values across workers is `hold_frozen`'s
+    test above ((x + x + x) / 3 need not be x)."""
+    strategy = get_strategy("localsgd", period=2, outer=outer)
+    result = fit_frozen(strategy, sgd_momentum_wd, workers=1)
+    assert result.final["localsgd_syncs"] >= 2
+    assert_slice_frozen_rest_moved(result.model_state["0.weight"], initial_first_conv())
 
 
 def test_fit_ps_sync_keeps_frozen_exact_across_a_resume_from_the_masks_in_the_checkpoint(tmp_path, capfd):
