@@ -167,7 +167,7 @@ class ParameterServer(Strategy):
         replies = self._post_replies()
         for s, owned in enumerate(self._plan):
             shard = [params[i] for i in owned]
-            masks = {j: m for j, p in enumerate(shard) if (m := frozen_mask(p)) is not None}
+            masks = {j: m for j, p in enumerate(shard) if (m := frozen_mask(p)) is not None and bool(m.any())}
             meta = {"shapes": [list(p.shape) for p in shard], "groups_of": [groups_of[i] for i in owned],
                     "dtype": wire.dtype_name(self._dtype), "numel": sum(p.numel() for p in shard),
                     "optimizer": opt_meta, "hp_slots": self._hp_slots, "frozen": sorted(masks),
