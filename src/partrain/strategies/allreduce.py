@@ -41,7 +41,7 @@ class AllReduce(Strategy):
         self.gradient_as_bucket_view = gradient_as_bucket_view
 
     def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
-        model = model.to(self.device)
+        model, optimizer = super().prepare(model, optimizer)
         if self.num_workers == 1:
             return model, optimizer  # nothing to synchronise: skip DDP's bookkeeping
         kwargs: dict[str, Any] = {}

@@ -40,6 +40,7 @@ from .. import comm
 from ..data.sharding import ClaimingBatchSampler, ShardedBatchSampler
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
+from ..nn.freeze import keep_frozen
 
 WORKER = "worker"
 
@@ -121,7 +122,12 @@ class Strategy(ABC):
 
     # ----- the training loop's side -------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
-        """Wrap ``model`` and ``optimizer`` for this strategy (they keep their interfaces)."""
+        """Wrap ``model`` and ``optimizer`` for this strategy (they keep their interfaces).
+
+        Every strategy attaches `keep_frozen` to the optimizer that steps: frozen slices
+        (`partrain.nn.freeze`) stay exact under it.
+        """
+        keep_frozen(optimizer)
         return model.to(self.device), optimizer
 
     def shard(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
