@@ -16,6 +16,11 @@ thread count. A process whose job failed or that died is replaced by a new
 one at the next job; the others are stopped when a job fails, since they may
 be blocked in a collective with the failed rank.
 
+Every process talks to the caller over a pipe of its own (jobs in, reports
+out), never a queue shared between processes: a process killed while writing
+to a shared queue keeps its lock forever and every later report waits on it.
+A killed process breaks only its own pipe, which goes with it.
+
 The supervisor turns every failure into a `WorkerError` naming the rank that
 failed first (not one of its victims), unless the strategy survives the loss
 of a worker (an asynchronous parameter server): then the job goes on.
@@ -29,7 +34,6 @@ import datetime
 import itertools
 import os
 import pickle
-import queue as queue_mod
 import re
 import signal
 import sys
@@ -37,6 +41,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from multiprocessing.util import Finalize
 from typing import Any
 
@@ -88,14 +93,13 @@ class WorkerPool:
         self.processes = processes
         self.one_shot = one_shot
         self._ctx = mp.get_context("spawn")
-        self._results: Any = self._ctx.Queue()
-        self._slots: list[tuple[Any, Any] | None] = [None] * processes
+        self._slots: list[tuple[Any, Any] | None] = [None] * processes  # (process, its pipe's end here)
         self._jobs = itertools.count(1)
         self._closed = False
         self._tokens: list[contextvars.Token] = []
         # a pool nobody closed must not keep the interpreter from exiting (non-daemon children
         # are joined at exit): stop the processes first
-        self._finalizer = Finalize(self, _shutdown, args=(self._slots, self._results), exitpriority=10)
+        self._finalizer = Finalize(self, _shutdown, args=(self._slots,), exitpriority=10)
 
     # ----- context ------------------------------------------------------------------------
     def __enter__(self) -> WorkerPool:
@@ -138,27 +142,29 @@ class WorkerPool:
             job = Job(job_id, fn, args, kwargs, strat, store_spec, rank, local_rank, local, world, backend,
                       device, timeout, threads, dict(os.environ) if reused else None,
                       os.getcwd() if reused else None)
-            proc, tasks = self._slot(local_rank, name=f"partrain-rank{rank}")
-            tasks.put(job)
-            procs[rank] = proc
+            procs[rank] = self._slot(local_rank, name=f"partrain-rank{rank}")
+            procs[rank][1].send(job)
         ok = False
         try:
-            values = _supervise(procs, self._results, job_id, strat.roles(world), strat)
+            values = _supervise(procs, job_id, strat.roles(world), strat)
             ok = True
         finally:
             if not ok or self.one_shot:
-                _stop(procs.values(), grace=5.0 if ok else 0.0)
+                _stop([proc for proc, _ in procs.values()], grace=5.0 if ok else 0.0)
         roles = strat.roles(world)
         return [values.get(r) for r in sorted(procs) if roles[r] == WORKER]  # None for a lost worker
 
     def _slot(self, index: int, name: str) -> tuple[Any, Any]:
         slot = self._slots[index]
         if slot is None or slot[0].exitcode is not None:
-            tasks = self._ctx.SimpleQueue()
-            proc = self._ctx.Process(target=_process_main, args=(tasks, self._results, self.one_shot),
+            if slot is not None:
+                slot[1].close()
+            here, there = self._ctx.Pipe(duplex=True)
+            proc = self._ctx.Process(target=_process_main, args=(there, self.one_shot),
                                      name=name if self.one_shot else f"partrain-pool{index}", daemon=False)
             proc.start()
-            slot = self._slots[index] = (proc, tasks)
+            there.close()  # the child holds it now: its death is an end-of-file here
+            slot = self._slots[index] = (proc, here)
         return slot
 
 
@@ -172,32 +178,35 @@ def no_pool() -> Iterator[None]:
         _CURRENT.reset(token)
 
 
-def _shutdown(slots: list[tuple[Any, Any] | None], results: Any) -> None:
+def _shutdown(slots: list[tuple[Any, Any] | None]) -> None:
     live = [s for s in slots if s is not None and s[0].exitcode is None]
-    for _, tasks in live:
+    for _, conn in live:
         try:
-            tasks.put(None)  # asks an idle process to return
+            conn.send(None)  # asks an idle process to return
         except (OSError, ValueError):
             pass
     _stop([proc for proc, _ in live], grace=5.0)
-    for i in range(len(slots)):
+    for i, slot in enumerate(slots):
+        if slot is not None:
+            slot[1].close()
         slots[i] = None
-    results.close()
 
 
 # ----- inside a pool process ----------------------------------------------------------------
 
-def _process_main(tasks: Any, results: Any, one_shot: bool) -> None:
+def _process_main(conn: Any, one_shot: bool) -> None:
     try:
         while True:
-            job = tasks.get()
+            try:
+                job = conn.recv()
+            except EOFError:  # the caller is gone
+                return
             if job is None:
                 return
-            if not _run_job(job, results):
+            if not _run_job(job, conn):
                 # after a failure the process may hold a broken group or threads stuck in gloo:
-                # leave now (the pool starts a fresh one), once the report is flushed
-                results.close()
-                results.join_thread()
+                # leave now (the pool starts a fresh one); the report is already written
+                conn.close()
                 os._exit(1)
             if one_shot:
                 return
@@ -205,7 +214,7 @@ def _process_main(tasks: Any, results: Any, one_shot: bool) -> None:
         return
 
 
-def _run_job(job: Job, results: Any) -> bool:
+def _run_job(job: Job, conn: Any) -> bool:
     try:
         if job.environ is not None:  # a reused process sees the caller's environment of now
             for key in set(os.environ) - set(job.environ):
@@ -225,11 +234,14 @@ def _run_job(job: Job, results: Any) -> bool:
         value = run_in_process(job.fn, job.args, job.kwargs, job.strategy, env, job.timeout, job.threads, store)
         # plain pickle: tensors go by value (torch's queue reducers would pass shared-memory
         # handles that die with this process before the parent reads them)
-        results.put(("ok", job.job_id, job.rank, pickle.dumps(value)))
+        conn.send(("ok", job.job_id, job.rank, pickle.dumps(value)))
         return True
     except BaseException as exc:  # report, then the caller exits non-zero: the parent stops the others
         summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
-        results.put(("error", job.job_id, job.rank, (summary, traceback.format_exc())))
+        try:
+            conn.send(("error", job.job_id, job.rank, (summary, traceback.format_exc())))
+        except (OSError, ValueError):  # the caller is gone: nobody to tell
+            pass
         return False
 
 
@@ -256,9 +268,12 @@ class _Failure:
 _ORDER = itertools.count()
 
 
-def _supervise(procs: dict[int, Any], results: Any, job_id: int, roles: list[str],
+def _supervise(procs: dict[int, tuple[Any, Any]], job_id: int, roles: list[str],
                strat: Strategy) -> dict[int, Any]:
-    """Wait until every rank of the job reported (or was lost); raise on the first real failure."""
+    """Wait until every rank of the job reported (or was lost); raise on the first real failure.
+
+    ``procs`` maps each rank to its process and the caller's end of its pipe.
+    """
     values: dict[int, Any] = {}
     failures: list[_Failure] = []
     lost: set[int] = set()
@@ -268,13 +283,23 @@ def _supervise(procs: dict[int, Any], results: Any, job_id: int, roles: list[str
         return rank in values or any(f.rank == rank for f in failures)
 
     while True:
-        _drain(results, job_id, values, failures, block=0.05)
-        for rank, p in procs.items():
-            if p.exitcode is None or settled(rank):
-                continue
-            _drain(results, job_id, values, failures, block=0.5)  # it may have reported just before exiting
-            if not settled(rank):
-                failures.append(_Failure(rank, _describe_exit(p.exitcode), "", died=True))
+        waiting = {r: pc for r, pc in procs.items() if not settled(r)}
+        ready = set(wait([c for _, c in waiting.values()] + [p.sentinel for p, _ in waiting.values()],
+                         timeout=0.1))
+        for rank, (proc, conn) in waiting.items():
+            if conn in ready or (proc.sentinel in ready and conn.poll()):  # a report, maybe a last one
+                try:
+                    kind, job, _, payload = conn.recv()
+                except (EOFError, OSError):  # it died before reporting, or mid-report
+                    proc.join(timeout=5)
+                    failures.append(_Failure(rank, _describe_exit(proc.exitcode), "", died=True))
+                    continue
+                if job == job_id and kind == "ok":
+                    values[rank] = pickle.loads(payload)
+                elif job == job_id:
+                    failures.append(_Failure(rank, *payload))
+            elif proc.sentinel in ready:
+                failures.append(_Failure(rank, _describe_exit(proc.exitcode), "", died=True))
         for f in [f for f in failures if f.rank not in lost]:
             if roles[f.rank] == WORKER and strat.survives_worker_loss and not f.summary.startswith("UsageError"):
                 print(f"partrain: warning: worker rank {f.rank} {f.summary}; strategy {strat.name!r} goes on "
@@ -290,22 +315,6 @@ def _supervise(procs: dict[int, Any], results: Any, job_id: int, roles: list[str
                 raise WorkerError(root.rank, root.summary, root.traceback, role=roles[root.rank])
         elif all(settled(r) for r in procs):
             return values
-
-
-def _drain(results: Any, job_id: int, values: dict[int, Any], failures: list[_Failure],
-           block: float = 0.0) -> None:
-    while True:
-        try:
-            kind, job, rank, payload = results.get(timeout=block) if block else results.get_nowait()
-        except queue_mod.Empty:
-            return
-        block = 0.0
-        if job != job_id:  # a late report of an earlier, failed job
-            continue
-        if kind == "ok":
-            values[rank] = pickle.loads(payload)
-        else:
-            failures.append(_Failure(rank, *payload))
 
 
 def _describe_exit(code: int | None) -> str:
