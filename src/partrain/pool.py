@@ -32,6 +32,7 @@ import contextlib
 import contextvars
 import datetime
 import itertools
+import math
 import os
 import pickle
 import re
@@ -248,6 +249,7 @@ def _run_job(job: Job, conn: Any) -> bool:
 # ----- the supervisor (in the caller) --------------------------------------------------------
 
 _GRACE = 1.5
+_EXIT_GRACE = 10.0  # seconds from a closed pipe to the process's exit being seen
 _PEER_LOSS = re.compile(r"gloo|nccl|connection|closed|reset by peer|timed out|timeout|broken pipe", re.I)
 
 
@@ -278,27 +280,29 @@ def _supervise(procs: dict[int, tuple[Any, Any]], job_id: int, roles: list[str],
     failures: list[_Failure] = []
     lost: set[int] = set()
     first_failure = 0.0
+    # rank -> when its pipe ended without a report: it is dying; its exit code comes with its sentinel
+    ended: dict[int, float] = {}
 
     def settled(rank: int) -> bool:
         return rank in values or any(f.rank == rank for f in failures)
 
     while True:
         waiting = {r: pc for r, pc in procs.items() if not settled(r)}
-        ready = set(wait([c for _, c in waiting.values()] + [p.sentinel for p, _ in waiting.values()],
-                         timeout=0.1))
+        ready = set(wait([c for r, (_, c) in waiting.items() if r not in ended]
+                         + [p.sentinel for p, _ in waiting.values()], timeout=0.1))
         for rank, (proc, conn) in waiting.items():
-            if conn in ready or (proc.sentinel in ready and conn.poll()):  # a report, maybe a last one
-                try:
+            if rank not in ended and (conn in ready or (proc.sentinel in ready and conn.poll())):
+                try:  # a report, maybe the last words of a process that exits
                     kind, job, _, payload = conn.recv()
-                except (EOFError, OSError):  # it died before reporting, or mid-report
-                    proc.join(timeout=5)
-                    failures.append(_Failure(rank, _describe_exit(proc.exitcode), "", died=True))
+                except (EOFError, OSError):  # it is dying before reporting, or mid-report
+                    ended[rank] = time.monotonic()
                     continue
                 if job == job_id and kind == "ok":
                     values[rank] = pickle.loads(payload)
                 elif job == job_id:
                     failures.append(_Failure(rank, *payload))
-            elif proc.sentinel in ready:
+            elif proc.sentinel in ready or time.monotonic() - ended.get(rank, math.inf) > _EXIT_GRACE:
+                proc.join(timeout=0.1)
                 failures.append(_Failure(rank, _describe_exit(proc.exitcode), "", died=True))
         for f in [f for f in failures if f.rank not in lost]:
             if roles[f.rank] == WORKER and strat.survives_worker_loss and not f.summary.startswith("UsageError"):
@@ -324,6 +328,8 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             name = f"signal {-code}"
         return f"died with {name} (exit code {code})"
+    if code is None:
+        return "closed its pipe without reporting a result"
     return f"exited with code {code} without reporting a result"
 
 
