@@ -65,3 +65,9 @@ def test_outside_the_pool_and_limits(module_pool):
         partrain.launch(pid_and_sum, 0, workers=2, pool=closed)
     with pytest.raises(UsageError, match="processes=0"):
         partrain.WorkerPool(0)
+
+
+def test_an_unpicklable_job_is_one_line_and_the_pool_goes_on():
+    with pytest.raises(UsageError, match="Expected the function and arguments of a launch to be picklable"):
+        partrain.launch(pid_and_sum, lambda: 1, workers=2, timeout=30)
+    assert [o[1] for o in partrain.launch(pid_and_sum, 1, workers=2, timeout=30)] == [2.0, 2.0]

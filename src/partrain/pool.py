@@ -137,16 +137,21 @@ class WorkerPool:
                              f"Received: {local} (workers plus the strategy's extra processes)")
         job_id = next(self._jobs)
         reused = not self.one_shot
-        procs = {}
-        for local_rank in range(local):
-            rank = first_rank + local_rank
-            job = Job(job_id, fn, args, kwargs, strat, store_spec, rank, local_rank, local, world, backend,
-                      device, timeout, threads, dict(os.environ) if reused else None,
-                      os.getcwd() if reused else None)
-            procs[rank] = self._slot(local_rank, name=f"partrain-rank{rank}")
-            procs[rank][1].send(job)
+        procs: dict[int, tuple[Any, Any]] = {}
         ok = False
-        try:
+        try:  # a job that cannot be sent (unpicklable) stops the ranks that already got theirs
+            for local_rank in range(local):
+                rank = first_rank + local_rank
+                job = Job(job_id, fn, args, kwargs, strat, store_spec, rank, local_rank, local, world, backend,
+                          device, timeout, threads, dict(os.environ) if reused else None,
+                          os.getcwd() if reused else None)
+                procs[rank] = self._slot(local_rank, name=f"partrain-rank{rank}")
+                try:
+                    procs[rank][1].send(job)
+                except (pickle.PicklingError, AttributeError, TypeError) as exc:
+                    raise UsageError(f"Expected the function and arguments of a launch to be picklable "
+                                     f"(module-level functions, functools.partial, plain data). Received: "
+                                     f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
             values = _supervise(procs, job_id, strat.roles(world), strat)
             ok = True
         finally:
