@@ -92,8 +92,8 @@ def fake_app(model: torch.nn.Module, misbehave: dict[str, int] | None = None):
         if hit("503", rid):
             return JSONResponse({"error": "busy"}, status_code=503, headers={"Retry-After": "1"})
         if hit("slow", rid):
-            while not release.is_set():  # held: no answer can beat any client timeout
-                await asyncio.sleep(0.01)
+            # held until teardown (bounded): no answer can beat any client timeout
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, 120)
             return JSONResponse({"error": "server closing"}, status_code=503)
         with torch.inference_mode():
             y = model(torch.from_numpy(x.copy())).numpy()
