@@ -25,6 +25,7 @@ reported and the job goes on.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import tempfile
@@ -48,7 +49,7 @@ from .errors import UsageError
 from .pool import WorkerPool
 from .strategies.base import Strategy, get_strategy
 
-__all__ = ["join_store", "launch", "local_offset", "tune_allocator"]
+__all__ = ["check_arguments", "join_store", "launch", "local_offset", "tune_allocator"]
 
 
 def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy | str = "allreduce",
@@ -73,10 +74,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
         The return values of the workers, in worker-rank order, when this call spawned
         them (they must be picklable). Under torchrun, a list holding this process's value.
     """
-    if not isinstance(workers, int) or workers < 1:
-        raise UsageError(f"Expected a positive number of workers. Received: workers={workers!r}")
-    if timeout <= 0:
-        raise UsageError(f"Expected a positive timeout in seconds. Received: timeout={timeout!r}")
+    check_arguments(workers, timeout, threads)
     strat = get_strategy(strategy)
     if in_torchrun():
         env = DistEnv.from_environ(backend, device)
@@ -127,6 +125,16 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
             if runner.one_shot:
                 runner.close()
             del host_store
+
+
+def check_arguments(workers: Any, timeout: Any, threads: Any = None) -> None:
+    """One line for a bad worker count, timeout or thread count (before any process starts)."""
+    for name, value in (("workers", workers), ("threads", threads)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"Expected a positive number of {name}. Received: {name}={value!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+            or timeout <= 0:
+        raise UsageError(f"Expected a positive, finite timeout in seconds. Received: timeout={timeout!r}")
 
 
 def local_offset(workers: int, strat: Strategy, nnodes: int, node_rank: int) -> int:

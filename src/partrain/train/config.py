@@ -9,12 +9,12 @@ saying what was expected and what was received.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..env import DEFAULT_TIMEOUT
 from ..errors import UsageError
+from ..launch import check_arguments
 
 if TYPE_CHECKING:
     from ..pool import WorkerPool
@@ -86,12 +86,7 @@ class LaunchConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def validate(self) -> None:
-        _positive("workers", self.workers, "number of workers")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) \
-                or not math.isfinite(self.timeout) or self.timeout <= 0:
-            raise UsageError(f"Expected a positive, finite timeout in seconds. Received: timeout={self.timeout!r}")
-        if self.threads is not None:
-            _positive("threads", self.threads, "number of threads")
+        check_arguments(self.workers, self.timeout, self.threads)
 
 
 def split_options(config: FitConfig | None, launch_config: LaunchConfig | None,
