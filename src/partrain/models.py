@@ -8,6 +8,9 @@ code: ``{"name": str, "kwargs": dict}``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -89,11 +92,20 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
-    """Import ``"package.module:function"`` and return the function."""
+def resolve_callable(spec: str, what: str, path: str | None = None) -> Callable[..., Any]:
+    """Import ``"package.module:function"`` and return the function.
+
+    Modules are found as Python finds them, then in the current directory (the ``partrain``
+    command does not put it on ``sys.path`` by itself), then in ``path`` (the directory a
+    model spec recorded for a factory defined in the user's script).
+    """
     if ":" not in spec:
         raise UsageError(f"Expected a {what} as 'module:function'. Received: {spec!r}")
     module_name, _, attr = spec.partition(":")
+    for extra in (os.getcwd(), path):
+        if extra and extra not in sys.path and not _findable(module_name):
+            sys.path.append(extra)
+            importlib.invalidate_caches()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -104,12 +116,19 @@ def resolve_callable(spec: str, what: str) -> Callable[..., Any]:
     return fn
 
 
-def build_model(name: str, **kwargs: Any) -> nn.Module:
-    """Build a model from a built-in name or ``module:function``."""
+def _findable(module_name: str) -> bool:
+    try:
+        return importlib.util.find_spec(module_name.split(".")[0]) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def build_model(name: str, *, _path: str | None = None, **kwargs: Any) -> nn.Module:
+    """Build a model from a built-in name or ``module:function`` (found in ``_path`` too)."""
     if name in MODELS:
         factory = MODELS[name]
     elif ":" in name:
-        factory = resolve_callable(name, "model factory")
+        factory = resolve_callable(name, "model factory", _path)
     else:
         raise UsageError(
             f"Expected a model among {sorted(MODELS)} or 'module:function'. Received: {name!r}"

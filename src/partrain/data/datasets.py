@@ -1,7 +1,13 @@
 """Datasets by name: the bundled digits, synthetic data, ``.npz`` files, ``module:function``.
 
 Every loader returns ``(train, test)`` as ``TensorDataset``s of float32 inputs and
-int64 class labels, so the training loop can index them without a DataLoader.
+targets: int64 class labels, or float32 values for regression (an ``.npz`` whose ``y``
+is floating point, a ``module:function`` returning float targets). The training loop
+indexes them without a DataLoader.
+
+Preprocessing that a loader applies (the digits' scaling) is described by
+`preprocessing`, which training records in the model spec so that a served model
+takes the raw inputs.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ def synthetic(samples: int = 4096, shape: tuple[int, ...] = (1, 8, 8), classes: 
 
 
 def load_npz(path: str, test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """An ``.npz`` file with arrays ``x`` (N, ...) and ``y`` (N,) of integer labels."""
+    """An ``.npz`` file with arrays ``x`` (N, ...) and ``y`` (N, ...): integer class labels or float targets."""
     if not os.path.exists(path):
         raise UsageError(f"Expected an existing .npz file with arrays 'x' and 'y'. Received: {path!r} (no such file)")
     if not zipfile.is_zipfile(path):
@@ -80,16 +86,16 @@ def load_npz(path: str, test_fraction: float = 0.2, seed: int = 0) -> tuple[Tens
         raise
     except Exception as exc:  # zipfile.BadZipFile, ValueError for pickled arrays, ...
         raise UsageError(f"Expected {path!r} to be a readable .npz file. Received: {type(exc).__name__}: {exc}") from None
-    if xa.ndim < 2 or ya.ndim != 1 or len(xa) != len(ya):
+    if xa.ndim < 2 or ya.ndim < 1 or len(xa) != len(ya):
         raise UsageError(
-            f"Expected x shaped (N, ...) and y shaped (N,) in {path!r}. Received: x {xa.shape}, y {ya.shape}"
+            f"Expected x shaped (N, ...) and y shaped (N, ...) in {path!r}. Received: x {xa.shape}, y {ya.shape}"
         )
-    if not np.issubdtype(ya.dtype, np.integer):
-        raise UsageError(f"Expected integer class labels in y of {path!r}. Received dtype {ya.dtype}")
+    if not (np.issubdtype(ya.dtype, np.integer) or np.issubdtype(ya.dtype, np.floating)):
+        raise UsageError(f"Expected integer class labels or float targets in y of {path!r}. Received dtype {ya.dtype}")
     if not np.issubdtype(xa.dtype, np.number):
         raise UsageError(f"Expected numeric inputs in x of {path!r}. Received dtype {xa.dtype}")
     x = torch.from_numpy(np.ascontiguousarray(xa)).float()
-    y = torch.from_numpy(ya.astype(np.int64))
+    y = torch.from_numpy(np.ascontiguousarray(ya.astype(np.int64 if np.issubdtype(ya.dtype, np.integer) else np.float32)))
     return _split(x, y, test_fraction, seed)
 
 
@@ -111,7 +117,7 @@ def load_dataset(spec: DataSpec | str) -> tuple[Dataset, Dataset]:
         if isinstance(out, tuple) and len(out) == 2:
             return out
         if isinstance(out, Dataset):
-            return _split_dataset(out, spec.test_fraction, spec.seed)
+            return split_dataset(out, spec.test_fraction, spec.seed)
         raise UsageError(
             f"Expected {name!r} to return a Dataset or a (train, test) pair. Received: {type(out).__name__}"
         )
@@ -120,9 +126,10 @@ def load_dataset(spec: DataSpec | str) -> tuple[Dataset, Dataset]:
     )
 
 
-def _split_dataset(ds: Dataset, test_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-    if isinstance(ds, TensorDataset):
-        return _split(*ds.tensors[:2], test_fraction=test_fraction, seed=seed)
+def split_dataset(ds: Dataset, test_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """A held-out share of one dataset for evaluation (the same split for a given seed)."""
+    if isinstance(ds, TensorDataset) and len(ds.tensors) == 2:
+        return _split(*ds.tensors, test_fraction=test_fraction, seed=seed)
     from torch.utils.data import random_split
 
     n = len(ds)  # type: ignore[arg-type]
@@ -136,8 +143,31 @@ def sample_shape(ds: Dataset) -> tuple[int, ...]:
     return tuple(ds[0][0].shape)
 
 
+def is_regression(ds: Dataset) -> bool:
+    """True when the targets are floating point (values to predict, not class labels)."""
+    target = ds.tensors[-1] if isinstance(ds, TensorDataset) else torch.as_tensor(ds[0][-1])
+    return target.is_floating_point()
+
+
 def num_classes(ds: Dataset) -> int:
-    """Number of classes, from the labels of a TensorDataset (max label + 1)."""
+    """Outputs a model needs: classes (max label + 1), or the size of one float target."""
+    if is_regression(ds):
+        target = ds.tensors[-1][0] if isinstance(ds, TensorDataset) else torch.as_tensor(ds[0][-1])
+        return max(1, int(target.numel()))
     if isinstance(ds, TensorDataset):
-        return int(ds.tensors[1].max().item()) + 1
-    return int(max(int(ds[i][1]) for i in range(len(ds)))) + 1  # type: ignore[arg-type]
+        return int(ds.tensors[-1].max().item()) + 1
+    return int(max(int(ds[i][-1]) for i in range(len(ds)))) + 1  # type: ignore[arg-type]
+
+
+#: what a built-in dataset's loader does to raw inputs: ``x * scale + offset``
+_PREPROCESS = {
+    "digits": {"scale": 1 / 6.4, "offset": -0.75,
+               "raw": "8x8 pixel values 0..16 (scikit-learn digits), scaled as (x/16 - 0.3)/0.4"},
+}
+
+
+def preprocessing(data: object) -> dict | None:
+    """The preprocessing a built-in dataset applies to raw inputs, or None."""
+    name = data.name if isinstance(data, DataSpec) else data if isinstance(data, str) else None
+    entry = _PREPROCESS.get(name) if name else None
+    return dict(entry) if entry else None

@@ -150,23 +150,31 @@ class Strategy(ABC):
 
     def train_step(self, model: nn.Module, optimizer: Optimizer, x: Any, y: Any,
                    loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float = 1.0,
-                   update: bool = True) -> tuple[Any, torch.Tensor]:
+                   update: bool = True, forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+                   before_update: Callable[[], bool] | None = None) -> tuple[Any, torch.Tensor]:
         """One micro-batch: forward, per-sample loss, backward of ``loss.sum() * loss_scale``.
 
-        With ``update`` (the last micro-batch of an accumulation window) the gradients are
-        exchanged and the optimizer steps; without, the micro-batch runs under `no_sync` -
-        the forward pass too, since DDP decides there whether the backward communicates.
-        Returns the output and the per-sample losses, detached. A strategy that schedules
-        forward and backward itself (a pipeline's micro-batches across stages) overrides
-        this; the others differ in what ``optimizer.step()`` does.
+        ``x`` is whatever the model takes (``forward_fn(model, x)`` calls it; default
+        ``model(x)``), ``loss_fn(output, y)`` returns per-sample losses. With ``update`` (the
+        last micro-batch of an accumulation window) the gradients are exchanged and the
+        optimizer steps; without, the micro-batch runs under `no_sync` - the forward pass too,
+        since DDP decides there whether the backward communicates. ``before_update()`` runs
+        between the exchange and the step (gradient clipping, finiteness checks); when it
+        returns False the step's gradient is dropped (the optimizer still steps, with no
+        gradient, so every worker's step count stays the same). Returns the output and the
+        per-sample losses, detached. A strategy that schedules forward and backward itself (a
+        pipeline's micro-batches across stages) overrides this; the others differ in what
+        ``optimizer.step()`` does.
         """
         with contextlib.nullcontext() if update else self.no_sync(model):
-            out = model(x)
+            out = forward_fn(model, x) if forward_fn is not None else model(x)
             per_sample = loss_fn(out, y)
             (per_sample.sum() * loss_scale).backward()
         if update:
+            if before_update is not None and not before_update():
+                optimizer.zero_grad(set_to_none=True)
             self.optimizer_step(optimizer)
-        return out.detach(), per_sample.detach()
+        return detach(out), per_sample.detach()
 
     def optimizer_step(self, optimizer: Optimizer) -> None:
         """Apply the accumulated gradients and clear them."""
@@ -220,6 +228,17 @@ class Strategy(ABC):
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
 
+
+
+def detach(obj: Any) -> Any:
+    """Every tensor of a nested output detached from the graph."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if isinstance(obj, dict):
+        return {k: detach(v) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(detach(v) for v in obj)
+    return obj
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}

@@ -5,7 +5,11 @@ Format (a dict; every producer in partrain writes it, every consumer reads it):
 - ``"format"``: ``"partrain/1"``
 - ``"model"``: the model's ``state_dict()`` (unwrapped: no ``module.`` prefix)
 - ``"model_spec"``: ``{"name": str, "kwargs": dict, "input_shape": list[int],
-  "num_classes": int}`` or ``None`` when the model came from Python code
+  "num_classes": int, "task": str, "path": str, "preprocess": {"scale", "offset", "raw"}}``
+  (only ``name`` and ``kwargs`` are required; ``path`` is where a ``module:function`` factory
+  of a user's script lives; ``preprocess`` maps raw inputs to the model's:
+  ``x * scale + offset``), or ``None`` when the model's factory cannot be imported by name
+- ``"task"``: the loss, metrics and precision it trained with (`Task.describe`)
 - ``"optimizer"``, ``"strategy"``, ``"scheduler"``: state dicts or ``None``
 - ``"epoch"``: epochs completed, ``"step"``: optimizer steps taken
 - ``"config"``: the run's settings (JSON-able), ``"metrics"``: history so far
@@ -65,7 +69,7 @@ def load_model(path: str) -> tuple[nn.Module, dict[str, Any]]:
     spec = state.get("model_spec")
     if not spec:
         raise UsageError(f"Checkpoint {path!r} has no model_spec: it came from Python code; rebuild the model yourself")
-    model = build_model(spec["name"], **spec.get("kwargs", {}))
+    model = build_model(spec["name"], _path=spec.get("path"), **spec.get("kwargs", {}))
     model.load_state_dict(state["model"])
     model.eval()
     return model, spec

@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
+import sys
 from typing import Any
 
 from torch import nn
 
-from ..data.datasets import DataSpec, load_dataset, num_classes, sample_shape
+from ..data.datasets import DataSpec, load_dataset, num_classes, preprocessing, sample_shape
 from ..env import available_cores
 from ..errors import UsageError
 from ..models import MODELS, build_model, model_kwargs_for
 from ..strategies.base import available, get_strategy, parse_options
 from .checkpoint import load_checkpoint
+from .config import ON_NAN
 from .optim import OPTIMIZERS, make_optimizer
+from .task import LOSSES, PRECISIONS, Task
+
+DEFAULT_OUT = "runs/train"
+#: options --config does not take from the earlier run: where this run writes and how it starts
+NOT_REPEATED = ("out", "overwrite", "resume", "config", "quiet")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -65,13 +73,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--weight-decay", type=float, default=0.0)
     o.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--loss", default="auto", choices=LOSSES,
+                   help="per-sample loss; auto: cross_entropy for integer labels, mse for float targets")
+    o.add_argument("--lr-schedule", default="constant", metavar="NAME",
+                   help="constant, cosine, linear or step:EPOCHS[:GAMMA], per optimizer step")
+    o.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up over these steps")
+    o.add_argument("--clip-grad", type=float, default=None, metavar="NORM", help="clip the gradient's L2 norm")
+    o.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16: autocast the forward pass")
+    o.add_argument("--on-nan", choices=ON_NAN, default="stop",
+                   help="a non-finite loss or gradient stops the run, skips the step, or is not checked")
+    o.add_argument("--early-stop", type=int, default=None, metavar="EPOCHS",
+                   help="stop when --monitor has not improved for this many epochs")
+    o.add_argument("--monitor", default=None,
+                   help="figure for --early-stop and best.pt (default: test_loss), e.g. test_accuracy")
 
     r = p.add_argument_group("output")
-    r.add_argument("--out", default="runs/train", help="directory for metrics, curves and checkpoints")
+    r.add_argument("--out", default=None,
+                   help=f"directory for metrics, curves and checkpoints (default: {DEFAULT_OUT}, or "
+                        f"{DEFAULT_OUT}-2, -3, ... when that holds a run)")
+    r.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     r.add_argument("--resume", default=None, metavar="PATH|auto",
                    help="continue from a checkpoint ('auto': OUT/checkpoint.pt when present)")
+    r.add_argument("--config", default=None, metavar="CONFIG_JSON",
+                   help="repeat a run: take every option from its config.json (options given here win)")
+    r.add_argument("--tensorboard", action="store_true", help="TensorBoard event files in OUT/tensorboard")
     r.add_argument("--quiet", action="store_true", help="no progress bar, no per-epoch lines")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, _parser=p)
 
 
 def build_cli_model(name: str, kwargs: dict[str, Any], sync_bn: bool = False) -> nn.Module:
@@ -96,9 +123,16 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from .loop import check_model_takes, fit
+    from .prepare import check_out_dir, numbered_dir
 
+    if args.config:
+        _apply_config(args)
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"Expected a positive number of workers. Received: --workers {args.workers}")
+    if args.strategy == "single" and args.workers not in (None, 1):
+        raise UsageError(f"Expected --workers 1 for strategy 'single'. Received: --workers {args.workers}")
+    if args.out is not None and not args.out.strip():
+        raise UsageError("Expected --out to name a directory. Received: an empty string")
     workers = args.workers or (1 if args.strategy == "single" else available_cores())
     options = parse_options(args.strategy, args.strategy_opt)
     strategy = get_strategy(args.strategy, **options)
@@ -107,40 +141,110 @@ def run(args: argparse.Namespace) -> int:
     spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
                     classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed)
     train_ds, _ = load_dataset(spec)  # here first: bad data is one line before any process starts
-    shape, classes = sample_shape(train_ds), num_classes(train_ds)
-    kwargs = model_kwargs_for(args.model, shape, classes) if args.model in MODELS else {}
+    shape, outputs = sample_shape(train_ds), num_classes(train_ds)
+    kwargs = model_kwargs_for(args.model, shape, outputs) if args.model in MODELS else {}
     model = build_cli_model(args.model, kwargs)
-    check_model_takes(model, train_ds, f"model {args.model!r}", f"dataset {args.dataset!r}")
+    task = check_model_takes(model, train_ds, f"model {args.model!r}", f"dataset {args.dataset!r}",
+                             Task(args.loss, precision=args.precision))
     optimizer_fn = functools.partial(make_optimizer, args.optimizer, lr=args.lr, momentum=args.momentum,
                                      weight_decay=args.weight_decay)
     optimizer_fn(model.parameters())  # bad optimizer settings: one line, before any process starts
     if args.sync_bn:
         build_cli_model(args.model, kwargs, sync_bn=True)  # fails here if the conversion cannot apply
+    out = args.out
+    if out is None:
+        out = DEFAULT_OUT if args.resume else numbered_dir(DEFAULT_OUT)
+        if out != DEFAULT_OUT and not args.quiet:
+            print(f"partrain train: {DEFAULT_OUT} holds a run; writing {out} (--out DIR to choose, "
+                  "--overwrite to replace, --resume auto to continue)", flush=True)
     resume = args.resume
     if resume == "auto":
-        candidate = os.path.join(args.out, "checkpoint.pt")
-        resume = candidate if os.path.exists(candidate) else None
+        candidate = os.path.join(out, "checkpoint.pt")
+        resume = "auto" if os.path.exists(candidate) else None
     if resume:
-        ckpt = load_checkpoint(resume)
+        ckpt = load_checkpoint(os.path.join(out, "checkpoint.pt") if resume == "auto" else resume)
         spec_in = ckpt.get("model_spec") or {}
         if spec_in and spec_in.get("name") != args.model:
             raise UsageError(f"Expected --model {spec_in.get('name')!r} to resume {resume!r}. Received: --model {args.model!r}")
+    from .config import FitConfig
 
+    check_out_dir(FitConfig(out_dir=out, resume=resume, overwrite=args.overwrite))
+    model_spec = {"name": args.model, "kwargs": kwargs, "input_shape": list(shape), "task": task.kind}
+    if task.kind == "classification":
+        model_spec["num_classes"] = outputs
+    pre = preprocessing(spec)
+    if pre is not None:
+        model_spec["preprocess"] = pre
     result = fit(
         functools.partial(build_cli_model, args.model, kwargs, args.sync_bn),
         spec,
         optimizer_fn,
-        strategy=strategy, workers=workers, epochs=args.epochs, batch_size=args.batch_size,
-        accumulate=args.accumulate, scale_lr=args.scale_lr, out_dir=args.out, resume=resume, seed=args.seed,
+        strategy=strategy, loss_fn=args.loss, workers=workers, epochs=args.epochs, batch_size=args.batch_size,
+        accumulate=args.accumulate, scale_lr=args.scale_lr, out_dir=out, resume=resume, seed=args.seed,
         quiet=args.quiet, max_steps=args.max_steps, timeout=args.timeout, backend=args.backend,
-        device=args.device, threads=args.threads,
-        model_spec={"name": args.model, "kwargs": kwargs, "input_shape": list(shape), "num_classes": classes},
+        device=args.device, threads=args.threads, on_nan=args.on_nan, clip_grad=args.clip_grad,
+        precision=args.precision, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
+        early_stop=args.early_stop, monitor=args.monitor, tensorboard=args.tensorboard,
+        overwrite=args.overwrite, return_state=False, model_spec=model_spec,
+        extra_config={"cli": _cli_settings(args)},
         **_multinode(args),
     )
     if result is not None and result.history:
-        print(f"test accuracy: {result.test_accuracy:.4f}  ({args.strategy}, {workers} workers, "
-              f"{len(result.history)} epochs; metrics, curves and checkpoint in {args.out})")
+        tests = [(k[len("test_"):], v) for k, v in result.final.items()
+                 if k.startswith("test_") and k != "test_loss" and isinstance(v, float) and v == v]
+        shown = ", ".join(f"test {name}: {value:.4f}" for name, value in tests) or \
+            f"train loss: {result.train_loss:.4f}"
+        print(f"{shown}  ({args.strategy}, {workers} workers, {len(result.history)} epochs; "
+              f"metrics, curves and checkpoint in {out})")
     return 0
+
+
+def _cli_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's options as config.json records them (what --config reads back)."""
+    return {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "command", "verbose")}
+
+
+def _apply_config(args: argparse.Namespace) -> None:
+    """Options of an earlier run's config.json, except those given on this command line."""
+    path = args.config
+    try:
+        with open(path) as f:
+            settings = json.load(f)
+    except OSError as exc:
+        raise UsageError(f"Expected --config to name a run's config.json. Received: {path!r} ({exc.strerror})") from None
+    except ValueError as exc:
+        raise UsageError(f"Expected --config to be JSON (a run's config.json). Received: {path!r} ({exc})") from None
+    cli = settings.get("cli") if isinstance(settings, dict) else None
+    if not isinstance(cli, dict):
+        raise UsageError(f"Expected a config.json written by 'partrain train' (with a 'cli' entry). Received: {path!r}")
+    parser: argparse.ArgumentParser = args._parser
+    explicit = _explicit_dests(parser, getattr(args, "argv", None))
+    known = {a.dest for a in parser._actions}
+    unknown = sorted(set(cli) - known)
+    if unknown:
+        raise UsageError(f"Expected options of this partrain version in {path!r}. Received unknown: {', '.join(unknown)}")
+    for key, value in cli.items():
+        if key not in explicit and key not in NOT_REPEATED:
+            setattr(args, key, value)
+
+
+def _explicit_dests(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The options given on the command line (by their dest), from the raw arguments."""
+    if argv is None:
+        argv = sys.argv[1:]
+    strings = parser._option_string_actions
+    explicit = set()
+    for token in argv:
+        if not token.startswith("-") or token == "-":
+            continue
+        name = token.split("=", 1)[0]
+        action = strings.get(name)
+        if action is None and name.startswith("--"):
+            matches = {a for s, a in strings.items() if s.startswith(name)}
+            action = matches.pop() if len(matches) == 1 else None
+        if action is not None:
+            explicit.add(action.dest)
+    return explicit
 
 
 def _multinode(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,12 +9,17 @@ saying what was expected and what was received.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..env import DEFAULT_TIMEOUT
 from ..errors import UsageError
 from ..launch import check_arguments
+from .schedule import parse_schedule
+from .task import PRECISIONS
+
+ON_NAN = ("stop", "skip", "off")
 
 if TYPE_CHECKING:
     from ..pool import WorkerPool
@@ -47,10 +52,33 @@ class FitConfig:
     quiet: bool = False
     #: a progress bar; None: when stderr is a terminal
     progress: bool | None = None
-    #: put the final model ``state_dict`` in the result
-    return_state: bool = False
-    #: how ``partrain serve`` rebuilds the model from the checkpoint (name, kwargs, input shape)
+    #: put the final model ``state_dict`` in the result (`RunResult.model()` rebuilds the model)
+    return_state: bool = True
+    #: how ``partrain serve`` rebuilds the model from the checkpoint (name, kwargs, input shape);
+    #: None: recorded from ``model_fn`` when it is an importable ``module:function``
     model_spec: dict[str, Any] | None = None
+    #: a non-finite loss or gradient: ``stop`` the run (before a checkpoint is written),
+    #: ``skip`` the step (its gradient is dropped and counted), or ``off`` (no check)
+    on_nan: str = "stop"
+    #: clip the gradient's global L2 norm to this value before each step
+    clip_grad: float | None = None
+    #: ``fp32`` or ``bf16`` (autocast of the forward pass)
+    precision: str = "fp32"
+    #: ``constant``, ``cosine``, ``linear`` or ``step:EPOCHS[:GAMMA]``, per optimizer step
+    lr_schedule: str | None = None
+    #: linear warm-up of the learning rate over this many optimizer steps
+    warmup_steps: int = 0
+    #: stop when ``monitor`` has not improved for this many epochs
+    early_stop: int | None = None
+    #: the figure early stopping and ``best.pt`` follow; None: ``test_loss`` (``train_loss``
+    #: without a test set); losses and errors are minimised, accuracy maximised
+    monitor: str | None = None
+    #: TensorBoard event files in ``out_dir/tensorboard`` (needs the ``tensorboard`` package)
+    tensorboard: bool = False
+    #: replace the files of a run already in ``out_dir`` (otherwise that is an error)
+    overwrite: bool = False
+    #: extra settings written to config.json (the CLI's arguments, to repeat a run)
+    extra_config: dict[str, Any] | None = None
 
     def validate(self) -> None:
         _positive("epochs", self.epochs, "number of epochs")
@@ -61,6 +89,16 @@ class FitConfig:
             _positive("max_steps", self.max_steps, "number of steps")
         if self.out_dir is not None and not str(self.out_dir).strip():
             raise UsageError("Expected out_dir to be a directory path or None. Received: an empty string")
+        if self.on_nan not in ON_NAN:
+            raise UsageError(f"Expected on_nan among {list(ON_NAN)}. Received: {self.on_nan!r}")
+        if self.clip_grad is not None and not (isinstance(self.clip_grad, (int, float)) and self.clip_grad > 0
+                                               and math.isfinite(self.clip_grad)):
+            raise UsageError(f"Expected clip_grad to be a positive number or None. Received: {self.clip_grad!r}")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"Expected precision among {list(PRECISIONS)}. Received: {self.precision!r}")
+        parse_schedule(self.lr_schedule, self.warmup_steps)
+        if self.early_stop is not None:
+            _positive("early_stop", self.early_stop, "number of epochs without improvement")
 
 
 @dataclass

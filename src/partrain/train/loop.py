@@ -6,32 +6,37 @@ rate is used as given unless ``scale_lr=True``, which applies the linear
 scaling rule: ``lr * workers * accumulate`` (the rate given is the one for a
 single worker's batch).
 
-The loss of a step is normalised by the *global* batch: each worker sums its
-per-sample losses and divides by the global sample count (times the number of
-workers, which all-reduce averaging divides back out). So synchronous data
-parallel training computes exactly the gradient of a single process on the
-concatenated batch, also when the last batch of an epoch splits unevenly.
+Batches, model outputs, the loss and the metrics are described by a `Task`
+(`partrain.train.task`): tensors, tuples or dicts; a loss by name or a function
+returning **per-sample** losses. The loss of a step is normalised by the *global*
+batch: each worker sums its per-sample losses and divides by the global sample
+count (times the number of workers, which all-reduce averaging divides back out).
+So synchronous data parallel training computes exactly the gradient of a single
+process on the concatenated batch, also when the last batch of an epoch splits
+unevenly.
 
 Resume is exact for the same strategy and world size: checkpoints are written
 at epoch ends, and every random stream (data order, dropout) is re-seeded from
-``(seed, epoch, rank)`` at the start of each epoch.
+``(seed, epoch, rank)`` at the start of each epoch; the built-in learning-rate
+schedules are functions of the step count, which checkpoints record.
 
 A worker's run is a sequence of named steps: `build` (data, model, optimizer,
 weights of a checkpoint), `restore` (optimizer, strategy and scheduler state),
 then per epoch `train_epoch` (every micro-batch through ``Strategy.train_step``),
 `record` (evaluation and the epoch's figures, reduced over workers) and
-`save` (checkpoint, metrics files, the epoch line).
+`save` (checkpoint, best checkpoint, metrics files, the epoch line).
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import math
 import os
 import pickle
+import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,7 +46,6 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from ..data.datasets import DataSpec, load_dataset, sample_shape
 from ..errors import UsageError
 from ..launch import launch
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
@@ -49,9 +53,21 @@ from ..strategies.base import Strategy, get_strategy
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import FitConfig, LaunchConfig, split_options
 from .metrics import MetricsWriter, StepTimes
+from .prepare import (
+    DataArg,
+    check_model_takes,
+    check_out_dir,
+    check_resume,
+    collate,
+    describe_callable,
+    describe_data,
+    infer_model_spec,
+    resolve_data,
+    write_config,
+)
+from .schedule import Schedule, parse_schedule
+from .task import LossFn, MetricFn, Task, batch_size, describe, tensors_of, to_device
 
-DataArg = DataSpec | str | Callable[[], tuple[Dataset, Dataset]] | tuple[Dataset, Dataset]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 SchedulerFn = Callable[[Optimizer], Any]
 
 
@@ -59,14 +75,26 @@ def cross_entropy_per_sample(output: torch.Tensor, target: torch.Tensor) -> torc
     return F.cross_entropy(output, target, reduction="none")
 
 
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient stopped the run (``on_nan="stop"``)."""
+
+
 @dataclass
 class RunResult:
-    """What `fit` returns (from worker 0): per-epoch history and the final figures."""
+    """What `fit` returns (from worker 0): per-epoch history and the final figures.
+
+    ``model_state`` holds the final parameters (``return_state=True``, the default);
+    ``model()`` rebuilds the trained module from them.
+    """
 
     history: list[dict[str, Any]] = field(default_factory=list)
     out_dir: str | None = None
     checkpoint: str | None = None
     model_state: dict[str, torch.Tensor] | None = None
+    #: the model factory `fit` was given (set in the calling process)
+    model_fn: Callable[[], nn.Module] | None = field(default=None, repr=False)
+    #: why training ended before ``epochs``: ``"early_stop"``, ``"max_steps"`` or None
+    stopped: str | None = None
 
     @property
     def final(self) -> dict[str, Any]:
@@ -74,30 +102,61 @@ class RunResult:
 
     @property
     def test_accuracy(self) -> float:
+        """The last epoch's test accuracy (NaN for a task without accuracy)."""
         return float(self.final.get("test_accuracy", math.nan))
 
     @property
     def train_loss(self) -> float:
         return float(self.final.get("train_loss", math.nan))
 
+    def metric(self, name: str) -> float:
+        """A figure of the last epoch by its column name (``test_mse``, ``train_loss``, ...)."""
+        return float(self.final.get(name, math.nan))
+
+    def model(self) -> nn.Module:
+        """The trained model: ``model_fn()`` with the final parameters, in eval mode."""
+        if self.model_state is None or self.model_fn is None:
+            raise UsageError("Expected a result of fit(..., return_state=True). Received: one without the "
+                             "final parameters")
+        with torch.random.fork_rng(devices=[]):
+            module = self.model_fn()
+        module.load_state_dict(self.model_state)
+        return module.eval()
+
 
 def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable[..., Optimizer],
         config: FitConfig | None = None, *, strategy: Strategy | str = "allreduce",
-        loss_fn: LossFn = cross_entropy_per_sample, scheduler_fn: SchedulerFn | None = None,
-        launch_config: LaunchConfig | None = None, **options: Any) -> RunResult | None:
+        loss_fn: str | LossFn = "auto", metrics: Sequence[str] | Mapping[str, MetricFn] | None = None,
+        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+        collate_fn: Callable[[list], Any] | None = None, task: Task | None = None,
+        scheduler_fn: SchedulerFn | None = None, launch_config: LaunchConfig | None = None,
+        **options: Any) -> RunResult | None:
     """Train ``model_fn()`` on ``data`` with ``optimizer_fn(params)`` under ``strategy``.
 
     Args:
         model_fn: builds the model (a module-level function or ``functools.partial``:
-            it is sent to the worker processes).
+            it is sent to the worker processes, and recorded so ``partrain serve`` can
+            rebuild the model from the checkpoint).
         data: a dataset name or `DataSpec` (``digits``, ``synthetic``, ``x.npz``,
-            ``module:function``), a function returning ``(train, test)``, or the pair itself.
+            ``module:function``), a ``(train, test)`` pair, one Dataset (a share is held out
+            for evaluation), or a function returning either. Samples may be ``(x, y)``,
+            ``(x1, ..., y)`` or dicts (see `partrain.train.task`).
         optimizer_fn: ``params -> torch.optim.Optimizer``.
         config: how the loop trains (`FitConfig`: epochs, batch_size, accumulate,
-            scale_lr, seed, max_steps, out_dir, resume, ...).
+            scale_lr, seed, max_steps, out_dir, resume, on_nan, clip_grad, precision,
+            lr_schedule, early_stop, ...).
         strategy: a `Strategy` or its name.
-        loss_fn: ``(output, target) -> per-sample losses`` (``reduction="none"``).
-        scheduler_fn: ``optimizer -> LR scheduler`` stepped once per epoch.
+        loss_fn: a name (``cross_entropy``, ``mse``, ``l1``, ``bce``, ...; ``auto`` by the
+            targets' dtype) or ``(output, target) -> per-sample losses``. A ``torch.nn`` loss
+            with ``reduction="mean"`` is used per sample; other whole-batch losses are refused.
+        metrics: metric names (``accuracy``, ``mse``, ``mae``) or ``{name: fn}`` with
+            ``fn(output, target) -> per-sample values``; None: chosen by the task.
+        forward_fn: ``(model, inputs) -> output`` when the model is not called as
+            ``model(x)`` / ``model(*xs)`` / ``model(**dict)``.
+        collate_fn: how samples form a batch (variable-sized samples need one).
+        task: all of the above as one `Task` (then leave them unset).
+        scheduler_fn: ``optimizer -> LR scheduler`` stepped once per epoch (or use
+            ``lr_schedule`` for a per-step built-in one).
         launch_config: where the workers run (`LaunchConfig`: workers, timeout, backend,
             device, threads, nnodes, node_rank, master_addr, master_port, pool).
         **options: any field of either config by name (``epochs=5, workers=2``);
@@ -107,18 +166,59 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         Worker 0's `RunResult` (``None`` on the other machines of a multi-node job).
     """
     cfg, launch_cfg = split_options(config, launch_config, options)
-    if cfg.resume == "auto":
+    task = _task_from(task, loss_fn, metrics, forward_fn, collate_fn, cfg.precision)
+    if scheduler_fn is not None and cfg.lr_schedule not in (None, "constant"):
+        raise UsageError(f"Expected either scheduler_fn or lr_schedule. Received both (lr_schedule="
+                         f"{cfg.lr_schedule!r})")
+    auto = cfg.resume == "auto"
+    if auto:
         candidate = os.path.join(cfg.out_dir or ".", "checkpoint.pt")
         cfg.resume = candidate if os.path.exists(candidate) else None
-    if cfg.resume is not None:
-        load_checkpoint(cfg.resume)  # fails early with one line when unreadable
+    ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None  # one line when unreadable
+    check_out_dir(cfg)
     strat = get_strategy(strategy)
     for name, obj in (("model_fn", model_fn), ("data", data), ("optimizer_fn", optimizer_fn),
-                      ("loss_fn", loss_fn), ("scheduler_fn", scheduler_fn)):
+                      ("task", task), ("scheduler_fn", scheduler_fn)):
         _check_picklable(name, obj)
-    results = launch(_fit_worker, model_fn, data, optimizer_fn, loss_fn, scheduler_fn, cfg,
+    if ckpt is not None and not check_resume(cfg, ckpt, cfg.resume or "", auto):
+        history = list(ckpt.get("metrics") or [])
+        return RunResult(history=history, out_dir=cfg.out_dir, checkpoint=cfg.resume,
+                         model_state=ckpt["model"] if cfg.return_state else None, model_fn=model_fn)
+    train_ds, _ = resolve_data(data)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"Expected model_fn to return a torch.nn.Module. Received: {type(model).__name__}")
+    task = check_model_takes(model, train_ds, task=task)
+    if ckpt is not None:
+        _check_state_fits(model, ckpt["model"], cfg.resume or "")
+    if cfg.model_spec is None:
+        cfg.model_spec = infer_model_spec(model_fn, train_ds, task, data, task.collate_fn)
+    del model
+    if cfg.out_dir and _is_first_process(launch_cfg):
+        write_config(os.path.join(cfg.out_dir, "config.json"),
+                     run_settings(cfg, launch_cfg, strat, task, data, optimizer_fn, model_fn))
+    results = launch(_fit_worker, model_fn, data, optimizer_fn, task, scheduler_fn, cfg,
                      strategy=strat, **launch_cfg.as_kwargs())
-    return results[0]
+    result = results[0]
+    if result is not None:
+        result.model_fn = model_fn
+    return result
+
+
+def _task_from(task: Task | None, loss_fn: Any, metrics: Any, forward_fn: Any, collate_fn: Any,
+               precision: str) -> Task:
+    if task is not None:
+        if not isinstance(task, Task):
+            raise UsageError(f"Expected task to be a partrain Task. Received: {type(task).__name__}")
+        if loss_fn != "auto" or metrics is not None or forward_fn is not None or collate_fn is not None:
+            raise UsageError("Expected either task or loss_fn/metrics/forward_fn/collate_fn. Received both")
+        task = copy.copy(task)  # resolved here, for this run only
+        if precision != "fp32":
+            task.precision = precision
+        return task
+    return Task(loss_fn, metrics, forward_fn, collate_fn, precision=precision)
 
 
 def _check_picklable(name: str, obj: Any) -> None:
@@ -131,40 +231,42 @@ def _check_picklable(name: str, obj: Any) -> None:
         ) from None
 
 
-def resolve_data(data: DataArg) -> tuple[Dataset, Dataset]:
-    if isinstance(data, (DataSpec, str)):
-        return load_dataset(data)
-    if isinstance(data, tuple) and len(data) == 2:
-        return data
-    if callable(data):
-        return data()
-    raise UsageError(f"Expected data as a dataset name, DataSpec, (train, test) or a function. Received: {type(data).__name__}")
+def _check_state_fits(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
+    """A checkpoint's weights fit the model: one line naming the first mismatches."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    problems = ([f"{len(shapes)} tensors of another shape ({'; '.join(shapes[:2])})"] if shapes else []) + \
+               ([f"{len(missing)} missing ({', '.join(missing[:3])})"] if missing else []) + \
+               ([f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])})"] if unexpected else [])
+    if problems:
+        raise UsageError(f"Expected the weights of {path!r} to fit the model. Received: {', '.join(problems)}")
 
 
-def check_model_takes(model: nn.Module, ds: Dataset, model_name: str = "model", data_name: str = "dataset") -> None:
-    """One clear line when the model cannot take the dataset's samples."""
-    x = torch.stack([ds[i][0] for i in range(min(2, len(ds)))])  # type: ignore[arg-type]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(x)
-    except Exception as exc:
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(
-            f"Expected samples that {model_name} can take. Received: {data_name} with samples of shape "
-            f"{tuple(sample_shape(ds))} ({msg})"
-        ) from None
-    finally:
-        model.train(was_training)
+def _is_first_process(launch_cfg: LaunchConfig) -> bool:
+    return launch_cfg.node_rank == 0 and os.environ.get("RANK", "0") == "0"
+
+
+def run_settings(cfg: FitConfig, launch_cfg: LaunchConfig, strategy: Strategy, task: Task, data: Any,
+                 optimizer_fn: Any, model_fn: Any) -> dict[str, Any]:
+    """Every setting of a run, JSON-able: what config.json records."""
+    launch_settings = {k: v for k, v in launch_cfg.as_kwargs().items() if k != "pool"}
+    fit_settings = {k: v for k, v in asdict(cfg).items() if k != "extra_config"}
+    return {**fit_settings, "strategy": strategy.name, "strategy_options": strategy.options(),
+            "launch": launch_settings, "task": task.describe(), "data": describe_data(data),
+            "optimizer": describe_callable(optimizer_fn), "model": describe_callable(model_fn),
+            "torch": torch.__version__, **(cfg.extra_config or {})}
 
 
 class _Batches:
     """This worker's batches of one epoch: direct tensor indexing for in-memory data."""
 
-    def __init__(self, ds: Dataset, sampler: Any, device: torch.device) -> None:
-        self.ds, self.sampler, self.device = ds, sampler, device
-        self.tensors = ds.tensors if isinstance(ds, TensorDataset) else None
+    def __init__(self, ds: Dataset, sampler: Any, device: torch.device,
+                 collate_fn: Callable[[list], Any] | None = None) -> None:
+        self.ds, self.sampler, self.device, self.collate_fn = ds, sampler, device, collate_fn
+        self.tensors = ds.tensors if isinstance(ds, TensorDataset) and collate_fn is None else None
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -172,14 +274,14 @@ class _Batches:
     def __iter__(self):  # noqa: ANN204
         non_blocking = self.device.type == "cuda"
         if self.tensors is not None:
-            x_all, y_all = self.tensors[0], self.tensors[1]
             for index in self.sampler.iter_tensors():
-                yield (x_all.index_select(0, index).to(self.device, non_blocking=non_blocking),
-                       y_all.index_select(0, index).to(self.device, non_blocking=non_blocking))
+                yield tuple(t.index_select(0, index).to(self.device, non_blocking=non_blocking)
+                            for t in self.tensors)
         else:
-            loader = DataLoader(self.ds, batch_sampler=self.sampler, pin_memory=non_blocking)
-            for x, y in loader:
-                yield x.to(self.device, non_blocking=non_blocking), y.to(self.device, non_blocking=non_blocking)
+            loader = DataLoader(self.ds, batch_sampler=self.sampler, pin_memory=non_blocking,
+                                collate_fn=lambda samples: collate(samples, self.collate_fn))
+            for batch in loader:
+                yield to_device(batch, self.device, non_blocking)
 
 
 @dataclass
@@ -190,7 +292,12 @@ class _Parts:
     optimizer: Optimizer
     scheduler: Any
     train_ds: Dataset
-    test_ds: Dataset
+    test_ds: Dataset | None
+    task: Task
+    schedule: Schedule = field(default_factory=Schedule)
+    base_lrs: list[float] = field(default_factory=list)
+    steps_per_epoch: int = 1
+    total_steps: int = 1
 
 
 @dataclass
@@ -207,39 +314,53 @@ class _EpochTotals:
     """This worker's sums over one epoch (reduced over workers in `record`)."""
 
     loss_sum: torch.Tensor
-    correct: torch.Tensor
+    metric_sums: torch.Tensor
     seen: int
     times: StepTimes
     comm_bytes: int
     seconds: float = 0.0
+    skipped: int = 0
 
 
 def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
-                optimizer_fn: Callable[..., Optimizer], loss_fn: LossFn,
+                optimizer_fn: Callable[..., Optimizer], task: Task,
                 scheduler_fn: SchedulerFn | None, cfg: FitConfig) -> RunResult | None:
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
-    parts = build(strategy, model_fn, data, optimizer_fn, scheduler_fn, cfg, ckpt)
+    parts = build(strategy, model_fn, data, optimizer_fn, task, scheduler_fn, cfg, ckpt)
     position = restore(strategy, parts, ckpt)
     writer = _start_outputs(strategy, cfg, resumed=ckpt is not None)
-    for epoch in range(position.epoch, cfg.epochs):
-        if cfg.max_steps is not None and position.step >= cfg.max_steps:
-            break
-        totals = train_epoch(strategy, parts, loss_fn, cfg, epoch, position)
-        position.history.append(record(strategy, parts, loss_fn, cfg, epoch, position.step, totals))
-        position.epoch = epoch + 1
-        save(strategy, parts, cfg, position, writer)
-    return _result(strategy, parts, cfg, position)
+    stopped = None
+    try:
+        for epoch in range(position.epoch, cfg.epochs):
+            if cfg.max_steps is not None and position.step >= cfg.max_steps:
+                stopped = "max_steps"
+                break
+            totals = train_epoch(strategy, parts, cfg, epoch, position)
+            position.history.append(record(strategy, parts, cfg, epoch, position.step, totals))
+            position.epoch = epoch + 1
+            save(strategy, parts, cfg, position, writer)
+            if _early_stop(position.history, cfg):
+                stopped = "early_stop"
+                if strategy.is_main and not cfg.quiet:
+                    print(f"early stop: {_monitor(cfg, position.history[-1])} has not improved for "
+                          f"{cfg.early_stop} epochs", flush=True)
+                break
+    finally:
+        if writer is not None:
+            writer.close()
+    result = _result(strategy, parts, cfg, position)
+    if result is not None:
+        result.stopped = stopped
+    return result
 
 
 def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
-          optimizer_fn: Callable[..., Optimizer], scheduler_fn: SchedulerFn | None, cfg: FitConfig,
-          ckpt: dict[str, Any] | None) -> _Parts:
+          optimizer_fn: Callable[..., Optimizer], task: Task, scheduler_fn: SchedulerFn | None,
+          cfg: FitConfig, ckpt: dict[str, Any] | None) -> _Parts:
     """Data, model (with a checkpoint's weights and frozen slices), optimizer, strategy wrap."""
     train_ds, test_ds = resolve_data(data)
     torch.manual_seed(cfg.seed)  # same initial weights on every worker
     model = model_fn()
-    if strategy.is_main:
-        check_model_takes(model, train_ds)
     if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         if ckpt.get("freeze"):  # frozen slices stay frozen across a resume
@@ -253,7 +374,15 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
                 group["initial_lr"] = group["lr"]
     model, optimizer = strategy.prepare(model, optimizer)
     scheduler = scheduler_fn(optimizer) if scheduler_fn else None
-    return _Parts(model, optimizer, scheduler, train_ds, test_ds)
+    batches = math.ceil(len(train_ds) / (cfg.batch_size * strategy.num_workers))  # type: ignore[arg-type]
+    steps_per_epoch = max(1, math.ceil(batches / cfg.accumulate))
+    total = steps_per_epoch * cfg.epochs
+    if cfg.max_steps is not None:
+        total = min(total, cfg.max_steps)
+    return _Parts(model, optimizer, scheduler, train_ds, test_ds, task,
+                  schedule=parse_schedule(cfg.lr_schedule, cfg.warmup_steps),
+                  base_lrs=[g["lr"] for g in optimizer.param_groups],
+                  steps_per_epoch=steps_per_epoch, total_steps=total)
 
 
 def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None) -> _Position:
@@ -269,53 +398,142 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None) -> _
     return _Position(ckpt["epoch"], ckpt["step"], list(ckpt.get("metrics") or []))
 
 
-def train_epoch(strategy: Strategy, parts: _Parts, loss_fn: LossFn, cfg: FitConfig, epoch: int,
+class _UpdateGuard:
+    """Runs between the gradient exchange and the optimizer step: clipping and the finiteness check.
+
+    Its ``loss`` wraps the task's loss to see each micro-batch's output and losses. One host
+    synchronisation per optimizer step (the gradient norm and the window's loss, together).
+    Under all-reduce a non-finite gradient on one worker is non-finite on all of them after
+    averaging, so every worker stops (or skips) at the same step.
+    """
+
+    def __init__(self, strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int) -> None:
+        self.strategy, self.parts, self.cfg, self.epoch = strategy, parts, cfg, epoch
+        self.params = [p for p in parts.model.parameters() if p.requires_grad]
+        self.active = cfg.on_nan != "off" or cfg.clip_grad is not None
+        self.skipped = 0
+        self.step = 0
+        self.window_loss: torch.Tensor | None = None
+        self.batch: tuple[Any, Any] = (None, None)
+        self.output: tuple[Any, torch.Tensor] | None = None
+
+    def loss(self, output: Any, target: Any) -> torch.Tensor:
+        per_sample = self.parts.task.loss(output, target)
+        self.output = (output, per_sample)
+        total = per_sample.detach().sum()
+        self.window_loss = total if self.window_loss is None else self.window_loss + total
+        return per_sample
+
+    def __call__(self) -> bool:
+        """True: step. False: drop this step's gradient (``skip``). Raises for ``stop``."""
+        try:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if self.cfg.clip_grad is not None:
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad)
+            elif grads and self.cfg.on_nan != "off":
+                norm = torch.nn.utils.get_total_norm(grads)
+            else:
+                norm = torch.zeros(())
+            if self.cfg.on_nan == "off":
+                return True
+            loss = self.window_loss if self.window_loss is not None else torch.zeros(())
+            if bool(torch.isfinite(norm.to(loss.device)) & torch.isfinite(loss)):
+                return True
+            if self.cfg.on_nan == "skip":
+                self.skipped += 1
+                return False
+            raise NonFiniteError(self.explain())
+        finally:
+            self.window_loss = None
+
+    def check_loss(self) -> None:
+        """A window whose gradient was not checked (the final flush of claimed batches)."""
+        if (self.cfg.on_nan == "stop" and self.window_loss is not None
+                and not bool(torch.isfinite(self.window_loss))):
+            raise NonFiniteError(self.explain())
+
+    def explain(self) -> str:
+        """One line: the step and the first non-finite tensor, in the order the data flows."""
+        where = f"epoch {self.epoch + 1}, optimizer step {self.step + 1}"
+        lr = self.parts.optimizer.param_groups[0].get("lr")
+        inputs, target = self.batch
+        net = self.strategy.unwrap(self.parts.model)
+        candidates = [(f"input{p}", t) for p, t in tensors_of(inputs)]
+        candidates += [(f"target{p}", t) for p, t in tensors_of(target)]
+        candidates += [(f"parameter {n}", p.detach()) for n, p in net.named_parameters()]
+        if self.output is not None:
+            candidates += [(f"output{p}", t) for p, t in tensors_of(self.output[0])]
+            candidates.append(("the loss", self.output[1]))
+        candidates += [(f"the gradient of {n}", p.grad) for n, p in net.named_parameters() if p.grad is not None]
+        for name, t in candidates:
+            if t.is_floating_point():
+                bad = int((~torch.isfinite(t)).sum())
+                if bad:
+                    return (f"Non-finite values at {where}: {name} holds {bad} NaN/Inf of {t.numel()} "
+                            f"(lr {lr}); stopped before writing a checkpoint (on_nan='skip' drops such steps)")
+        return f"Non-finite loss or gradient at {where} (lr {lr}); stopped before writing a checkpoint"
+
+
+def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
                 position: _Position) -> _EpochTotals:
     """One epoch of this worker's batches; advances ``position.step``."""
     device = strategy.device
+    task = parts.task
     torch.manual_seed(cfg.seed * 7919 + epoch * 1009 + strategy.rank)
     sampler = strategy.shard(len(parts.train_ds), cfg.batch_size, shuffle=True, seed=cfg.seed,  # type: ignore[arg-type]
                              drop_last=cfg.drop_last)
     sampler.set_epoch(epoch)
-    batches = _Batches(parts.train_ds, sampler, device)
+    batches = _Batches(parts.train_ds, sampler, device, task.collate_fn)
     parts.model.train()
     totals = _EpochTotals(torch.zeros((), dtype=torch.float64, device=device),
-                          torch.zeros((), dtype=torch.float64, device=device), 0, StepTimes(),
-                          strategy.comm_bytes)
+                          torch.zeros(len(task.metric_names), dtype=torch.float64, device=device), 0,
+                          StepTimes(), strategy.comm_bytes)
+    guard = _UpdateGuard(strategy, parts, cfg, epoch)
     t_epoch = time.perf_counter()
     bar = _progress(len(batches), epoch, cfg.epochs) if _show_bar(strategy, cfg) else None
     n_batches = len(batches)
     window_total = 0
     pending = False  # gradients of an unfinished accumulation window
+    scheduled = parts.schedule.kind != "constant" or parts.schedule.warmup_steps > 0
     totals.times.start()
-    for i, (x, y) in enumerate(batches):
+    for i, batch in enumerate(batches):
         totals.times.data_ready()
         comm_before = strategy.comm_seconds
+        inputs, target = task.split(batch)
+        n = batch_size(target, inputs)
         if sampler.claims_batches:
             # claimed batches (asynchronous strategies): the step count is not known ahead, each
             # worker normalises by its own micro-batches and flushes a partial window at the end
             update = (i + 1) % cfg.accumulate == 0
-            window_total = strategy.num_workers * len(y) * cfg.accumulate
+            window_total = strategy.num_workers * n * cfg.accumulate
         else:
             if i % cfg.accumulate == 0:  # global samples in this optimizer step
                 window_total = sum(sampler.global_batch_size(j)
                                    for j in range(i, min(i + cfg.accumulate, n_batches)))
             update = (i + 1) % cfg.accumulate == 0 or i + 1 == n_batches
-        out, per_sample = strategy.train_step(parts.model, parts.optimizer, x, y, loss_fn,
-                                              loss_scale=strategy.num_workers / max(window_total, 1),
-                                              update=update)
+        if update and scheduled:
+            _set_lr(parts, position.step)
+        guard.step, guard.batch = position.step, (inputs, target)
+        out, per_sample = strategy.train_step(
+            parts.model, parts.optimizer, inputs, target, guard.loss if guard.active else task.loss,
+            loss_scale=strategy.num_workers / max(window_total, 1), update=update, forward_fn=task.forward,
+            before_update=guard if guard.active else None)
         pending = not update
         if update:
             position.step += 1
         totals.loss_sum += per_sample.sum()
-        totals.correct += _correct(out, y)
-        totals.seen += len(y)
+        if task.metric_names:
+            totals.metric_sums += task.metric_values(out, target)
+        totals.seen += n
         totals.times.step_done(strategy.comm_seconds - comm_before)
         if bar is not None:
             bar.update(1)
+            if i % 10 == 0 or i + 1 == n_batches:
+                bar.set_postfix(loss=f"{totals.loss_sum.item() / max(totals.seen, 1):.4f}", refresh=False)
         if update and cfg.max_steps is not None and position.step >= cfg.max_steps:
             break
     if pending:  # the last accumulation window of claimed batches was partial
+        guard.check_loss()
         strategy.optimizer_step(parts.optimizer)
         position.step += 1
     if bar is not None:
@@ -324,41 +542,82 @@ def train_epoch(strategy: Strategy, parts: _Parts, loss_fn: LossFn, cfg: FitConf
         parts.scheduler.step()
     strategy.barrier()  # the epoch lasts until its slowest worker is done
     totals.seconds = time.perf_counter() - t_epoch
+    totals.skipped = guard.skipped
     return totals
 
 
-def record(strategy: Strategy, parts: _Parts, loss_fn: LossFn, cfg: FitConfig, epoch: int, step: int,
+def _set_lr(parts: _Parts, step: int) -> None:
+    factor = parts.schedule.factor(step, parts.total_steps, parts.steps_per_epoch)
+    for group, base in zip(parts.optimizer.param_groups, parts.base_lrs):
+        group["lr"] = base * factor
+
+
+def record(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, step: int,
            totals: _EpochTotals) -> dict[str, Any]:
     """The epoch's row of figures: training sums and test figures, reduced over workers."""
     times = totals.times
-    train = torch.tensor([totals.loss_sum.item(), totals.correct.item(), float(totals.seen), times.data,
-                          times.compute, times.comm, float(strategy.comm_bytes - totals.comm_bytes)],
-                         dtype=torch.float64)
-    test_loss, test_acc = evaluate(strategy, parts.model, parts.test_ds, loss_fn, cfg.eval_batch_size)
+    names = parts.task.metric_names
+    train = torch.cat([
+        torch.tensor([totals.loss_sum.item(), float(totals.seen), times.data, times.compute, times.comm,
+                      float(strategy.comm_bytes - totals.comm_bytes), float(totals.skipped)], dtype=torch.float64),
+        totals.metric_sums.cpu()])
+    test_loss, test_metrics = evaluate(strategy, parts.model, parts.test_ds, parts.task, cfg.eval_batch_size)
     strategy.all_reduce_sum(train)
-    n = max(train[2].item(), 1.0)
+    n = max(train[1].item(), 1.0)
     w = strategy.num_workers
     seconds = totals.seconds
-    row: dict[str, Any] = {
-        "epoch": epoch + 1,
-        "step": step,
-        "train_loss": train[0].item() / n,
-        "train_accuracy": train[1].item() / n,
-        "test_loss": test_loss,
-        "test_accuracy": test_acc,
-        "samples": int(train[2].item()),
+    row: dict[str, Any] = {"epoch": epoch + 1, "step": step, "train_loss": train[0].item() / n}
+    row.update({f"train_{name}": train[7 + k].item() / n for k, name in enumerate(names)})
+    row["test_loss"] = test_loss
+    row.update({f"test_{name}": value for name, value in test_metrics.items()})
+    row.update({
+        "samples": int(train[1].item()),
         "seconds": seconds,
-        "samples_per_s": train[2].item() / seconds if seconds > 0 else math.nan,
-        "time_data": train[3].item() / w,
-        "time_compute": train[4].item() / w,
-        "time_comm": train[5].item() / w,
-        "comm_bytes": int(train[6].item()),
+        "samples_per_s": train[1].item() / seconds if seconds > 0 else math.nan,
+        "time_data": train[2].item() / w,
+        "time_compute": train[3].item() / w,
+        "time_comm": train[4].item() / w,
+        "comm_bytes": int(train[5].item()),
         "lr": parts.optimizer.param_groups[0]["lr"],
         "workers": w,
         "strategy": strategy.name,
-    }
+    })
+    if cfg.on_nan == "skip":
+        row["skipped_steps"] = int(train[6].item())
     row.update({f"{strategy.name}_{k}": v for k, v in strategy.metrics().items()})
     return row
+
+
+def _monitor(cfg: FitConfig, row: dict[str, Any]) -> str:
+    if cfg.monitor:
+        return cfg.monitor
+    return "test_loss" if row.get("test_loss", math.nan) == row.get("test_loss", math.nan) else "train_loss"
+
+
+def _better(name: str, value: float, best: float) -> bool:
+    return value > best if "accuracy" in name else value < best
+
+
+def _best_epoch(history: list[dict[str, Any]], cfg: FitConfig) -> int | None:
+    """Index of the best row by the monitored figure (the earliest among equals)."""
+    if not history:
+        return None
+    name = _monitor(cfg, history[-1])
+    if name not in history[-1]:
+        raise UsageError(f"Expected monitor among the epoch's figures {sorted(history[-1])}. Received: {name!r}")
+    best = None
+    for i, row in enumerate(history):
+        value = row.get(name, math.nan)
+        if value == value and (best is None or _better(name, value, history[best][name])):
+            best = i
+    return best
+
+
+def _early_stop(history: list[dict[str, Any]], cfg: FitConfig) -> bool:
+    if cfg.early_stop is None:
+        return False
+    best = _best_epoch(history, cfg)
+    return best is not None and len(history) - 1 - best >= cfg.early_stop
 
 
 def save(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position,
@@ -370,6 +629,7 @@ def save(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position,
         model_state = strategy.model_state_dict(parts.model)
         state = {"model": {k: v.detach().cpu() for k, v in model_state.items()},
                  "model_spec": cfg.model_spec,
+                 "task": parts.task.describe(),
                  "freeze": freeze_state_dict(strategy.unwrap(parts.model)),
                  "optimizer": _optimizer_state(parts.optimizer),
                  "strategy": strategy.state_dict(),
@@ -383,22 +643,24 @@ def save(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position,
             writer.write(position.history)
         if state is not None and path is not None:
             save_checkpoint(path, state)
+            if _best_epoch(position.history, cfg) == len(position.history) - 1:
+                _copy_atomic(path, os.path.join(os.path.dirname(path), "best.pt"))
         if not cfg.quiet:
             print(_summary(position.history[-1], cfg.epochs), flush=True)
     strategy.barrier()
 
 
+def _copy_atomic(src: str, dst: str) -> None:
+    tmp = f"{dst}.tmp"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
 def _start_outputs(strategy: Strategy, cfg: FitConfig, resumed: bool) -> MetricsWriter | None:
-    """Worker 0's metrics writer, and config.json for a new run."""
+    """Worker 0's metrics writer (config.json is written by the calling process)."""
     if not strategy.is_main or not cfg.out_dir:
         return None
-    writer = MetricsWriter(cfg.out_dir, resume=resumed)
-    if not resumed:
-        with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-            json.dump({**asdict(cfg), "strategy": strategy.name,
-                       "strategy_options": _jsonable(strategy.options()), "workers": strategy.num_workers},
-                      f, indent=2, default=str)
-    return writer
+    return MetricsWriter(cfg.out_dir, resume=resumed, tensorboard=cfg.tensorboard)
 
 
 def _result(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position) -> RunResult | None:
@@ -420,33 +682,34 @@ def _show_bar(strategy: Strategy, cfg: FitConfig) -> bool:
                                                    else sys.stderr.isatty())
 
 
-def _correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Correct predictions of a classification batch (0 for other tasks), on the device."""
-    if out.dim() == 2 and y.dim() == 1 and not y.is_floating_point():
-        return (out.argmax(1) == y).sum()
-    return torch.zeros((), dtype=torch.int64, device=out.device)
-
-
-def evaluate(strategy: Strategy, model: nn.Module, ds: Dataset, loss_fn: LossFn, batch_size: int) -> tuple[float, float]:
-    """Loss and accuracy on ``ds``, each worker taking its shard, reduced over workers."""
+def evaluate(strategy: Strategy, model: nn.Module, ds: Dataset | None, task: Task,
+             batch_size: int) -> tuple[float, dict[str, float]]:
+    """Loss and metrics on ``ds``, each worker taking its shard, reduced over workers."""
+    names = task.metric_names
     if ds is None or len(ds) == 0:  # type: ignore[arg-type]
-        return math.nan, math.nan
+        return math.nan, {name: math.nan for name in names}
     net = strategy.unwrap(model)
     was_training = net.training
     net.eval()
     sampler = strategy.shard(len(ds), batch_size, shuffle=False)  # type: ignore[arg-type]
     # summed on the device: no host synchronisation per batch
-    totals = torch.zeros(3, dtype=torch.float64, device=strategy.device)
+    totals = torch.zeros(2 + len(names), dtype=torch.float64, device=strategy.device)
     with torch.no_grad():
-        for x, y in _Batches(ds, sampler, strategy.device):
-            out = net(x)
-            totals[0] += loss_fn(out, y).sum()
-            totals[1] += _correct(out, y)
-            totals[2] += len(y)
+        for batch in _Batches(ds, sampler, strategy.device, task.collate_fn):
+            inputs, target = task.split(batch)
+            out = task.forward(net, inputs)
+            totals[0] += task.loss(out, target).sum()
+            totals[1] += batch_size_of(target, inputs)
+            if names:
+                totals[2:] += task.metric_values(out, target)
     net.train(was_training)
     strategy.all_reduce_sum(totals)
-    n = max(totals[2].item(), 1.0)
-    return totals[0].item() / n, totals[1].item() / n
+    n = max(totals[1].item(), 1.0)
+    return totals[0].item() / n, {name: totals[2 + k].item() / n for k, name in enumerate(names)}
+
+
+def batch_size_of(target: Any, inputs: Any = None) -> int:
+    return batch_size(target, inputs)
 
 
 def _optimizer_state(optimizer: Optimizer) -> dict[str, Any] | None:
@@ -457,6 +720,8 @@ def _optimizer_state(optimizer: Optimizer) -> dict[str, Any] | None:
 
 
 def _jsonable(obj: Any) -> Any:
+    import json
+
     return json.loads(json.dumps(obj, default=str))
 
 
@@ -467,10 +732,25 @@ def _progress(total: int, epoch: int, epochs: int):  # noqa: ANN202
 
 
 def _summary(row: dict[str, Any], epochs: int) -> str:
+    """The epoch line: losses, the task's metrics, throughput and the step-time breakdown."""
     t = row["time_data"] + row["time_compute"] + row["time_comm"]
     share = (lambda v: 100 * v / t) if t > 0 else (lambda v: 0.0)
-    return (f"epoch {row['epoch']}/{epochs}  loss {row['train_loss']:.4f}  acc {row['train_accuracy']:.3f}  "
-            f"test_loss {row['test_loss']:.4f}  test_acc {row['test_accuracy']:.3f}  "
+    metric_names = [k[len("train_"):] for k in row if k.startswith("train_") and k != "train_loss"]
+
+    def figures(split: str) -> str:
+        parts = [f"{split + '_' if split == 'test' else ''}loss {row[f'{split}_loss']:.4f}"]
+        for name in metric_names:
+            label = name[:3] if name == "accuracy" else name
+            value = row.get(f"{split}_{name}", math.nan)
+            parts.append(f"{split + '_' if split == 'test' else ''}{label} {value:.{3 if name == 'accuracy' else 4}f}")
+        return "  ".join(parts)
+
+    skipped = f"  skipped {row['skipped_steps']} steps" if row.get("skipped_steps") else ""
+    return (f"epoch {row['epoch']}/{epochs}  {figures('train')}  {figures('test')}  "
             f"{row['samples_per_s']:,.0f} samples/s  "
             f"[data {share(row['time_data']):.0f}% compute {share(row['time_compute']):.0f}% "
-            f"comm {share(row['time_comm']):.0f}%]")
+            f"comm {share(row['time_comm']):.0f}%]{skipped}")
+
+
+__all__ = ["FitConfig", "LaunchConfig", "NonFiniteError", "RunResult", "Task", "check_model_takes",
+           "cross_entropy_per_sample", "describe", "evaluate", "fit", "resolve_data"]

@@ -1,7 +1,8 @@
 """Per-epoch metrics: the step-time breakdown, and where they are written.
 
 Files on the main worker, in ``out_dir``: ``metrics.csv`` and ``metrics.jsonl``
-(one row per epoch), ``curves.png`` (loss and accuracy curves).
+(one row per epoch), ``curves.png`` (the loss and each of the task's metrics, train and
+test), and with ``tensorboard`` event files in ``out_dir/tensorboard``.
 """
 
 from __future__ import annotations
@@ -53,8 +54,18 @@ class StepTimes:
 class MetricsWriter:
     """Appends one row per epoch to CSV and JSONL, and redraws the curves."""
 
-    def __init__(self, out_dir: str, resume: bool = False) -> None:
+    def __init__(self, out_dir: str, resume: bool = False, tensorboard: bool = False) -> None:
         os.makedirs(out_dir, exist_ok=True)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                from ..errors import UsageError
+
+                raise UsageError("Expected the tensorboard package for tensorboard=True (pip install "
+                                 f"'partrain[tensorboard]'). Received: {exc}") from None
+            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
         self.out_dir = out_dir
         self.csv_path = os.path.join(out_dir, "metrics.csv")
         self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
@@ -74,27 +85,49 @@ class MetricsWriter:
             for r in history:
                 w.writerow(r)
         plot_curves(history, os.path.join(self.out_dir, "curves.png"))
+        if self.tb is not None:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("epoch", "workers"):
+                    self.tb.add_scalar(_tb_tag(key), value, global_step=row["epoch"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def _tb_tag(key: str) -> str:
+    """``train_loss`` -> ``loss/train``; ``time_data`` -> ``time/data``."""
+    for prefix in ("train_", "test_"):
+        if key.startswith(prefix):
+            return f"{key[len(prefix):]}/{prefix[:-1]}"
+    head, sep, tail = key.partition("_")
+    return f"{head}/{tail}" if sep else key
 
 
 def plot_curves(history: list[dict[str, Any]], path: str) -> None:
-    """Loss and accuracy per epoch, train and test, to a PNG."""
+    """The loss and each metric per epoch, train and test, to a PNG (one panel each)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    names = ["loss"] + sorted({k[len("train_"):] for r in history for k in r
+                               if k.startswith("train_") and k != "train_loss"})
     epochs = [r["epoch"] for r in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, ax, label in (("train_loss", ax_loss, "train"), ("test_loss", ax_loss, "test"),
-                           ("train_accuracy", ax_acc, "train"), ("test_accuracy", ax_acc, "test")):
-        values = [r.get(key, math.nan) for r in history]
-        if any(v == v for v in values):
-            ax.plot(epochs, values, marker="o", label=label)
-    ax_loss.set(title="loss", xlabel="epoch")
-    ax_acc.set(title="accuracy", xlabel="epoch", ylim=(0, 1.02))
-    for ax in (ax_loss, ax_acc):
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        for split in ("train", "test"):
+            values = [r.get(f"{split}_{name}", math.nan) for r in history]
+            if any(v == v for v in values):
+                ax.plot(epochs, values, marker="o", label=split)
+        ax.set(title=name, xlabel="epoch")
+        if name == "accuracy":
+            ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -15,8 +16,11 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 def make_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float = 0.05, momentum: float = 0.9,
                    weight_decay: float = 0.0) -> Optimizer:
     """``sgd`` (with ``momentum``), ``adam`` or ``adamw``: use with ``functools.partial``."""
-    if lr <= 0:
-        raise UsageError(f"Expected a positive learning rate. Received: lr={lr}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise UsageError(f"Expected a positive, finite learning rate. Received: lr={lr}")
+    if not (math.isfinite(momentum) and math.isfinite(weight_decay)) or momentum < 0 or weight_decay < 0:
+        raise UsageError(f"Expected finite, non-negative momentum and weight decay. Received: momentum={momentum}, "
+                         f"weight_decay={weight_decay}")
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
     if name == "adam":

@@ -1,0 +1,259 @@
+"""What `fit` checks and decides in the calling process, before any worker starts.
+
+Every input error the caller's process can see is one line here, not a failure in a
+worker: the data and the model (run together on two samples, labels against the
+model's classes), the loss and metrics, the output directory (a file, an existing run),
+the checkpoint to resume and whether it leaves anything to train. It also records what
+makes a run servable and repeatable: the model spec (when ``model_fn`` is an importable
+``module:function``) and ``config.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from ..data.datasets import DataSpec, load_dataset, preprocessing
+from ..errors import UsageError
+from .config import FitConfig
+from .task import Task, describe, split_batch, tensors_of
+
+#: files a run writes in its directory: their presence means the directory holds a run
+RUN_FILES = ("checkpoint.pt", "best.pt", "metrics.csv", "metrics.jsonl", "config.json", "curves.png")
+
+DataArg = DataSpec | str | Callable[[], Any] | tuple[Dataset, Dataset]
+
+
+def resolve_data(data: DataArg, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset | None]:
+    """``(train, test)`` from a name, a `DataSpec`, a pair, or a function returning either a
+    pair or one dataset (split ``test_fraction`` for evaluation)."""
+    if isinstance(data, (DataSpec, str)):
+        return load_dataset(data)
+    if isinstance(data, tuple) and len(data) == 2:
+        return data
+    if isinstance(data, Dataset):
+        return _split_one(data, test_fraction, seed)
+    if callable(data):
+        out = data()
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], Dataset):
+            return out
+        if isinstance(out, Dataset):
+            return _split_one(out, test_fraction, seed)
+        raise UsageError(f"Expected the data function to return a Dataset or a (train, test) pair. "
+                         f"Received: {describe(out)}")
+    raise UsageError("Expected data as a dataset name, DataSpec, a Dataset, (train, test) or a function. "
+                     f"Received: {type(data).__name__}")
+
+
+def _split_one(ds: Dataset, test_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    from ..data.datasets import split_dataset
+
+    return split_dataset(ds, test_fraction, seed)
+
+
+def collate(samples: list[Any], collate_fn: Callable[[list], Any] | None) -> Any:
+    """Samples as one batch; variable-sized samples without a ``collate_fn`` are one line."""
+    try:
+        return (collate_fn or default_collate)(samples)
+    except RuntimeError as exc:
+        if collate_fn is None and ("stack expects" in str(exc) or "equal size" in str(exc)
+                                   or "resize" in str(exc)):
+            shapes = [describe(s) for s in samples[:2]]
+            raise UsageError("Expected samples of equal shape to stack into a batch, or fit(..., collate_fn=...) "
+                             f"to batch them. Received: {shapes[0]} and {shapes[-1]}") from None
+        raise
+
+
+def first_batch(ds: Dataset, collate_fn: Callable[[list], Any] | None = None, n: int = 2) -> Any:
+    """A small batch of the first samples, as the loop would batch them."""
+    count = min(n, len(ds))  # type: ignore[arg-type]
+    if count == 0:
+        raise UsageError("Expected a training set with at least one sample. Received: an empty dataset")
+    if isinstance(ds, TensorDataset) and collate_fn is None:
+        return tuple(t[:count] for t in ds.tensors)
+    return collate([ds[i] for i in range(count)], collate_fn)
+
+
+def all_targets(ds: Dataset, task: Task) -> torch.Tensor | None:
+    """Every target of an in-memory dataset (for the label range check), else None."""
+    if isinstance(ds, TensorDataset) and task.collate_fn is None and len(ds.tensors) >= 2:
+        return ds.tensors[-1]
+    return None
+
+
+def check_model_takes(model: nn.Module, ds: Dataset, model_name: str = "model", data_name: str = "dataset",
+                      task: Task | None = None) -> Task:
+    """One clear line when the model, the data and the loss do not fit together.
+
+    Runs the model on two samples, computes the loss and metrics, and checks class labels
+    against the model's outputs. Returns the task, resolved (``"auto"`` made concrete).
+    """
+    task = task or Task()
+    batch = first_batch(ds, task.collate_fn)
+    task.resolve(batch)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            task.check(model, batch, all_targets(ds, task))
+    except UsageError:
+        raise
+    except Exception as exc:
+        inputs, _ = split_batch(batch, task.target_key)
+        raise UsageError(f"Expected samples that {model_name} can take. Received: {data_name} with inputs "
+                         f"{describe(inputs)} ({first_line(exc)})") from None
+    finally:
+        model.train(was_training)
+    return task
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (torch's often start with a blank)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+# ----- the run directory -----------------------------------------------------------------
+def check_out_dir(cfg: FitConfig) -> None:
+    """The output directory can be written and holds no other run (unless resumed or overwritten)."""
+    if not cfg.out_dir:
+        return
+    out = cfg.out_dir
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"Expected out_dir to be a directory. Received: {out!r}, which is a file")
+    existing = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if existing and not cfg.resume and not cfg.overwrite:
+        raise UsageError(f"Expected a new output directory (or resume / overwrite). Received: {out!r}, which "
+                         f"holds a run ({', '.join(existing)})")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"Expected out_dir to be a directory that can be created. Received: {out!r} "
+                         f"({exc.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"Expected a writable out_dir. Received: {out!r} (not writable)")
+    if existing and cfg.overwrite and not cfg.resume:
+        for name in existing:
+            os.unlink(os.path.join(out, name))
+        shutil.rmtree(os.path.join(out, "tensorboard"), ignore_errors=True)
+
+
+def numbered_dir(path: str) -> str:
+    """``path`` when it holds no run, else the first free ``path-2``, ``path-3``, ..."""
+    def taken(p: str) -> bool:
+        return os.path.exists(p) and (not os.path.isdir(p) or any(os.path.exists(os.path.join(p, f)) for f in RUN_FILES))
+
+    if not taken(path):
+        return path
+    n = 2
+    while taken(f"{path}-{n}"):
+        n += 1
+    return f"{path}-{n}"
+
+
+def check_resume(cfg: FitConfig, ckpt: dict[str, Any], path: str, auto: bool) -> bool:
+    """True when the checkpoint leaves something to train; one line (or a note, for
+    ``resume="auto"``, which is idempotent by choice) when it does not."""
+    epoch, step = int(ckpt.get("epoch", 0)), int(ckpt.get("step", 0))
+    done_epochs = epoch >= cfg.epochs
+    done_steps = cfg.max_steps is not None and step >= cfg.max_steps
+    if not (done_epochs or done_steps):
+        return True
+    why = (f"epoch {epoch} of epochs={cfg.epochs}" if done_epochs
+           else f"step {step} of max_steps={cfg.max_steps}")
+    if auto:
+        if not cfg.quiet:
+            print(f"partrain: {path} is already at {why}: nothing to train", flush=True)
+        return False
+    more = f"epochs above {epoch}" if done_epochs else f"max_steps above {step}"
+    raise UsageError(f"Expected {more} to train on from {path!r}. Received: a checkpoint at {why}, "
+                     "which leaves nothing to train")
+
+
+# ----- what makes a run servable and repeatable ------------------------------------------
+def infer_model_spec(model_fn: Callable[[], nn.Module], train_ds: Dataset, task: Task, data: Any,
+                     collate_fn: Any = None) -> dict[str, Any] | None:
+    """``{"name": "module:function", "kwargs", "path", "input_shape", ...}`` when ``model_fn``
+    is a module-level function (or a ``functools.partial`` of one with JSON-able keywords),
+    else None: `partrain serve` can then rebuild the model from the checkpoint alone."""
+    fn, kwargs = model_fn, {}
+    if isinstance(model_fn, functools.partial):
+        if model_fn.args:
+            return None
+        fn, kwargs = model_fn.func, dict(model_fn.keywords)
+    qualname, module_name = getattr(fn, "__qualname__", ""), getattr(fn, "__module__", None)
+    if not module_name or not qualname or "." in qualname or "<" in qualname:
+        return None
+    try:
+        json.dumps(kwargs)
+    except TypeError:
+        return None
+    module = sys.modules.get(module_name)
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    path = os.path.dirname(os.path.abspath(file))
+    if module_name == "__main__":
+        module_name = os.path.splitext(os.path.basename(file))[0]
+        if not module_name.isidentifier():
+            return None
+    else:
+        for _ in range(module_name.count(".") + (os.path.basename(file) == "__init__.py")):
+            path = os.path.dirname(path)
+    spec: dict[str, Any] = {"name": f"{module_name}:{qualname}", "kwargs": kwargs, "path": path,
+                            "task": task.kind}
+    spec.update(data_spec_fields(train_ds, task, data, collate_fn))
+    return spec
+
+
+def data_spec_fields(train_ds: Dataset, task: Task, data: Any, collate_fn: Any = None) -> dict[str, Any]:
+    """What a model spec says about the inputs: their shape, and preprocessing to apply to raw ones."""
+    out: dict[str, Any] = {}
+    inputs, _ = split_batch(first_batch(train_ds, collate_fn), task.target_key)
+    if isinstance(inputs, torch.Tensor):
+        out["input_shape"] = list(inputs.shape[1:])
+    pre = preprocessing(data)
+    if pre is not None:
+        out["preprocess"] = pre
+    return out
+
+
+def describe_callable(fn: Any) -> Any:
+    """A JSON-able account of a factory (``functools.partial`` keywords included)."""
+    if fn is None:
+        return None
+    if isinstance(fn, functools.partial):
+        return {"function": describe_callable(fn.func), "args": [repr(a) for a in fn.args],
+                "keywords": json.loads(json.dumps(fn.keywords, default=repr))}
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def describe_data(data: Any) -> Any:
+    if isinstance(data, DataSpec):
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in data.__dict__.items()}
+    if isinstance(data, str):
+        return data
+    if isinstance(data, tuple):
+        return [f"{type(d).__name__} of {len(d)} samples" for d in data]  # type: ignore[arg-type]
+    return describe_callable(data)
+
+
+def write_config(path: str, settings: dict[str, Any]) -> None:
+    """``config.json``, atomically."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(settings, f, indent=2, default=repr)
+    os.replace(tmp, path)
+
+
+__all__ = ["RUN_FILES", "check_model_takes", "check_out_dir", "check_resume", "collate", "first_batch",
+           "infer_model_spec", "numbered_dir", "resolve_data", "tensors_of", "write_config"]
