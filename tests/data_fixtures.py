@@ -18,3 +18,15 @@ def tiny_model():
 
 def wrong_model():
     return nn.Linear(99, 2)
+
+
+def tiny_regression():
+    """One Dataset with float targets: y = x @ w + 0.5 (fit holds a share out for testing)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(150, 6, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0, -1.0]) + 0.5
+    return TensorDataset(x, y)
+
+
+def tiny_regressor():
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))

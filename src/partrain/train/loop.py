@@ -279,9 +279,25 @@ class _Batches:
                             for t in self.tensors)
         else:
             loader = DataLoader(self.ds, batch_sampler=self.sampler, pin_memory=non_blocking,
-                                collate_fn=lambda samples: collate(samples, self.collate_fn))
+                                collate_fn=self._collate)
             for batch in loader:
                 yield to_device(batch, self.device, non_blocking)
+
+    def _collate(self, samples: list[Any]) -> Any:
+        if samples:
+            return collate(samples, self.collate_fn)
+        # a worker's share of the last global batch can be empty: a batch of no samples, same structure
+        return _map_tensors(collate([self.ds[0]], self.collate_fn), lambda t: t[:0])
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
 
 
 @dataclass

@@ -201,7 +201,7 @@ def per_sample(values: torch.Tensor, n: int, what: str = "loss_fn") -> torch.Ten
     if values.shape[0] != n:
         raise UsageError(f"Expected {what} to return one value per sample (shape ({n}, ...)). "
                          f"Received: shape {tuple(values.shape)}")
-    return values.reshape(n, -1).mean(1) if values.dim() > 1 else values
+    return values.flatten(1).mean(1) if values.dim() > 1 else values
 
 
 def _per_sample_module(loss: nn.Module) -> nn.Module:
@@ -231,7 +231,7 @@ def accuracy(output: Any, target: torch.Tensor) -> torch.Tensor:
     else:
         out, target = _match(out, target)
         hit = ((out > 0) == (target > 0.5)).to(torch.float64)
-    return hit.reshape(len(hit), -1).mean(1) if hit.dim() > 1 else hit
+    return hit.flatten(1).mean(1) if hit.dim() > 1 else hit
 
 
 def squared_error(output: Any, target: torch.Tensor) -> torch.Tensor:
