@@ -11,18 +11,25 @@ Endpoints (``{m}`` a model name; every model route also exists under
 ``/v2``                     GET    server metadata (name, version, extensions)
 ``/v2/health/live``         GET    200 ``{"live": true}`` while the process runs
 ``/v2/health/ready``        GET    200 when every model's batcher runs, else 503
+``/v2/models``              GET    ``{"models": [...]}``: every served model (name, version,
+                                   platform, state READY / UNAVAILABLE), as KServe lists them
+``/v2/repository/index``    POST   the same entries as a bare list (Triton's repository index)
 ``/v2/models/{m}``          GET    model metadata: inputs/outputs, -1 = variable dim
 ``/v2/models/{m}/ready``    GET    200 ``{"name", "ready": true}`` or 503
 ``/v2/models/{m}/infer``    POST   inference (JSON or binary tensor data extension)
 ``/metrics``                GET    Prometheus text format
 ==========================  =====  =================================================
 
-Errors are ``{"error": "..."}``: 400 bad request (JSON, shape, datatype, size,
-missing input), 401 missing/wrong bearer token, 404 unknown model, version or
-path, 405 wrong method, 413 body larger than ``max_body_bytes``, 503 with
-``Retry-After`` when a model's queue is full or the server is stopping, 504 when
-the request's ``timeout`` parameter expired before its batch ran, 500 when the
-model raised. With a token, only the two health endpoints stay open (probes of
+Request bodies may be gzip-compressed (``Content-Encoding: gzip``; `partrain.serve.body`).
+
+Errors are ``{"error": "Expected ... Received: ..."}``: 400 bad request (JSON, shape,
+datatype, size, values out of the datatype's range, missing input, corrupt gzip), 401
+missing/wrong bearer token, 404 unknown model, version or path, 405 wrong method, 413
+body larger than ``max_body_bytes`` (compressed or decompressed), 415 a
+``Content-Encoding`` other than gzip, 503 with ``Retry-After`` when a model's queue is
+full or the server is stopping, 504 when the request's ``timeout`` parameter expired
+before its batch ran, 500 when the model raised or returned NaN/Infinity for a JSON
+answer (JSON cannot carry them; binary outputs can). With a token, only the two health endpoints stay open (probes of
 orchestrators carry no credentials); metadata, inference and ``/metrics`` need
 ``Authorization: Bearer TOKEN``.
 """
