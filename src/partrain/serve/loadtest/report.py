@@ -91,7 +91,7 @@ class LoadReport:
         """A few readable lines for the terminal."""
         if self.ok == 0:
             # "yes" would be vacuous: no request got an answer to count
-            one_each = f"no answers to check (0 of {self.sent} answered)"
+            one_each = f"no answers to check, 0 of {self.sent} answered"
         else:
             one_each = "yes" if self.lost == 0 else "NO"
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "none"
