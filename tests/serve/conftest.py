@@ -39,6 +39,8 @@ def served(digits_model: torch.nn.Module) -> list[ServedModel]:
         ServedModel.from_module("pair", two_heads, [(4,), (4,)], dtype=[torch.float64, torch.float64],
                                 version="7"),
         *[echo_model(dt) for dt in DATATYPES],
+        # log(x): NaN below 0, -Infinity at 0; outputs JSON cannot carry
+        ServedModel.from_module("log", torch.log, (3,), dtype=torch.float32),
     ]
 
 

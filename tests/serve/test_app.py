@@ -156,6 +156,56 @@ def test_create_app_validates_its_arguments(served) -> None:
         create_app({"other": served[0]})
 
 
+def test_models_listing_is_the_repository_index_of_exactly_the_served_models(served) -> None:
+    """GET /v2/models (KServe's path) and POST /v2/repository/index (Triton's) list every model."""
+    with TestClient(create_app(served)) as c:
+        listing = c.get("/v2/models").json()
+        index = c.post("/v2/repository/index").json()
+        ready_only = c.post("/v2/repository/index", json={"ready": True}).json()
+        metadata = {m.name: c.get(f"/v2/models/{m.name}").json() for m in served}
+    assert [entry["name"] for entry in listing["models"]] == [m.name for m in served]
+    for entry in listing["models"]:
+        meta = metadata[entry["name"]]
+        assert entry == {"name": meta["name"], "version": meta["versions"][0], "versions": meta["versions"],
+                         "platform": meta["platform"], "state": "READY", "reason": ""}
+    assert index == listing["models"] and ready_only == listing["models"]
+    assert {e["name"]: e["version"] for e in index}["pair"] == "7"
+
+
+def test_models_listing_says_unavailable_before_start_and_needs_the_token(served) -> None:
+    app = create_app([served[0]], token="s3cret")
+
+    async def main() -> None:  # an ASGI client without the lifespan: the batchers have not started
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            assert (await c.get("/v2/models")).status_code == 401
+            auth = {"Authorization": "Bearer s3cret"}
+            (entry,) = (await c.get("/v2/models", headers=auth)).json()["models"]
+            assert (entry["state"], entry["reason"]) == ("UNAVAILABLE", "not started")
+            assert (await c.post("/v2/repository/index", json={"ready": True}, headers=auth)).json() == []
+
+    asyncio.run(main())
+
+
+def test_partrain_serve_names_each_model_and_its_url(monkeypatch, capsys) -> None:
+    """The startup line: one per model, with its inference URL; the benchmark still finds the base URL."""
+    from partrain.bench.serve import OURS_ANNOUNCE
+    from partrain.cli import main
+    from partrain.serve import cli as serve_cli
+
+    def fake_run_server(make_models, *, announce, **kw) -> int:
+        announce("http://127.0.0.1:8123")
+        return 0
+
+    monkeypatch.setattr(serve_cli, "run_server", fake_run_server)
+    assert main(["serve", "tests.serve.test_loading:regressor_flat", "digits=runs/x/checkpoint.pt"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "partrain serve: serving model 'regressor_flat' at http://127.0.0.1:8123/v2/models/regressor_flat/infer",
+        "partrain serve: serving model 'digits' at http://127.0.0.1:8123/v2/models/digits/infer",
+    ]
+    assert OURS_ANNOUNCE.search(lines[0]).group("url") == "http://127.0.0.1:8123"
+
+
 # ----------------------------------------------------------------- partrain serve (subprocess)
 
 

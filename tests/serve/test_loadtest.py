@@ -280,6 +280,49 @@ def test_cli_exit_status_1_on_wrong_answers(serve, capsys):
     assert code == 1 and "2 WRONG" in capsys.readouterr().out
 
 
+def test_cli_exit_status_1_when_every_request_fails(serve, capsys):
+    """Issue 10: every request failed, yet exit 0 and "exactly one answer each: yes"."""
+    url = serve({"503": 1})
+    code = main(["loadtest", url, "--model", "tiny", "-c", "1", "-n", "5"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "exactly one answer each: yes" not in captured.out
+    assert "exactly one answer each: no answers to check, 0 of 5 answered (missing 0" in captured.out
+    assert captured.err == ("partrain loadtest: FAILED: 5 of 5 requests failed (error rate 1 > "
+                            "--max-error-rate 0); first: request 0: HTTP 503: busy\n")
+
+
+@pytest.mark.parametrize(("max_rate", "code"), [(None, 1), ("0.1", 1), ("0.2", 0), ("1", 0)])
+def test_cli_max_error_rate_decides_the_exit_status(serve, capsys, max_rate, code):
+    url = serve({"503": 5})  # ids 0, 5, 10, 15: 4 of 20 fail, a rate of exactly 0.2
+    argv = ["loadtest", url, "--model", "tiny", "-c", "2", "-n", "20"]
+    if max_rate is not None:
+        argv += ["--max-error-rate", max_rate]
+    assert main(argv) == code
+    captured = capsys.readouterr()
+    assert "answered  16 of 20" in captured.out and "HTTP 503: 4 (first: request " in captured.out
+    assert ("4 of 20 requests failed (error rate 0.2 > --max-error-rate" in captured.err) == (code == 1)
+
+
+def test_cli_nan_inputs_over_json_are_one_line(serve, tmp_path, capsys):
+    np.savez(tmp_path / "x.npz", x=np.array([[1.0, np.nan, 2.0, 3.0]], dtype="float32"))
+    url = serve()
+    assert main(["loadtest", url, "-m", "tiny", "-n", "1", "--npz", str(tmp_path / "x.npz")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Received: 1 NaN in input 'input' of sample 0; send them with --binary" in err
+
+
+def test_partrain_server_refusing_every_request_fails_the_run_with_its_line(serve_partrain, capsys):
+    """Requests partrain's server refuses (a 400 for a shape it cannot take): exit 1, its line shown."""
+    url = serve_partrain()
+    code = main(["loadtest", url, "-m", "tiny", "-n", "4", "--shape", "1,5"])
+    captured = capsys.readouterr()
+    assert code == 1, captured
+    assert captured.err.count("\n") == 1
+    assert ("4 of 4 requests failed (error rate 1 > --max-error-rate 0); first: request 0: HTTP 400: "
+            "Expected input 'input' of shape [-1, 4] (-1: any). Received: [1, 5]") in captured.err
+
+
 @pytest.fixture()
 def dead_port():
     """A port bound but not listening: connections are refused, and nobody else can take it."""
@@ -298,17 +341,26 @@ def dead_port():
     (["ftp://x", "-m", "tiny"], "Expected an http:// or https:// URL"),
     (["{url}/v2/models/tiny", "--shape", "1,5"], "Expected the --check model to accept the inputs sent"),
     (["{url}/v2/models/tiny", "--npz", "/nonexistent.npz"], "(no such file)"),
+    # output paths are checked before anything is sent (here the server is not even reachable)
+    (["http://127.0.0.1:{port}", "-m", "tiny", "--json", "{tmp}/no/such/dir/x.json"],
+     "Expected --json in an existing directory. Received: '{tmp}/no/such/dir/x.json' ('{tmp}/no/such/dir' "
+     "does not exist)"),
+    (["http://127.0.0.1:{port}", "-m", "tiny", "--json", "{tmp}"],
+     "Expected a file to write for --json. Received: '{tmp}', a directory"),
+    (["http://127.0.0.1:{port}", "-m", "tiny", "--json", ""], "Expected a file name for --json"),
+    (["{url}/v2/models/tiny", "--max-error-rate", "1.5"], "Expected --max-error-rate between 0 and 1. Received: 1.5"),
 ])
-def test_cli_bad_input_is_one_line(serve, dead_port, capsys, argv, message):
+def test_cli_bad_input_is_one_line(serve, dead_port, tmp_path, capsys, argv, message):
     url = serve()
     port = dead_port
-    argv = [a.format(url=url, port=port) for a in argv]
+    argv = [a.format(url=url, port=port, tmp=tmp_path) for a in argv]
+    message = message.format(port=port, tmp=tmp_path)
     if "--shape" in argv:
         argv += ["--check", "tests.serve.test_loadtest:tiny_model"]
     code = main(["loadtest", *argv])
     err = capsys.readouterr().err
     assert code == 2
-    assert message.format(port=port) in err
+    assert message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
 
 

@@ -11,18 +11,25 @@ Endpoints (``{m}`` a model name; every model route also exists under
 ``/v2``                     GET    server metadata (name, version, extensions)
 ``/v2/health/live``         GET    200 ``{"live": true}`` while the process runs
 ``/v2/health/ready``        GET    200 when every model's batcher runs, else 503
+``/v2/models``              GET    ``{"models": [...]}``: every served model (name, version,
+                                   platform, state READY / UNAVAILABLE), as KServe lists them
+``/v2/repository/index``    POST   the same entries as a bare list (Triton's repository index)
 ``/v2/models/{m}``          GET    model metadata: inputs/outputs, -1 = variable dim
 ``/v2/models/{m}/ready``    GET    200 ``{"name", "ready": true}`` or 503
 ``/v2/models/{m}/infer``    POST   inference (JSON or binary tensor data extension)
 ``/metrics``                GET    Prometheus text format
 ==========================  =====  =================================================
 
-Errors are ``{"error": "..."}``: 400 bad request (JSON, shape, datatype, size,
-missing input), 401 missing/wrong bearer token, 404 unknown model, version or
-path, 405 wrong method, 413 body larger than ``max_body_bytes``, 503 with
-``Retry-After`` when a model's queue is full or the server is stopping, 504 when
-the request's ``timeout`` parameter expired before its batch ran, 500 when the
-model raised. With a token, only the two health endpoints stay open (probes of
+Request bodies may be gzip-compressed (``Content-Encoding: gzip``; `partrain.serve.body`).
+
+Errors are ``{"error": "Expected ... Received: ..."}``: 400 bad request (JSON, shape,
+datatype, size, values out of the datatype's range, missing input, corrupt gzip), 401
+missing/wrong bearer token, 404 unknown model, version or path, 405 wrong method, 413
+body larger than ``max_body_bytes`` (compressed or decompressed), 415 a
+``Content-Encoding`` other than gzip, 503 with ``Retry-After`` when a model's queue is
+full or the server is stopping, 504 when the request's ``timeout`` parameter expired
+before its batch ran, 500 when the model raised or returned NaN/Infinity for a JSON
+answer (JSON cannot carry them; binary outputs can). With a token, only the two health endpoints stay open (probes of
 orchestrators carry no credentials); metadata, inference and ``/metrics`` need
 ``Authorization: Bearer TOKEN``.
 """
@@ -51,6 +58,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .batcher import Batcher, BatcherClosed, QueueFull
+from .body import body_decoder
 from .protocol import (
     HEADER,
     ProtocolError,
@@ -61,6 +69,8 @@ from .protocol import (
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
+PATHS = ("/v2, /v2/health/live, /v2/health/ready, /v2/models, /v2/models/NAME[/versions/V], "
+         ".../ready, .../infer, /v2/repository/index, /metrics")
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -161,18 +171,28 @@ class _Server:
         return model
 
     async def read_body(self, request: Request) -> bytes:
+        """The request body, decompressed when ``Content-Encoding: gzip``; 413 beyond the limit."""
         limit = self.max_body_bytes
+        decoder = body_decoder(request.headers.get("content-encoding"), limit)
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ProtocolError(f"Expected a body of at most {limit} bytes. Received: {declared} bytes", 413)
-        chunks = []
-        size = 0
         async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ProtocolError(f"Expected a body of at most {limit} bytes. Received: more", 413)
-            chunks.append(chunk)
-        return b"".join(chunks)
+            decoder.feed(chunk)
+        return decoder.finish()
+
+    def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        """One entry per served model, as Triton's repository index has them (plus platform)."""
+        entries = []
+        for name, model in self.models.items():
+            ready = self.batchers[name].running  # as GET /v2/models/{name}/ready says
+            if ready_only and not ready:
+                continue
+            reason = "" if ready else "stopping" if self.started else "not started"
+            entries.append({"name": name, "version": model.version, "versions": [model.version],
+                            "platform": model.platform, "state": "READY" if ready else "UNAVAILABLE",
+                            "reason": reason})
+        return entries
 
     # ------------------------------------------------------------ handlers
 
@@ -188,6 +208,24 @@ class _Server:
     async def ready(self, request: Request) -> Response:
         ready = all(b.running for b in self.batchers.values())
         return json_response({"ready": ready}, 200 if ready else 503)
+
+    async def list_models(self, request: Request) -> Response:
+        return json_response({"models": self.index()})
+
+    async def repository_index(self, request: Request) -> Response:
+        body = await self.read_body(request)
+        ready_only = False
+        if body.strip():
+            try:
+                options = json.loads(body)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ProtocolError(f"Expected a JSON object like {{\"ready\": true}} or no body. "
+                                    f"Received invalid JSON: {exc}") from None
+            ready_only = options.get("ready", False) if isinstance(options, dict) else None
+            if not isinstance(ready_only, bool):
+                raise ProtocolError(f"Expected a JSON object like {{\"ready\": true}} or no body. "
+                                    f"Received: {body[:80]!r}")
+        return json_response(self.index(ready_only))
 
     async def model_metadata(self, request: Request) -> Response:
         return json_response(self.lookup(request).metadata())
@@ -208,7 +246,7 @@ class _Server:
         try:
             response = await self._infer(request, model)
         except ProtocolError as exc:
-            headers = {"Retry-After": "1"} if exc.status == 503 else None
+            headers = {"Retry-After": "1", **exc.headers} if exc.status == 503 else exc.headers
             response = error_response(exc.status, str(exc), headers)
         if response.status_code >= 400:
             m.errors.labels(model.name, str(response.status_code)).inc()
@@ -246,7 +284,7 @@ def _guard(server: _Server, handler: Handler, open_: bool = False) -> Handler:
         try:
             return await handler(request)
         except ProtocolError as exc:
-            return error_response(exc.status, str(exc))
+            return error_response(exc.status, str(exc), exc.headers)
 
     return endpoint
 
@@ -285,6 +323,8 @@ def create_app(models: Mapping[str, ServedModel] | Sequence[ServedModel], *, tok
         *route("/v2", server.server_metadata, ["GET"]),
         *route("/v2/health/live", server.live, ["GET"], open_=True),
         *route("/v2/health/ready", server.ready, ["GET"], open_=True),
+        *route("/v2/models", server.list_models, ["GET"]),
+        *route("/v2/repository/index", server.repository_index, ["POST"]),
         *route("/v2/models/{name}", server.model_metadata, ["GET"]),
         *route("/v2/models/{name}/ready", server.model_ready, ["GET"]),
         *route("/v2/models/{name}/infer", server.infer, ["POST"]),
@@ -301,7 +341,15 @@ def create_app(models: Mapping[str, ServedModel] | Sequence[ServedModel], *, tok
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        return error_response(exc.status_code, exc.detail, exc.headers)
+        asked = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"Expected a path of the Open Inference Protocol v2 ({PATHS}). Received: {asked}"
+        elif exc.status_code == 405:
+            allowed = " or ".join((exc.headers or {}).get("Allow", "another method").split(", "))
+            message = f"Expected method {allowed} for {request.url.path}. Received: {request.method}"
+        else:
+            message = exc.detail
+        return error_response(exc.status_code, message, exc.headers)
 
     async def server_error(request: Request, exc: Exception) -> Response:
         return error_response(500, f"Internal error: {type(exc).__name__}: {exc}")

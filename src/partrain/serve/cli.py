@@ -9,7 +9,7 @@ import os
 from ..errors import UsageError
 from .app import DEFAULT_MAX_BODY_BYTES
 from .batcher import make_policy
-from .loading import load_models, parse_shape
+from .loading import load_models, model_names, parse_shape
 from .protocol import DATATYPES
 from .replicas import run_server
 
@@ -83,9 +83,12 @@ def run(args: argparse.Namespace) -> int:
         for model in make_models():
             del model
 
+    names = model_names(args.models)
+
     def announce(url: str) -> None:
-        names = ", ".join(args.models)
-        print(f"partrain serve: serving {names} at {url} (OIP v2: {url}/v2/models/NAME/infer)", flush=True)
+        # one line per model, its inference URL in full (GET {url}/v2/models lists them too)
+        for name in names:
+            print(f"partrain serve: serving model {name!r} at {url}/v2/models/{name}/infer", flush=True)
 
     return run_server(
         make_models, host=args.host, port=args.port, replicas=args.replicas, device=args.device,

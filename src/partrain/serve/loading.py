@@ -23,10 +23,13 @@ INT64), checked by running the model on zeros. Only when none of these works is
 
 from __future__ import annotations
 
+import importlib
+import math
 import os
 import re
+import sys
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +58,15 @@ def default_name(source: str) -> str:
         stem = source.rsplit(":", 1)[1]
     cleaned = re.sub(r"[^A-Za-z0-9_.-]", "_", stem).strip("._-")
     return cleaned or "model"
+
+
+def model_names(specs: Sequence[str]) -> list[str]:
+    """The names MODEL arguments are served under (as `load_model_spec` names them), without loading."""
+    names = []
+    for text in specs:
+        name, source = parse_model_arg(text)
+        names.append(name or default_name(source))
+    return names
 
 
 def parse_shape(text: str | Sequence[int] | None) -> tuple[int, ...] | None:
@@ -126,6 +138,7 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
     dtype = DATATYPES[input_dtype][0] if input_dtype is not None else None
     dev = torch.device(device) if device is not None else None
     module: Any
+    parameters: dict[str, Any] = {}  # what the model metadata adds (preprocessing, task)
     shapes: list[tuple[int, ...]] | tuple[int, ...] | None = shape
     dtypes: Any = dtype
     if os.path.isfile(source):
@@ -145,14 +158,11 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
                 raise UsageError(f"Expected {source!r} to be a TorchScript archive. Received: {type(exc).__name__}: {exc}") from None
             shapes = shape or getattr(module, "example_input_shape", None)
         else:
-            from ..train.checkpoint import load_model
-
-            module, spec = load_model(source)
+            module, spec = model_from_checkpoint(source)
             shapes = shape or (tuple(spec["input_shape"]) if spec.get("input_shape") else None)
+            parameters = spec_parameters(spec, source)
     elif ":" in source and not os.path.exists(source):
-        from ..models import resolve_callable
-
-        factory = resolve_callable(source, "model factory")
+        factory = import_callable(source, "model factory")
         try:
             module = factory()
         except TypeError as exc:
@@ -170,11 +180,15 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
         raise UsageError(f"Expected MODEL as [name=]PATH (checkpoint, TorchScript, .pt2) or module:factory. "
                          f"Received: {text!r} (no such file)")
     if shapes is None:
-        return _served_with_inferred_shape(name, module, dtypes, dev, settings)
-    try:
-        return ServedModel.from_module(name, module, shapes, dtype=dtypes, device=dev, **settings)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise UsageError(f"Model {name!r} failed on an example input of shape {shapes}: {error_line(exc)}") from None
+        served = _served_with_inferred_shape(name, module, dtypes, dev, settings)
+    else:
+        try:
+            served = ServedModel.from_module(name, module, shapes, dtype=dtypes, device=dev, **settings)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise UsageError(f"Model {name!r} failed on an example input of shape {shapes}: "
+                             f"{error_line(exc)}") from None
+    served.parameters.update(parameters)
+    return served
 
 
 def _served_with_inferred_shape(name: str, module: Any, dtype: torch.dtype | None, device: torch.device | None,
@@ -196,6 +210,181 @@ def _served_with_inferred_shape(name: str, module: Any, dtype: torch.dtype | Non
         shown = [-1, *inferred.shape]
         raise ask(f"its first layer, {inferred.layer}, suggests inputs of shape {shown} (-1: any size), "
                   f"but running it on zeros of that shape failed: {error_line(exc)}") from None
+
+
+# --------------------------------------------------------------------------- importing user code
+
+
+def importable_from(directory: str, *, first: bool = False) -> None:
+    """Put ``directory`` on ``sys.path`` (at the front with ``first``, else the end) unless there.
+
+    At the end, a recorded directory can add a user's modules but never shadow an
+    installed package; the current directory goes first, as ``python -m`` and
+    uvicorn put it.
+    """
+    directory = os.path.abspath(directory)
+    if directory in {os.path.abspath(p or os.curdir) for p in sys.path}:
+        return
+    if first:
+        sys.path.insert(0, directory)
+    else:
+        sys.path.append(directory)
+    importlib.invalidate_caches()
+
+
+def import_callable(text: str, what: str, path: str | None = None) -> Callable[..., Any]:
+    """The function ``module:function`` names, importable from the current directory and ``path``.
+
+    The ``partrain`` console script does not put the current directory on
+    ``sys.path`` (``python -m partrain`` does): it is added here, so that
+    ``partrain serve mymodel:build`` finds ``./mymodel.py`` either way. ``path``
+    (a checkpoint's ``model_spec["path"]``, the directory of the script that
+    trained it) is searched last. Raises `UsageError`, one line, when the module
+    is missing or fails to import.
+    """
+    from ..models import resolve_callable
+
+    module_name, sep, attr = text.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"Expected a {what} as 'module:function'. Received: {text!r}")
+    importable_from(os.getcwd(), first=True)
+    if path:
+        importable_from(path)
+    try:
+        importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name != exc.name and not module_name.startswith(exc.name + "."):
+            raise UsageError(f"Expected module {module_name!r} of {what} {text!r} to import. "
+                             f"Received: {type(exc).__name__}: {exc}") from exc  # one of its imports
+        where = "the current directory, installed packages" + (f" or {path!r}" if path else "")
+        raise UsageError(f"Expected module {module_name!r} of {what} {text!r} in {where}. "
+                         f"Received: no module named {exc.name or module_name!r}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: one line
+        raise UsageError(f"Expected module {module_name!r} of {what} {text!r} to import. "
+                         f"Received: {error_line(exc)}") from exc
+    return resolve_callable(text, what)
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+class Preprocess(nn.Module):
+    """``model(x * scale + offset)``: a model that takes raw inputs (``model_spec["preprocess"]``).
+
+    The training data was scaled before the model saw it (the built-in digits:
+    pixels 0..16, then ``x / 16`` and ``(x - 0.3) / 0.4``, i.e. ``x / 6.4 - 0.75``).
+    Wrapping the model puts that step in the served model, so clients send what
+    they have (raw pixels) and batching, shapes and metadata work as for any
+    module. Every floating-point input is scaled; other inputs pass unchanged.
+    """
+
+    def __init__(self, model: nn.Module, scale: float, offset: float):
+        super().__init__()
+        self.model = model
+        self.scale = float(scale)
+        self.offset = float(offset)
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        scaled = (x * self.scale + self.offset if x.is_floating_point() else x for x in inputs)
+        return self.model(*scaled)
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale:g}, offset={self.offset:g}"
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def preprocess_of(spec: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """The checked ``model_spec["preprocess"]`` (``scale``, ``offset``, ``raw``), or None."""
+    pre = spec.get("preprocess")
+    if pre is None:
+        return None
+    if not (isinstance(pre, dict) and _number(pre.get("scale")) and _number(pre.get("offset"))
+            and isinstance(pre.get("raw", ""), str)):
+        raise UsageError(f"Expected the model spec's preprocess in {source!r} as {{'scale': number, "
+                         f"'offset': number, 'raw': text}}. Received: {str(pre)[:200]}")
+    return {"scale": float(pre["scale"]), "offset": float(pre["offset"]), "raw": pre.get("raw", "")}
+
+
+def spec_parameters(spec: dict[str, Any], source: str) -> dict[str, Any]:
+    """What a checkpoint's spec adds to the model metadata's ``parameters``: preprocess, task."""
+    out: dict[str, Any] = {}
+    pre = preprocess_of(spec, source)
+    if pre is not None:
+        out["preprocess"] = pre
+    if isinstance(spec.get("task"), str):
+        out["task"] = spec["task"]
+    return out
+
+
+def fit_weights(model: nn.Module, weights: Any, label: str) -> None:
+    """``model.load_state_dict(weights)``, or one line naming the tensors that do not fit.
+
+    torch's own error lists every key over many lines (the CLI shows the first,
+    which says nothing useful); this names the count and the first few, with both
+    shapes: ``8.weight: checkpoint (10, 128) vs model (5, 128)``.
+    """
+    if not isinstance(weights, Mapping):
+        raise UsageError(f"Expected the checkpoint's 'model' entry to be a state dict for {label}. "
+                         f"Received: {type(weights).__name__}")
+    own = model.state_dict()
+
+    def listed(items: list[str]) -> str:
+        return "; ".join(items[:3]) + ("; ..." if len(items) > 3 else "")
+
+    mismatched = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+                  for k, v in weights.items()
+                  if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape]
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    problems = []
+    if mismatched:
+        problems.append(f"{len(mismatched)} mismatched tensor{'s' * (len(mismatched) != 1)} "
+                        f"({listed(mismatched)})")
+    if missing:
+        problems.append(f"{len(missing)} missing from the checkpoint ({listed(missing)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} not in the model ({listed(unexpected)})")
+    if problems:
+        raise UsageError(f"Expected checkpoint weights to fit {label}. Received: " + ", ".join(problems))
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise UsageError(f"Expected checkpoint weights to fit {label}. Received: {error_line(exc)}") from None
+
+
+def model_from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild the model a ``partrain train`` checkpoint describes, in eval mode, and its spec.
+
+    The spec names a built-in model or ``module:function`` (imported from the
+    current directory or the spec's ``path``); its weights must fit (`fit_weights`);
+    a ``preprocess`` entry wraps the model in `Preprocess`.
+    """
+    from ..models import build_model
+    from ..train.checkpoint import load_checkpoint
+
+    state = load_checkpoint(path)
+    spec = state.get("model_spec")
+    if not spec:
+        raise UsageError(f"Expected a model spec in checkpoint {path!r} to rebuild its model. Received: none "
+                         "(pass model_spec= to fit, or serve a module:factory that loads the weights)")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise UsageError(f"Expected the model spec of {path!r} to name a model. Received: {str(spec)[:200]}")
+    name, kwargs = spec["name"], spec.get("kwargs") or {}
+    path_entry = spec.get("path")
+    if path_entry is not None and not isinstance(path_entry, str):
+        raise UsageError(f"Expected the model spec's path in {path!r} as a directory. Received: {path_entry!r}")
+    if ":" in name:
+        import_callable(name, "model factory", path_entry)
+    model = build_model(name, **kwargs)
+    fit_weights(model, state.get("model"), f"model {name!r} built from its spec")
+    model.eval()
+    pre = preprocess_of(spec, path)
+    if pre is not None:
+        model = Preprocess(model, pre["scale"], pre["offset"]).eval()
+    return model, spec
 
 
 def load_models(specs: Sequence[str], *, device: torch.device | str | None = None, **options: Any) -> list[ServedModel]:

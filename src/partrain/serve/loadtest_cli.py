@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ..errors import UsageError
 from .loadtest import LoadConfig, prepare, run_load
+from .loadtest.report import check_output_file
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -28,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--duration SECONDS. Reports throughput, p50/p90/p99 latency and errors by kind, checks that "
         "every request got exactly one answer and, with --check MODEL, that every answer is right. "
         "Inputs are random, shaped by the model's metadata (-1 sizes become 1, or use --shape), or "
-        "come from --npz. Exit status 1 when an answer is lost or wrong.",
+        "come from --npz. Exit status 1 when an answer is lost or wrong, or more requests fail than "
+        "--max-error-rate allows (default: any).",
         epilog="Example: partrain loadtest http://127.0.0.1:8000 --model lenet --concurrency 16 "
         "--duration 10 --check partrain.bench.serve:lenet_factory",
     )
@@ -66,7 +69,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance of --check (default 1e-4)")
     p.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance of --check (default 1e-4)")
     p.add_argument("--token", help="bearer token sent in the Authorization header")
-    p.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON")
+    p.add_argument("--max-error-rate", type=float, default=0.0, metavar="FRACTION",
+                   help="fail (exit status 1) when more than this fraction of requests get an error "
+                   "(default 0: any failed request fails the run; 0.01 tolerates 1%%)")
+    p.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON (its directory must "
+                   "exist; checked before the load starts)")
     p.set_defaults(func=run)
 
 
@@ -80,6 +87,10 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     for name in ("atol", "rtol"):
         if not getattr(args, name) >= 0:
             raise UsageError(f"Expected a non-negative --{name}. Received: {getattr(args, name)}")
+    if not 0 <= args.max_error_rate <= 1:
+        raise UsageError(f"Expected --max-error-rate between 0 and 1. Received: {args.max_error_rate}")
+    if args.json is not None:
+        check_output_file(args.json, "--json")  # before the run: its results must not be lost
     if args.connections is not None and args.connections < 1:
         raise UsageError(f"Expected a positive number of connections. Received: --connections {args.connections}")
     return LoadConfig(
@@ -103,4 +114,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report.figures(), f, indent=2, sort_keys=True)
             f.write("\n")
-    return 1 if report.lost or report.wrong else 0
+    failures = report.failures(args.max_error_rate)
+    for line in failures:
+        print(f"partrain loadtest: FAILED: {line}", file=sys.stderr)
+    return 1 if failures else 0

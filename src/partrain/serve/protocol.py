@@ -40,12 +40,16 @@ try:  # orjson parses a request of 784 floats ~10x faster than json (optional, `
     _loads = orjson.loads
 
     def _dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)  # NaN/inf become null (standard JSON has no NaN)
+        return orjson.dumps(obj)  # callers check floats are finite first: orjson would write null
 except ImportError:  # pragma: no cover - depends on the environment
-    _loads = json.loads
+    def _no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")  # as orjson: standard JSON has no NaN or Infinity
+
+    def _loads(text: bytes | str) -> Any:
+        return json.loads(text, parse_constant=_no_constant)
 
     def _dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
+        return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 HEADER = "Inference-Header-Content-Length"
 
@@ -68,11 +72,15 @@ TORCH_TO_DATATYPE = {t: name for name, (t, _) in DATATYPES.items()}
 
 
 class ProtocolError(Exception):
-    """A request the protocol rejects; ``status`` is the HTTP status to answer with."""
+    """A request the protocol rejects; ``status`` is the HTTP status to answer with.
 
-    def __init__(self, message: str, status: int = 400):
+    ``headers``: HTTP headers the answer carries (``Accept-Encoding`` of a 415).
+    """
+
+    def __init__(self, message: str, status: int = 400, headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = dict(headers or {})
 
 
 def datatype_of(dtype: torch.dtype) -> str:
@@ -140,6 +148,8 @@ class ServedModel:
     pad: bool = False
     pad_value: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    # the metadata's "parameters": e.g. {"preprocess": {"scale", "offset", "raw"}, "task": ...}
+    parameters: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_module(
@@ -200,13 +210,16 @@ class ServedModel:
 
     def metadata(self) -> dict[str, Any]:
         """The model metadata response of the protocol."""
-        return {
+        out = {
             "name": self.name,
             "versions": [self.version],
             "platform": self.platform,
             "inputs": [t.to_json() for t in self.inputs],
             "outputs": [t.to_json() for t in self.outputs],
         }
+        if self.parameters:  # not in the protocol's schema; clients ignore fields they do not know
+            out["parameters"] = self.parameters
+        return out
 
 
 def _io_name(kind: str, i: int, n: int) -> str:
@@ -258,10 +271,67 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
     try:
         header = _loads(bytes(memoryview(body)[:n]) if n != len(body) else body)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise _bad(f"Expected a JSON object as the request header. Received invalid JSON: {exc}") from None
+        raise _bad(_not_json(body, header_length, exc)) from None
     if not isinstance(header, dict):
-        raise _bad(f"Expected a JSON object as the request. Received: {type(header).__name__}")
+        raise _bad(f"Expected a JSON object as the request. Received: {_json_kind(header)}")
     return header, memoryview(body)[n:]
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words, with a short excerpt: ``an array [1, 2]``."""
+    kind = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    return kind if value is None else f"{kind} {json.dumps(value)[:40]}"
+
+
+def _not_json(body: bytes, header_length: str | None, exc: Exception) -> str:
+    """Why a body is not a JSON request, saying what it looks like instead."""
+    expected = "Expected the request body to be a JSON object (an inference request)"
+    if header_length is not None:
+        expected = f"Expected the body's first {header_length} bytes ({HEADER}) to be a JSON object"
+    if not body:
+        return f"{expected}. Received: an empty body"
+    if body[:2] == b"\x1f\x8b":
+        return (f"{expected}; a gzip-compressed body needs the header 'Content-Encoding: gzip'. "
+                f"Received: gzip data without it")
+    if header_length is None and body[:1] == b"{":
+        # a JSON object followed by other bytes: binary tensors without their header length?
+        try:
+            head, end = json.JSONDecoder().raw_decode(body.decode("latin-1"))  # 1 char per byte
+        except ValueError:
+            head, end = None, 0
+        if isinstance(head, dict) and end < len(body):
+            return (f"{expected}, or a JSON header followed by binary tensor data with the header "
+                    f"'{HEADER}'. Received: {len(body) - end} bytes after a {end}-byte JSON object "
+                    f"and no {HEADER} header")
+    first = " ".join(str(exc).split())[:160]
+    if "number is infinity" in first:  # orjson: a literal beyond the double range, like 1e400
+        return f"{expected} whose numbers fit FP64. Received: a number out of that range ({first})"
+    return f"{expected}. Received invalid JSON ({first}), starting {bytes(body[:24])!r}"
+
+
+def _float_values(label: str, raw: np.ndarray, datatype: str, np_dtype: np.dtype) -> np.ndarray:
+    """``raw`` (numbers from JSON) as ``np_dtype``; 400 for a value the datatype cannot hold.
+
+    A finite number that would become infinite in the datatype (1e300 as FP32,
+    70000 as FP16) is out of range: refused rather than served as Infinity (whose
+    outputs JSON could not carry either). Magnitudes too small to represent become
+    zero, as rounding does.
+    """
+    if raw.dtype.kind == "O":  # Python ints beyond int64 (numpy keeps them as objects)
+        try:
+            raw = np.array(raw.tolist(), dtype=np.float64)
+        except OverflowError:
+            raw = np.array([float("inf")])  # beyond even FP64: reported below
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = raw.astype(np_dtype)
+    overflow = ~np.isfinite(cast) & ~np.isnan(raw.astype(np.float64, copy=False))
+    if overflow.any():
+        limit = float(np.finfo(np_dtype).max)
+        shown = raw.reshape(-1)[np.argmax(overflow.reshape(-1))]
+        raise _bad(f"Expected {datatype} values within +-{limit:.8g} for {label}. "
+                   f"Received: {float(shown):g} ({int(overflow.sum())} value(s) out of range)")
+    return cast
 
 
 def _tensor_from_json(label: str, data: Any, datatype: str, shape: list[int]) -> Tensor:
@@ -271,7 +341,10 @@ def _tensor_from_json(label: str, data: Any, datatype: str, shape: list[int]) ->
     try:
         raw = np.array(data)
     except (ValueError, OverflowError) as exc:
-        raise _bad(f"Expected {label} data as a (nested) list of numbers. Received: {exc}") from None
+        received = ("nested lists of different lengths" if "inhomogeneous" in str(exc)
+                    else " ".join(str(exc).split())[:120])
+        raise _bad(f"Expected {label} data as a flat or evenly nested list of numbers (row-major). "
+                   f"Received: {received}") from None
     kind = raw.dtype.kind
     count = math.prod(shape)
     if raw.size != count:
@@ -294,13 +367,46 @@ def _tensor_from_json(label: str, data: Any, datatype: str, shape: list[int]) ->
                     raise _bad(f"Expected {datatype} values in [{info.min}, {info.max}] for {label}. "
                                f"Received: values in [{low}, {high}]")
         else:
-            ok = kind in "iuf"
+            ok = kind in "iuf" or (kind == "O" and _all_numbers(raw))
         if not ok:
             want = {"BOOL": "true/false"}.get(datatype, "integers" if "INT" in datatype else "numbers")
             raise _bad(f"Expected {want} for {label} of datatype {datatype}. "
-                       f"Received: elements of numpy kind {raw.dtype.name}")
-    arr = raw.astype(np_dtype.newbyteorder("="), copy=False).reshape(shape)
+                       f"Received: {_first_offender(data, datatype)}")
+    native = np_dtype.newbyteorder("=")
+    if native.kind == "f":
+        arr = _float_values(label, raw, datatype, native).reshape(shape)
+    else:
+        arr = raw.astype(native, copy=False).reshape(shape)
     return torch.from_numpy(np.ascontiguousarray(arr)).to(torch_dtype)
+
+
+def _first_offender(data: list[Any], datatype: str) -> str:
+    """The first element of ``data`` (nested lists, row-major) that ``datatype`` cannot hold, as JSON."""
+    if datatype == "BOOL":
+        def fits(v: Any) -> bool:
+            return type(v) is bool
+    elif "INT" in datatype:
+        def fits(v: Any) -> bool:
+            return type(v) is int
+    else:
+        def fits(v: Any) -> bool:
+            return type(v) in (int, float)
+    stack, index = [iter(data)], 0
+    while stack:
+        value = next(stack[-1], stack)
+        if value is stack:
+            stack.pop()
+        elif isinstance(value, list):
+            stack.append(iter(value))
+        elif not fits(value):
+            return f"{json.dumps(value)[:40]} at element {index}"
+        else:
+            index += 1
+    return "elements of another type"
+
+
+def _all_numbers(raw: np.ndarray) -> bool:
+    return all(type(v) in (int, float) for v in raw.reshape(-1).tolist())
 
 
 def _tensor_from_bytes(label: str, blob: memoryview, datatype: str, shape: list[int]) -> Tensor:
@@ -333,13 +439,13 @@ def decode_infer_request(body: bytes, header_length: str | None, model: ServedMo
                    f"Received: {json.dumps(inputs)[:80] if inputs is not None else 'no inputs'}")
     params = header.get("parameters") or {}
     if not isinstance(params, dict):
-        raise _bad(f"Expected request 'parameters' as an object. Received: {type(params).__name__}")
+        raise _bad(f"Expected request 'parameters' as an object. Received: {_json_kind(params)}")
     specs = {t.name: t for t in model.inputs}
     by_name: dict[str, Tensor] = {}
     offset = 0
     for i, item in enumerate(inputs):
         if not isinstance(item, dict):
-            raise _bad(f"Expected inputs[{i}] as an object. Received: {type(item).__name__}")
+            raise _bad(f"Expected inputs[{i}] as an object. Received: {_json_kind(item)}")
         name = item.get("name")
         if not isinstance(name, str):
             raise _bad(f"Expected inputs[{i}].name as a string. Received: {name!r}")
@@ -380,7 +486,7 @@ def decode_infer_request(body: bytes, header_length: str | None, model: ServedMo
         outputs = [(n, default_binary) for n in out_names]
     else:
         if not isinstance(requested, list):
-            raise _bad(f"Expected 'outputs' as a list. Received: {type(requested).__name__}")
+            raise _bad(f"Expected 'outputs' as a list. Received: {_json_kind(requested)}")
         outputs = []
         for j, out in enumerate(requested):
             if not isinstance(out, dict) or not isinstance(out.get("name"), str):
@@ -401,12 +507,30 @@ def decode_infer_request(body: bytes, header_length: str | None, model: ServedMo
         timeout = timeout / 1e6
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):
-        raise _bad(f"Expected 'id' as a string. Received: {type(request_id).__name__}")
+        raise _bad(f"Expected 'id' as a string. Received: {_json_kind(request_id)}")
     ordered = tuple(by_name[t.name] for t in model.inputs)
     return InferRequest(request_id, ordered, outputs, timeout)
 
 
 # --------------------------------------------------------------------------- tensors on the wire
+
+
+class NonFiniteError(ValueError):
+    """A tensor with NaN or Infinity cannot be sent as JSON (JSON numbers are finite).
+
+    ``found`` says what it holds ("2 NaN, 1 +Infinity"), ``size`` its element count.
+    """
+
+    def __init__(self, name: str, arr: np.ndarray):
+        flat = arr.reshape(-1)
+        counts = {"NaN": int(np.isnan(flat).sum()), "+Infinity": int(np.isposinf(flat).sum()),
+                  "-Infinity": int(np.isneginf(flat).sum())}
+        self.name = name
+        self.found = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+        self.size = int(flat.size)
+        super().__init__(f"Expected finite values in tensor {name!r} to send it as JSON (JSON numbers "
+                         f"cannot be NaN or Infinity). Received: {self.found} among {self.size} values; "
+                         f"send it as binary (the binary tensor data extension carries them)")
 
 
 def encode_tensor(name: str, value: Tensor | np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
@@ -416,7 +540,8 @@ def encode_tensor(name: str, value: Tensor | np.ndarray, binary: bool) -> tuple[
     ``data``) and None, or with ``binary`` the entry with
     ``parameters.binary_data_size`` and the raw little-endian bytes that follow the
     JSON header. A torch tensor or a numpy array; bfloat16 (no OIP datatype) is sent
-    as FP32.
+    as FP32. Raises `NonFiniteError` for NaN or Infinity in a JSON tensor (JSON
+    cannot carry them; binary can).
     """
     if isinstance(value, Tensor):
         t = value.detach()
@@ -431,6 +556,8 @@ def encode_tensor(name: str, value: Tensor | np.ndarray, binary: bool) -> tuple[
         datatype = datatype_of_array(arr)
     entry: dict[str, Any] = {"name": name, "shape": list(arr.shape), "datatype": datatype}
     if not binary:
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise NonFiniteError(name, arr)
         entry["data"] = arr.reshape(-1).tolist()
         return entry, None
     blob = np.ascontiguousarray(arr).astype(DATATYPES[datatype][1], copy=False).tobytes()
@@ -453,7 +580,7 @@ def decode_tensor(entry: dict[str, Any], binary: memoryview, offset: int,
     shape = _check_shape(label, entry.get("shape"))
     params = entry.get("parameters") or {}
     if not isinstance(params, dict):
-        raise _bad(f"Expected {label} parameters as an object. Received: {type(params).__name__}")
+        raise _bad(f"Expected {label} parameters as an object. Received: {_json_kind(params)}")
     size = params.get("binary_data_size")
     if size is None:
         if "data" not in entry:
@@ -488,7 +615,15 @@ def encode_infer_response(model: ServedModel, request: InferRequest, result: Any
     by_name = {spec.name: t for spec, t in zip(model.outputs, outs)}
     items, blobs = [], []
     for name, as_binary in request.outputs:
-        entry, blob = encode_tensor(name, by_name[name], as_binary)
+        try:
+            entry, blob = encode_tensor(name, by_name[name], as_binary)
+        except NonFiniteError as exc:
+            # the model's answer is not wrong, but JSON cannot carry it: never send null instead
+            raise ProtocolError(
+                f"Expected finite values in output {name!r} of model {model.name!r} to answer in JSON "
+                f"(JSON numbers cannot be NaN or Infinity). Received: {exc.found} among {exc.size} "
+                f"values; ask for binary outputs (\"binary_data_output\": true) to receive them", 500,
+            ) from None
         items.append(entry)
         blobs.append(blob)
     response: dict[str, Any] = {"model_name": model.name, "model_version": model.version, "outputs": items}
@@ -554,7 +689,7 @@ def decode_infer_response(body: bytes, header_length: str | None = None) -> Infe
     offset = 0
     for entry in items:
         if not isinstance(entry, dict):
-            raise _bad(f"Expected each output as an object. Received: {type(entry).__name__}")
+            raise _bad(f"Expected each output as an object. Received: {_json_kind(entry)}")
         outputs[str(entry.get("name"))], offset = decode_tensor(entry, binary, offset)
     request_id = header.get("id")
     name = header.get("model_name")

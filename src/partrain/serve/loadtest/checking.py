@@ -21,7 +21,7 @@ def load_reference_model(spec: str) -> Any:
     import torch
 
     from ...models import build_model
-    from ...train.checkpoint import load_model
+    from ..loading import import_callable, model_from_checkpoint
 
     name, sep, rest = spec.partition("=")
     if sep and name.isidentifier() and not os.path.exists(spec):
@@ -30,7 +30,7 @@ def load_reference_model(spec: str) -> Any:
         if spec.endswith(".pt2"):
             return torch.export.load(spec).module()
         try:
-            model, _ = load_model(spec)
+            model, _ = model_from_checkpoint(spec)  # with its preprocessing, as the server has it
             return model
         except UsageError as first:
             try:
@@ -38,6 +38,7 @@ def load_reference_model(spec: str) -> Any:
             except Exception:
                 raise first from None
     if ":" in spec:
+        import_callable(spec, "model factory")  # finds modules in the current directory
         return build_model(spec).eval()
     raise UsageError(f"Expected a model file or 'module:factory' to check answers with. Received: {spec!r}")
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
+
+from ...errors import UsageError
 
 
 @dataclass
@@ -23,6 +26,7 @@ class LoadReport:
     checked: int = 0  # answers compared with the local model
     wrong: int = 0  # answers that differ from the local model beyond atol/rtol
     first_wrong: str = ""  # a description of the first wrong answer
+    first_error: str = ""  # the first failed request: its kind and what the server said
 
     @property
     def ok(self) -> int:
@@ -31,6 +35,27 @@ class LoadReport:
     @property
     def failed(self) -> int:
         return sum(self.errors.values())
+
+    @property
+    def error_rate(self) -> float:
+        """Failed requests / requests sent (1 when nothing was sent: nothing worked)."""
+        return self.failed / self.sent if self.sent else 1.0
+
+    def failures(self, max_error_rate: float = 0.0) -> list[str]:
+        """One line per reason this run failed (empty when it passed): errors, lost or wrong answers."""
+        lines = []
+        if self.sent == 0:
+            lines.append("no request was sent")
+        elif self.error_rate > max_error_rate:
+            lines.append(f"{self.failed} of {self.sent} requests failed (error rate {self.error_rate:.3g} > "
+                         f"--max-error-rate {max_error_rate:g}); first: {self.first_error}")
+        if self.lost:
+            lines.append(f"{self.lost} of {self.sent} requests did not get exactly one answer of their own "
+                         f"(missing {self.missing}, duplicated {self.duplicates}, "
+                         f"wrong id {self.id_mismatches})")
+        if self.wrong:
+            lines.append(f"{self.wrong} of {self.checked} answers checked were wrong; first: {self.first_wrong}")
+        return lines
 
     @property
     def throughput(self) -> float:
@@ -50,7 +75,8 @@ class LoadReport:
     def figures(self) -> dict[str, float]:
         """Every figure as a flat dict (``--json``); errors as ``errors.<kind>``."""
         out: dict[str, float] = {
-            "sent": self.sent, "ok": self.ok, "failed": self.failed, "elapsed_s": self.elapsed,
+            "sent": self.sent, "ok": self.ok, "failed": self.failed, "error_rate": self.error_rate,
+            "elapsed_s": self.elapsed,
             "throughput_rps": self.throughput, "p50_ms": self.percentile(50),
             "p90_ms": self.percentile(90), "p99_ms": self.percentile(99),
             "mean_ms": float(np.mean(self.latencies) * 1e3) if self.latencies else float("nan"),
@@ -63,13 +89,21 @@ class LoadReport:
 
     def format(self) -> str:
         """A few readable lines for the terminal."""
+        if self.ok == 0:
+            # "yes" would be vacuous: no request got an answer to count
+            one_each = f"no answers to check, 0 of {self.sent} answered"
+        else:
+            one_each = "yes" if self.lost == 0 else "NO"
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "none"
+        if self.first_error:
+            errors += f" (first: {self.first_error})"
         lines = [
             f"{self.mode}: {self.sent} requests in {self.elapsed:.2f} s",
-            f"  answered  {self.ok}  ({self.throughput:,.1f} requests/s)",
+            f"  answered  {self.ok} of {self.sent}  ({self.throughput:,.1f} requests/s)",
             f"  latency   p50 {self.percentile(50):.2f} ms  p90 {self.percentile(90):.2f} ms  "
             f"p99 {self.percentile(99):.2f} ms",
-            "  errors    " + (", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "none"),
-            f"  exactly one answer each: {'yes' if self.lost == 0 else 'NO'} "
+            f"  errors    {errors}",
+            f"  exactly one answer each: {one_each} "
             f"(missing {self.missing}, duplicated {self.duplicates}, wrong id {self.id_mismatches})",
         ]
         if self.checked:
@@ -78,3 +112,21 @@ class LoadReport:
         else:
             lines.append("  answers not checked (no --check model)")
         return "\n".join(lines)
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Raise `UsageError` now if ``path`` cannot be written later (a run's results would be lost).
+
+    Checked before the load runs: the parent directory must exist and be
+    writable, and ``path`` must not be a directory.
+    """
+    if not path:
+        raise UsageError(f"Expected a file name for {flag}. Received: an empty string")
+    if os.path.isdir(path):
+        raise UsageError(f"Expected a file to write for {flag}. Received: {path!r}, a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        why = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise UsageError(f"Expected {flag} in an existing directory. Received: {path!r} ({parent!r} {why})")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise UsageError(f"Expected {flag} to be writable. Received: {path!r} (permission denied)")

@@ -8,6 +8,7 @@ still in flight then are counted as cancelled).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
@@ -37,6 +38,7 @@ class _Recorder:
         self.errors: Counter = Counter()
         self.id_mismatches = 0
         self.answers: list[tuple[int, dict[str, np.ndarray]]] = []
+        self.first_error = ""  # the first failure seen, with what the server said
 
     def answered(self, index: int, latency: float, sample: int, outputs: dict[str, np.ndarray],
                  keep: bool) -> None:
@@ -45,9 +47,20 @@ class _Recorder:
         if keep:
             self.answers.append((sample, outputs))
 
-    def failed(self, index: int, kind: str) -> None:
+    def failed(self, index: int, kind: str, detail: str = "") -> None:
         self.seen[index] += 1
         self.errors[kind] += 1
+        if not self.first_error:
+            self.first_error = f"request {index}: {kind}" + (f": {detail}" if detail else "")
+
+
+def _error_detail(content: bytes) -> str:
+    """What an error answer says: its ``{"error": ...}`` message, else the start of the body."""
+    try:
+        message = json.loads(content)["error"]
+    except (ValueError, KeyError, TypeError):
+        message = content[:200].decode("utf-8", "replace")
+    return " ".join(str(message).split())[:300]
 
 
 async def _send(pool: ConnectionPool, path: str, encoder: RequestEncoder, index: int, sample: int,
@@ -59,22 +72,22 @@ async def _send(pool: ConnectionPool, path: str, encoder: RequestEncoder, index:
     try:
         status, response_headers, content = await asyncio.wait_for(pool.post(path, body, headers), timeout)
     except asyncio.TimeoutError:
-        recorder.failed(index, "timeout")
+        recorder.failed(index, "timeout", f"no answer within {timeout:g} s")
         return
     except asyncio.CancelledError:
-        recorder.failed(index, "cancelled")
+        recorder.failed(index, "cancelled", "still unanswered when the run's time limit passed")
         raise
-    except (OSError, h11.ProtocolError):  # refused, reset, closed mid-answer, garbled HTTP
-        recorder.failed(index, "connection error")
+    except (OSError, h11.ProtocolError) as exc:  # refused, reset, closed mid-answer, garbled HTTP
+        recorder.failed(index, "connection error", f"{type(exc).__name__}: {exc}")
         return
     latency = time.perf_counter() - start
     if status != 200:
-        recorder.failed(index, f"HTTP {status}")
+        recorder.failed(index, f"HTTP {status}", _error_detail(content))
         return
     try:
         answer_id, outputs = read_answer(content, response_headers)
-    except (ProtocolError, ValueError, KeyError, TypeError):
-        recorder.failed(index, "malformed answer")
+    except (ProtocolError, ValueError, KeyError, TypeError) as exc:
+        recorder.failed(index, "malformed answer", f"{type(exc).__name__}: {exc}"[:300])
         return
     if answer_id is not None and answer_id != request_id:
         recorder.id_mismatches += 1
@@ -177,7 +190,8 @@ async def run_load_async(cfg: LoadConfig, samples: Sequence[Mapping[str, np.ndar
         elapsed = time.perf_counter() - t0
 
     report = LoadReport(mode=mode, elapsed=elapsed, sent=sent, latencies=recorder.latencies,
-                        errors=recorder.errors, id_mismatches=recorder.id_mismatches)
+                        errors=recorder.errors, id_mismatches=recorder.id_mismatches,
+                        first_error=recorder.first_error)
     report.duplicates = sum(1 for n in recorder.seen.values() if n > 1)
     report.missing = sum(1 for i in range(sent) if i not in recorder.seen)
     if checker is not None:

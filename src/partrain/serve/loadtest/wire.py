@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from ..protocol import HEADER, decode_infer_response, encode_request
+from ...errors import UsageError
+from ..protocol import HEADER, NonFiniteError, decode_infer_response, encode_request
 
 
 class RequestEncoder:
@@ -25,8 +26,13 @@ class RequestEncoder:
     def __init__(self, samples: Sequence[Mapping[str, np.ndarray]], binary: bool = False):
         self.binary = binary
         self._parts: list[tuple[bytes, bytes]] = []
-        for sample in samples:
-            body, headers = encode_request(sample, binary=binary, binary_output=binary)
+        for index, sample in enumerate(samples):
+            try:
+                body, headers = encode_request(sample, binary=binary, binary_output=binary)
+            except NonFiniteError as exc:
+                raise UsageError(f"Expected finite input values to send as JSON (JSON numbers cannot be "
+                                 f"NaN or Infinity). Received: {exc.found} in input {exc.name!r} of "
+                                 f"sample {index}; send them with --binary") from None
             head_length = int(headers.get(HEADER, len(body)))
             # the JSON header without its opening brace: '{"id":"<id>",' is prepended per request
             self._parts.append((body[1:head_length], body[head_length:]))
