@@ -69,7 +69,7 @@ ERRORS = [
      "Received: dataset 'tests.data_fixtures:tiny_dataset' with inputs tensor (2, 6) float32"),
     (["--dataset", "mnist"], "Expected a dataset among"),
     (["--model", "resnet999"], "Expected a model among"),
-    (["--model", "nosuchmodule_xyz:f"], "Cannot import module 'nosuchmodule_xyz'"),
+    (["--model", "nosuchmodule_xyz:f"], "Expected module 'nosuchmodule_xyz' of model factory 'nosuchmodule_xyz:f' in the current directory, installed packages. Received: no module named 'nosuchmodule_xyz'"),
     (["--synthetic-shape", "a,b", "--dataset", "synthetic"], "Expected --synthetic-shape"),
     (["--lr", "-1"], "Expected a positive, finite learning rate. Received: lr=-1"),
     (["--epochs", "0"], "Expected a positive number of epochs"),

@@ -8,7 +8,6 @@ code: ``{"name": str, "kwargs": dict}``.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -92,35 +91,55 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 }
 
 
-def resolve_callable(spec: str, what: str, path: str | None = None) -> Callable[..., Any]:
-    """Import ``"package.module:function"`` and return the function.
+def importable_from(directory: str, *, first: bool = False) -> None:
+    """Put ``directory`` on ``sys.path`` (at the front with ``first``, else the end) unless there.
 
-    Modules are found as Python finds them, then in the current directory (the ``partrain``
-    command does not put it on ``sys.path`` by itself), then in ``path`` (the directory a
-    model spec recorded for a factory defined in the user's script).
+    At the end, a recorded directory can add a user's modules but never shadow an
+    installed package; the current directory goes first, as ``python -m`` and
+    uvicorn put it.
     """
-    if ":" not in spec:
+    directory = os.path.abspath(directory)
+    if directory in {os.path.abspath(p or os.curdir) for p in sys.path}:
+        return
+    if first:
+        sys.path.insert(0, directory)
+    else:
+        sys.path.append(directory)
+    importlib.invalidate_caches()
+
+
+def resolve_callable(spec: str, what: str, path: str | None = None) -> Callable[..., Any]:
+    """The function ``"package.module:function"`` names.
+
+    The ``partrain`` console script does not put the current directory on ``sys.path``
+    (``python -m partrain`` does): it is added here, so that ``mymodel:build`` finds
+    ``./mymodel.py`` either way. ``path`` (a checkpoint's ``model_spec["path"]``, the
+    directory of the script that trained it) is searched last. Raises `UsageError`, one
+    line, when the module is missing or fails to import.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
         raise UsageError(f"Expected a {what} as 'module:function'. Received: {spec!r}")
-    module_name, _, attr = spec.partition(":")
-    for extra in (os.getcwd(), path):
-        if extra and extra not in sys.path and not _findable(module_name):
-            sys.path.append(extra)
-            importlib.invalidate_caches()
+    importable_from(os.getcwd(), first=True)
+    if path:
+        importable_from(path)
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"Cannot import module {module_name!r} for {what} {spec!r}: {exc}") from None
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name != exc.name and not module_name.startswith(exc.name + "."):
+            raise UsageError(f"Expected module {module_name!r} of {what} {spec!r} to import. "
+                             f"Received: {type(exc).__name__}: {exc}") from exc  # one of its imports
+        where = "the current directory, installed packages" + (f" or {path!r}" if path else "")
+        raise UsageError(f"Expected module {module_name!r} of {what} {spec!r} in {where}. "
+                         f"Received: no module named {exc.name or module_name!r}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: one line
+        lines = str(exc).strip().splitlines()
+        raise UsageError(f"Expected module {module_name!r} of {what} {spec!r} to import. "
+                         f"Received: {type(exc).__name__}: {lines[0] if lines else ''}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UsageError(f"Expected {spec!r} to name a callable {what}. Received: {type(fn).__name__}")
     return fn
-
-
-def _findable(module_name: str) -> bool:
-    try:
-        return importlib.util.find_spec(module_name.split(".")[0]) is not None
-    except (ImportError, ValueError):
-        return False
 
 
 def build_model(name: str, *, _path: str | None = None, **kwargs: Any) -> nn.Module:

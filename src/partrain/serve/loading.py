@@ -23,13 +23,11 @@ INT64), checked by running the model on zeros. Only when none of these works is
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import re
-import sys
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -215,54 +213,11 @@ def _served_with_inferred_shape(name: str, module: Any, dtype: torch.dtype | Non
 # --------------------------------------------------------------------------- importing user code
 
 
-def importable_from(directory: str, *, first: bool = False) -> None:
-    """Put ``directory`` on ``sys.path`` (at the front with ``first``, else the end) unless there.
-
-    At the end, a recorded directory can add a user's modules but never shadow an
-    installed package; the current directory goes first, as ``python -m`` and
-    uvicorn put it.
-    """
-    directory = os.path.abspath(directory)
-    if directory in {os.path.abspath(p or os.curdir) for p in sys.path}:
-        return
-    if first:
-        sys.path.insert(0, directory)
-    else:
-        sys.path.append(directory)
-    importlib.invalidate_caches()
-
-
 def import_callable(text: str, what: str, path: str | None = None) -> Callable[..., Any]:
-    """The function ``module:function`` names, importable from the current directory and ``path``.
-
-    The ``partrain`` console script does not put the current directory on
-    ``sys.path`` (``python -m partrain`` does): it is added here, so that
-    ``partrain serve mymodel:build`` finds ``./mymodel.py`` either way. ``path``
-    (a checkpoint's ``model_spec["path"]``, the directory of the script that
-    trained it) is searched last. Raises `UsageError`, one line, when the module
-    is missing or fails to import.
-    """
+    """`partrain.models.resolve_callable`: the current directory first, ``path`` last."""
     from ..models import resolve_callable
 
-    module_name, sep, attr = text.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(f"Expected a {what} as 'module:function'. Received: {text!r}")
-    importable_from(os.getcwd(), first=True)
-    if path:
-        importable_from(path)
-    try:
-        importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and module_name != exc.name and not module_name.startswith(exc.name + "."):
-            raise UsageError(f"Expected module {module_name!r} of {what} {text!r} to import. "
-                             f"Received: {type(exc).__name__}: {exc}") from exc  # one of its imports
-        where = "the current directory, installed packages" + (f" or {path!r}" if path else "")
-        raise UsageError(f"Expected module {module_name!r} of {what} {text!r} in {where}. "
-                         f"Received: no module named {exc.name or module_name!r}") from None
-    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: one line
-        raise UsageError(f"Expected module {module_name!r} of {what} {text!r} to import. "
-                         f"Received: {error_line(exc)}") from exc
-    return resolve_callable(text, what)
+    return resolve_callable(text, what, path)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -319,42 +274,6 @@ def spec_parameters(spec: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def fit_weights(model: nn.Module, weights: Any, label: str) -> None:
-    """``model.load_state_dict(weights)``, or one line naming the tensors that do not fit.
-
-    torch's own error lists every key over many lines (the CLI shows the first,
-    which says nothing useful); this names the count and the first few, with both
-    shapes: ``8.weight: checkpoint (10, 128) vs model (5, 128)``.
-    """
-    if not isinstance(weights, Mapping):
-        raise UsageError(f"Expected the checkpoint's 'model' entry to be a state dict for {label}. "
-                         f"Received: {type(weights).__name__}")
-    own = model.state_dict()
-
-    def listed(items: list[str]) -> str:
-        return "; ".join(items[:3]) + ("; ..." if len(items) > 3 else "")
-
-    mismatched = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
-                  for k, v in weights.items()
-                  if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape]
-    missing = [k for k in own if k not in weights]
-    unexpected = [k for k in weights if k not in own]
-    problems = []
-    if mismatched:
-        problems.append(f"{len(mismatched)} mismatched tensor{'s' * (len(mismatched) != 1)} "
-                        f"({listed(mismatched)})")
-    if missing:
-        problems.append(f"{len(missing)} missing from the checkpoint ({listed(missing)})")
-    if unexpected:
-        problems.append(f"{len(unexpected)} not in the model ({listed(unexpected)})")
-    if problems:
-        raise UsageError(f"Expected checkpoint weights to fit {label}. Received: " + ", ".join(problems))
-    try:
-        model.load_state_dict(weights)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise UsageError(f"Expected checkpoint weights to fit {label}. Received: {error_line(exc)}") from None
-
-
 def model_from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild the model a ``partrain train`` checkpoint describes, in eval mode, and its spec.
 
@@ -363,7 +282,7 @@ def model_from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
     a ``preprocess`` entry wraps the model in `Preprocess`.
     """
     from ..models import build_model
-    from ..train.checkpoint import load_checkpoint
+    from ..train.checkpoint import fit_weights, load_checkpoint
 
     state = load_checkpoint(path)
     spec = state.get("model_spec")

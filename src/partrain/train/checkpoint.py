@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -58,6 +59,44 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     return state
 
 
+def fit_weights(model: nn.Module, weights: Any, label: str) -> None:
+    """``model.load_state_dict(weights)``, or one line naming the tensors that do not fit.
+
+    torch's own error lists every key over many lines (a one-line report shows the
+    first, which says nothing useful); this names the count and the first few, with
+    both shapes: ``8.weight: checkpoint (10, 128) vs model (5, 128)``.
+    """
+    if not isinstance(weights, Mapping):
+        raise UsageError(f"Expected the checkpoint's 'model' entry to be a state dict for {label}. "
+                         f"Received: {type(weights).__name__}")
+    own = model.state_dict()
+
+    def listed(items: list[str]) -> str:
+        return "; ".join(items[:3]) + ("; ..." if len(items) > 3 else "")
+
+    mismatched = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+                  for k, v in weights.items()
+                  if k in own and isinstance(v, torch.Tensor) and v.shape != own[k].shape]
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    problems = []
+    if mismatched:
+        problems.append(f"{len(mismatched)} mismatched tensor{'s' * (len(mismatched) != 1)} "
+                        f"({listed(mismatched)})")
+    if missing:
+        problems.append(f"{len(missing)} missing from the checkpoint ({listed(missing)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} not in the model ({listed(unexpected)})")
+    if problems:
+        raise UsageError(f"Expected checkpoint weights to fit {label}. Received: " + ", ".join(problems))
+    try:
+        model.load_state_dict(weights)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        lines = str(exc).strip().splitlines()
+        raise UsageError(f"Expected checkpoint weights to fit {label}. Received: {type(exc).__name__}: "
+                         f"{lines[0] if lines else ''}") from None
+
+
 def load_model(path: str) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild the model a checkpoint describes (built-in name or ``module:function``).
 
@@ -70,6 +109,6 @@ def load_model(path: str) -> tuple[nn.Module, dict[str, Any]]:
     if not spec:
         raise UsageError(f"Checkpoint {path!r} has no model_spec: it came from Python code; rebuild the model yourself")
     model = build_model(spec["name"], _path=spec.get("path"), **spec.get("kwargs", {}))
-    model.load_state_dict(state["model"])
+    fit_weights(model, state["model"], f"model {spec['name']!r} built from its spec")
     model.eval()
     return model, spec

@@ -50,7 +50,7 @@ from ..errors import UsageError
 from ..launch import launch
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
 from ..strategies.base import Strategy, get_strategy
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import fit_weights, load_checkpoint, save_checkpoint
 from .config import FitConfig, LaunchConfig, split_options
 from .metrics import MetricsWriter, StepTimes
 from .prepare import (
@@ -192,7 +192,7 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         raise UsageError(f"Expected model_fn to return a torch.nn.Module. Received: {type(model).__name__}")
     task = check_model_takes(model, train_ds, task=task)
     if ckpt is not None:
-        _check_state_fits(model, ckpt["model"], cfg.resume or "")
+        fit_weights(model, ckpt["model"], f"the model of model_fn to resume {cfg.resume!r}")
     if cfg.model_spec is None:
         cfg.model_spec = infer_model_spec(model_fn, train_ds, task, data, task.collate_fn)
     del model
@@ -229,20 +229,6 @@ def _check_picklable(name: str, obj: Any) -> None:
             f"Expected {name} to be picklable (a module-level function, functools.partial or plain "
             f"data) so worker processes can receive it. Received: {obj!r} ({type(exc).__name__})"
         ) from None
-
-
-def _check_state_fits(model: nn.Module, state: dict[str, torch.Tensor], path: str) -> None:
-    """A checkpoint's weights fit the model: one line naming the first mismatches."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
-    problems = ([f"{len(shapes)} tensors of another shape ({'; '.join(shapes[:2])})"] if shapes else []) + \
-               ([f"{len(missing)} missing ({', '.join(missing[:3])})"] if missing else []) + \
-               ([f"{len(unexpected)} unexpected ({', '.join(unexpected[:3])})"] if unexpected else [])
-    if problems:
-        raise UsageError(f"Expected the weights of {path!r} to fit the model. Received: {', '.join(problems)}")
 
 
 def _is_first_process(launch_cfg: LaunchConfig) -> bool:
