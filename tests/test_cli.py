@@ -50,6 +50,11 @@ def files(tmp_path):
     np.savez(tmp_path / "ragged.npz", x=np.zeros((10, 1, 8, 8), "float32"), y=np.zeros(9, "int64"))
     (tmp_path / "text.npz").write_text("not an archive")
     (tmp_path / "ckpt.pt").write_text("not a checkpoint")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.csv").write_text("epoch\n1\n")
+    from partrain.train.checkpoint import save_checkpoint
+
+    save_checkpoint(str(tmp_path / "done.pt"), {"model": {}, "model_spec": {"name": "cnn"}, "epoch": 1, "step": 9})
     return tmp_path
 
 
@@ -77,6 +82,23 @@ ERRORS = [
     (["--resume", "{d}/ckpt.pt"], "Expected '{d}/ckpt.pt' to be a partrain checkpoint"),
     (["--resume", "{d}/none.pt"], "Expected an existing checkpoint file"),
     (["--test-fraction", "1.5"], "Expected 0 < --test-fraction < 1"),
+    (["--out", ""], "Expected --out to name a directory. Received: an empty string"),
+    (["--out", "{d}/ckpt.pt"], "Expected out_dir to be a directory. Received: '{d}/ckpt.pt', which is a file"),
+    (["--out", "{d}/run"], "Expected a new output directory (or resume / overwrite). Received: '{d}/run', which "
+                           "holds a run (metrics.csv)"),
+    (["--resume", "{d}/done.pt"], "Expected epochs above 1 to train on from '{d}/done.pt'. Received: a checkpoint "
+                                  "at epoch 1 of epochs=1, which leaves nothing to train"),
+    (["--strategy", "single", "--workers", "3"], "Expected --workers 1 for strategy 'single'. Received: --workers 3"),
+    (["--lr-schedule", "wavy"], "Expected an lr schedule among ['constant', 'cosine', 'linear', "
+                                "'step:EPOCHS[:GAMMA]'] (e.g. step:3:0.5). Received: 'wavy'"),
+    (["--warmup-steps", "-1"], "Expected warmup_steps to be a non-negative integer. Received: -1"),
+    (["--clip-grad", "-1"], "Expected clip_grad to be a positive number or None. Received: -1.0"),
+    (["--early-stop", "0"], "Expected a positive number of epochs without improvement. Received: early_stop=0"),
+    (["--monitor", "test_acc"], "Expected monitor among ['epoch', 'step', 'lr', 'samples_per_s', 'train_loss', "
+                                "'train_accuracy', 'test_loss', 'test_accuracy']. Received: 'test_acc'"),
+    (["--config", "{d}/none.json"], "Expected --config to name a run's config.json. Received: '{d}/none.json'"),
+    (["--config", "{d}/text.npz"], "Expected --config to be JSON (a run's config.json)"),
+    (["--momentum", "nan"], "Expected finite, non-negative momentum and weight decay. Received: momentum=nan"),
     (["--master-addr", "127.0.0.1", "--master-port", "1", "--nnodes", "2", "--node-rank", "1", "--timeout", "2"],
      "Expected a reachable master at 127.0.0.1:1. Received: no answer within 2 s"),
 ]
@@ -114,3 +136,31 @@ def test_default_train_reaches_high_accuracy_and_checkpoint_reloads(tmp_path, ca
     assert acc >= 0.9
     model, spec = load_model(str(tmp_path / "checkpoint.pt"))
     assert spec["name"] == "cnn" and spec["input_shape"] == [1, 8, 8]
+
+
+def test_config_repeats_a_run_bit_for_bit_and_runs_are_never_overwritten(tmp_path, monkeypatch, capsys):
+    """No --out: runs/train, then runs/train-2 (said in one line); --config takes every option but the output."""
+    import torch
+
+    from partrain.train.checkpoint import load_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    first = ["train", "--quiet", "--workers", "2", "--threads", "1", "--epochs", "1", "--model", "mlp",
+             "--batch-size", "16", "--lr", "0.1", "--lr-schedule", "cosine", "--warmup-steps", "3",
+             "--clip-grad", "1.0", "--seed", "5"]
+    assert main(first) == 0
+    config = json.load(open(tmp_path / "runs/train/config.json"))
+    assert config["cli"]["lr"] == 0.1 and config["lr_schedule"] == "cosine" and config["seed"] == 5
+    assert config["task"]["loss"] == "cross_entropy" and config["launch"]["workers"] == 2
+    assert main(["train", "--config", "runs/train/config.json"]) == 0
+    out = capsys.readouterr().out
+    assert "partrain train: runs/train holds a run; writing runs/train-2" in out
+    a = load_checkpoint(str(tmp_path / "runs/train/checkpoint.pt"))
+    b = load_checkpoint(str(tmp_path / "runs/train-2/checkpoint.pt"))
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["metrics"][0]["train_loss"] == b["metrics"][0]["train_loss"]
+    # an option given with --config wins over the file's
+    assert main(["train", "--config", "runs/train/config.json", "--seed", "6", "--quiet"]) == 0
+    c = load_checkpoint(str(tmp_path / "runs/train-3/checkpoint.pt"))
+    assert c["config"]["seed"] == 6 and not torch.equal(c["model"]["1.weight"], a["model"]["1.weight"])

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what was given (e.g. to tell it from --config)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if argv is None or not argv else 2

@@ -323,6 +323,13 @@ def test_a_python_trained_model_records_its_spec_and_rebuilds(tmp_path):
     model, _ = load_model(str(tmp_path / "checkpoint.pt"))
     x = torch.randn(4, 6)
     assert torch.equal(model(x), result.model()(x))
+    from partrain.serve.loading import (
+        model_from_checkpoint,  # what `partrain serve CHECKPOINT` runs
+    )
+
+    served, _ = model_from_checkpoint(str(tmp_path / "checkpoint.pt"))
+    with torch.no_grad():
+        assert torch.equal(served(x), result.model()(x))
     cfg = __import__("json").load(open(tmp_path / "config.json"))
     assert cfg["optimizer"] == "tests.helpers:sgd" and cfg["task"]["loss"] == "mse"
     assert cfg["launch"]["workers"] == 2 and cfg["data"] == "tests.data_fixtures:tiny_regression"

@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _cli_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The command's options as config.json records them (what --config reads back)."""
-    return {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "command", "verbose")}
+    return {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "command", "verbose", "argv")}
 
 
 def _apply_config(args: argparse.Namespace) -> None:

@@ -184,13 +184,14 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         history = list(ckpt.get("metrics") or [])
         return RunResult(history=history, out_dir=cfg.out_dir, checkpoint=cfg.resume,
                          model_state=ckpt["model"] if cfg.return_state else None, model_fn=model_fn)
-    train_ds, _ = resolve_data(data)
+    train_ds, test_ds = resolve_data(data)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = model_fn()
     if not isinstance(model, nn.Module):
         raise UsageError(f"Expected model_fn to return a torch.nn.Module. Received: {type(model).__name__}")
     task = check_model_takes(model, train_ds, task=task)
+    _check_monitor(cfg, task, has_test=test_ds is not None and len(test_ds) > 0)  # type: ignore[arg-type]
     if ckpt is not None:
         fit_weights(model, ckpt["model"], f"the model of model_fn to resume {cfg.resume!r}")
     if cfg.model_spec is None:
@@ -229,6 +230,15 @@ def _check_picklable(name: str, obj: Any) -> None:
             f"Expected {name} to be picklable (a module-level function, functools.partial or plain "
             f"data) so worker processes can receive it. Received: {obj!r} ({type(exc).__name__})"
         ) from None
+
+
+def _check_monitor(cfg: FitConfig, task: Task, has_test: bool) -> None:
+    if cfg.monitor is None:
+        return
+    splits = ("train", "test") if has_test else ("train",)
+    known = ["epoch", "step", "lr", "samples_per_s"] + [f"{s}_{m}" for s in splits for m in ["loss", *task.metric_names]]
+    if cfg.monitor not in known:
+        raise UsageError(f"Expected monitor among {known}. Received: {cfg.monitor!r}")
 
 
 def _is_first_process(launch_cfg: LaunchConfig) -> bool:
