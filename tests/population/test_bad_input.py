@@ -160,3 +160,18 @@ def test_bad_input_is_one_line_before_any_process(tmp_path, capsys, monkeypatch,
         assert err[0].startswith(want[:-4]), err[0]
     else:
         assert err[0] == want
+
+
+def test_population_options_are_frozen() -> None:
+    """New flags must be added on purpose: this list changes with them."""
+    from partrain.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices["population"]  # type: ignore[union-attr]
+    flags = sorted(opt for a in sub._actions for opt in a.option_strings if opt.startswith("--"))
+    assert flags == sorted([
+        "--help", "--members", "--space", "--optimizer", "--nesterov", "--model", "--dataset",
+        "--synthetic-samples", "--synthetic-shape", "--synthetic-classes", "--test-fraction", "--engine",
+        "--steps", "--epochs", "--batch-size", "--pbt-interval", "--eval-interval", "--quantile-fraction",
+        "--perturbation-factors", "--resample-probability", "--metric", "--workers", "--timeout", "--out",
+        "--seed", "--resume", "--quiet",
+    ])
