@@ -368,15 +368,20 @@ class Population:
     def member_tensors(self, member: int, to_rank: int | None = None) -> list[torch.Tensor]:
         """Copies of a member's tensors (parameters row, optimizer state, buffers).
 
-        Locally owned: plain copies. Otherwise (distributed) every process must call it;
-        the owner broadcasts and the result is valid on ``to_rank`` (or everywhere when None).
+        In a distributed population every process calls it with the same arguments and
+        takes the same path (no process may skip a collective its peers enter): when the
+        member lives on ``to_rank`` nothing moves; otherwise its owner broadcasts it. The
+        copies come back on ``to_rank`` (on every process when ``to_rank`` is None); the
+        other processes get an empty list.
         """
         owner = self.owner(member)
-        if not self.distributed or owner == self.rank and to_rank in (None, self.rank):
-            if owner != self.rank:
-                raise UsageError(f"Expected a member of this process ({self.start}..{self.stop - 1}). "
-                                 f"Received: {member}")
-            return [t.detach().clone() for t in self.store.member_tensors(self._row(member))]
+        if not self.distributed:
+            return self._local_copies(member)
+        if to_rank is not None and not 0 <= to_rank < self.world:
+            raise UsageError(f"Expected to_rank in [0, {self.world}) or None. Received: {to_rank!r}")
+        wanted = to_rank is None or to_rank == self.rank
+        if owner == to_rank:  # already where it is wanted: no collective, on every process alike
+            return self._local_copies(member) if self.rank == owner else []
         shapes = [t.shape for t in self.store.member_tensors(0)]
         if self.rank == owner:
             flat = torch.cat([t.detach().reshape(-1) for t in self.store.member_tensors(self._row(member))])
@@ -384,14 +389,23 @@ class Population:
             flat = torch.empty(sum(s.numel() for s in shapes), dtype=self.store.flat.dtype, device=self.device)
         src = dist.get_global_rank(self.group, owner) if self.group is not None else owner
         dist.broadcast(flat, src=src, group=self.group)
+        if not wanted:
+            return []
         out, offset = [], 0
         for s in shapes:
             out.append(flat[offset : offset + s.numel()].view(s).clone())
             offset += s.numel()
         return out
 
+    def _local_copies(self, member: int) -> list[torch.Tensor]:
+        return [t.detach().clone() for t in self.store.member_tensors(self._row(member))]
+
     def member_model(self, member: int, tensors: list[torch.Tensor] | None = None) -> nn.Module:
-        """A standalone ``nn.Module`` equal to one member (``nn.Dropout`` restored), in eval mode."""
+        """A standalone ``nn.Module`` equal to one member (``nn.Dropout`` restored), in eval mode.
+
+        Distributed: every process calls it (the owner broadcasts the member), unless
+        ``tensors`` (from `member_tensors`) are given.
+        """
         model, _ = self._standalone(member, tensors)
         return model.eval()
 
@@ -401,6 +415,7 @@ class Population:
 
         The optimizer state is what ``torch.optim.SGD/Adam/AdamW`` with this member's
         hyperparameters would hold, so ``partrain train --resume`` can continue it.
+        Distributed: as `member_model`.
         """
         model, opt = self._standalone(member, tensors)
         return model.state_dict(), opt.state_dict()

@@ -13,53 +13,35 @@ import os
 from typing import Any
 
 import torch
-from torch.utils.data import TensorDataset
 
-from ..data.datasets import load_digits, num_classes, sample_shape
-from ..errors import UsageError
-from ..models import build_model, model_kwargs_for
+from ..models import build_model
 from ..train.checkpoint import save_checkpoint
 from .pbt import PBT
 from .population import Population
+from .prepare import Prepared, checkpoint_path, prepare, split_validation
 from .report import format_leaderboard, plot_curves, write_csv, write_jsonl
 from .space import parse_space_entry, sample
 from .trainer import MemberLoader, train_population
 
-DEFAULT_STEPS = 300
+__all__ = ["initial_hparams", "leaderboard_rows", "ranking", "run_population", "split_validation"]
 
 
 def run_population(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Train the population ``cfg`` describes; write the outputs; return a summary."""
-    build_model(cfg["model"], **_model_kwargs(cfg["model"]))  # bad model: one line, before any spawn
-    os.makedirs(cfg["out"], exist_ok=True)
-    if cfg["resume"] and not os.path.exists(_ckpt_path(cfg["out"], 0)):
-        raise UsageError(f"Expected a population checkpoint to resume from. Received: "
-                         f"{_ckpt_path(cfg['out'], 0)!r} (no such file)")
+    """Train the population ``cfg`` describes; write the outputs; return a summary.
+
+    Every check the parent can make runs first (`prepare`), so bad input is one line
+    before any process starts; the workers get the data as tensors.
+    """
+    prepared = prepare(cfg)
     if cfg["workers"] > 1:
         from ..launch import launch
 
-        return launch(_worker, cfg, workers=cfg["workers"], timeout=300.0)[0]
-    return _body(cfg, distributed=False, device=None)
+        return launch(_worker, cfg, prepared, workers=cfg["workers"], timeout=cfg["timeout"])[0]
+    return _body(cfg, prepared, distributed=False, device=None)
 
 
-def _worker(strategy: Any, cfg: dict[str, Any]) -> dict[str, Any] | None:
-    return _body(cfg, distributed=True, device=strategy.device)
-
-
-def _model_kwargs(model: str) -> dict[str, Any]:
-    return model_kwargs_for(model, (1, 8, 8), 10)
-
-
-def _ckpt_path(out: str, rank: int) -> str:
-    return os.path.join(out, "population.pt" if rank == 0 else f"population.rank{rank}.pt")
-
-
-def split_validation(train: TensorDataset, fraction: float, seed: int) -> tuple[TensorDataset, TensorDataset]:
-    """Hold out ``fraction`` of the training set for PBT's scores (the test set stays unseen)."""
-    x, y = train.tensors[:2]
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + 17))
-    n_val = max(1, int(round(len(x) * fraction)))
-    return TensorDataset(x[perm[n_val:]], y[perm[n_val:]]), TensorDataset(x[perm[:n_val]], y[perm[:n_val]])
+def _worker(strategy: Any, cfg: dict[str, Any], prepared: Prepared) -> dict[str, Any] | None:
+    return _body(cfg, prepared, distributed=True, device=strategy.device)
 
 
 def initial_hparams(space: dict[str, Any], members: int, seed: int) -> list[dict[str, float]]:
@@ -68,24 +50,18 @@ def initial_hparams(space: dict[str, Any], members: int, seed: int) -> list[dict
     return [{k: sample(spec, gen) for k, spec in space.items()} for _ in range(members)]
 
 
-def _body(cfg: dict[str, Any], distributed: bool, device: torch.device | None) -> dict[str, Any] | None:
+def _body(cfg: dict[str, Any], prepared: Prepared, distributed: bool,
+          device: torch.device | None) -> dict[str, Any] | None:
     seed = cfg["seed"]
-    full_train, test = load_digits(test_fraction=0.2, seed=seed)
-    train, val = split_validation(full_train, 0.2, seed)
-    shape, classes = list(sample_shape(train)), num_classes(train)
-    kwargs = model_kwargs_for(cfg["model"], tuple(shape), classes)
+    train, val, test = prepared.train, prepared.val, prepared.test
+    shape, classes, kwargs = prepared.shape, prepared.classes, prepared.model_kwargs
+    steps, eval_interval = prepared.steps, prepared.eval_interval
     model_fn = functools.partial(build_model, cfg["model"], **kwargs)
     space = dict(parse_space_entry(e) for e in cfg["space_args"])
     hparams = initial_hparams(space, cfg["members"], seed)
     if "batch_size" in space:
         for h in hparams:
             h["batch_size"] = float(min(max(1, round(h["batch_size"])), len(train)))
-    if cfg["steps"] is not None:
-        steps = cfg["steps"]
-    elif cfg["epochs"] is not None:
-        steps = max(1, math.ceil(cfg["epochs"] * len(train) / cfg["batch_size"]))
-    else:
-        steps = DEFAULT_STEPS
     pop = Population(model_fn, cfg["members"], cfg["optimizer"], hparams, engine=cfg["engine"], seed=seed,
                      nesterov=cfg["nesterov"], device=device, distributed=distributed)
     pbt = None
@@ -94,11 +70,10 @@ def _body(cfg: dict[str, Any], distributed: bool, device: torch.device | None) -
                   perturbation_factors=cfg["perturbation_factors"],
                   resample_probability=cfg["resample_probability"], metric=cfg["metric"],
                   mode="max" if cfg["metric"] == "accuracy" else "min", seed=seed)
-    eval_interval = cfg["eval_interval"] or (cfg["pbt_interval"] or max(1, steps // 10))
     loader = MemberLoader(train, pop.members, seed, pop.device)
     history: list[dict[str, Any]] = []
     main = pop.rank == 0
-    path = _ckpt_path(cfg["out"], pop.rank)
+    path = checkpoint_path(cfg["out"], pop.rank)
     if cfg["resume"]:
         state = torch.load(path, map_location="cpu", weights_only=True)
         pop.load_state_dict(state["population"])
@@ -122,14 +97,14 @@ def _body(cfg: dict[str, Any], distributed: bool, device: torch.device | None) -
     ev_test = pop.evaluate(tx, ty)
     val_acc, val_loss = pop.gather(ev_val["accuracy"]), pop.gather(ev_val["loss"])
     test_acc, test_loss = pop.gather(ev_test["accuracy"]), pop.gather(ev_test["loss"])
-    key = val_acc if cfg["metric"] == "accuracy" else -val_loss
-    best = int(torch.argmax(key))
+    order = ranking(val_acc, val_loss, cfg["metric"])
+    best = order[0]
     tensors = pop.member_tensors(best, to_rank=0)
     if not main:
         return None
 
     lineage = pbt.lineage if pbt is not None else []
-    rows = leaderboard_rows(pop, val_acc, val_loss, test_acc, test_loss, lineage)
+    rows = leaderboard_rows(pop, order, val_acc, val_loss, test_acc, test_loss, lineage)
     write_csv(os.path.join(cfg["out"], "leaderboard.csv"), rows)
     write_csv(os.path.join(cfg["out"], "history.csv"), history)
     write_jsonl(os.path.join(cfg["out"], "lineage.jsonl"), lineage)
@@ -157,13 +132,26 @@ def _body(cfg: dict[str, Any], distributed: bool, device: torch.device | None) -
     else:
         engine_line = pop.engine
     return {"best": best, "best_test_accuracy": float(test_acc[best]), "leaderboard": rows,
+            "best_epoch": int(pop.steps * batch // len(train)),
             "leaderboard_text": format_leaderboard(rows), "engine": pop.engine, "engine_report": report,
             "engine_line": engine_line, "steps": pop.steps, "lineage": len(lineage)}
 
 
-def leaderboard_rows(pop: Population, val_acc: torch.Tensor, val_loss: torch.Tensor, test_acc: torch.Tensor,
-                     test_loss: torch.Tensor, lineage: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    order = sorted(range(pop.size), key=lambda m: (-float(val_acc[m]), float(val_loss[m]), m))
+def ranking(val_acc: torch.Tensor, val_loss: torch.Tensor, metric: str) -> list[int]:
+    """Member ids best first by the validation ``metric`` (the other breaks ties; NaN ranks last)."""
+    def key(m: int) -> tuple[float, float, int]:
+        acc, loss = float(val_acc[m]), float(val_loss[m])
+        acc = -acc if acc == acc else math.inf
+        loss = loss if loss == loss else math.inf
+        return (acc, loss, m) if metric == "accuracy" else (loss, acc, m)
+
+    return sorted(range(len(val_acc)), key=key)
+
+
+def leaderboard_rows(pop: Population, order: list[int], val_acc: torch.Tensor, val_loss: torch.Tensor,
+                     test_acc: torch.Tensor, test_loss: torch.Tensor,
+                     lineage: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per member in ``order`` (best first): scores, hyperparameters, PBT copies."""
     rows = []
     for place, m in enumerate(order, 1):
         copies = [r for r in lineage if r["dst"] == m]
