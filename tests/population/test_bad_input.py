@@ -49,8 +49,10 @@ ROWS = [
                                       "Received: '1,x'"),
     (["--optimizer", "adam", "--nesterov"], 2, "Expected --nesterov only with --optimizer sgd. "
                                                "Received: --optimizer adam"),
-    (["--out", ""], 2, "Expected --out to name a directory. Received: an empty path"),
-    (["--out", "{out}/file"], 2, "Expected --out to name a directory. Received: '{out}/file' (a file)"),
+    (["--out", ""], 2, "Expected --out to name a directory. Received: an empty string"),
+    (["--out", "{out}/file"], 2, "Expected --out to be a directory. Received: '{out}/file', which is a file"),
+    (["--out", "{saved}"], 2, "Expected a new output directory (or resume / overwrite). Received: '{saved}', which "
+                              "holds a run (population.pt, leaderboard.csv, history.csv, best.pt, curves.png)"),
     # the search space
     (["--space", "lr=loguniform:0:1"], 2, "Expected --space lr=loguniform:LOW:HIGH (0 < LOW <= HIGH), "
      "uniform:LOW:HIGH, randint:LOW:HIGH, choice:V1,V2,... or a number. Received: 'lr=loguniform:0:1'"),
@@ -73,7 +75,8 @@ ROWS = [
      "Expected --pbt-interval to be a multiple of --eval-interval. Received: --pbt-interval 50, --eval-interval 3"),
     (["--model", "nope"], 2, f"Expected a model among {MODELS} or 'module:function'. Received: 'nope'"),
     (["--workers", "2", "--model", "lenet5"], 2,
-     "Expected samples that model 'lenet5' can take. Received: dataset 'digits' with samples of shape (1, 8, 8) "
+     "Expected samples that model 'lenet5' can take. Received: dataset 'digits' with inputs tensor (2, 1, 8, 8) "
+     "float32 "
      "(Calculated padded input size per channel: (4 x 4). Kernel size: (5 x 5). Kernel size can't be greater "
      "than actual input size)"),
     (["--dataset", "nope"], 2, "Expected a dataset among 'digits', 'synthetic', a path ending in .npz, or "
@@ -173,5 +176,5 @@ def test_population_options_are_frozen() -> None:
         "--synthetic-samples", "--synthetic-shape", "--synthetic-classes", "--test-fraction", "--engine",
         "--steps", "--epochs", "--batch-size", "--pbt-interval", "--eval-interval", "--quantile-fraction",
         "--perturbation-factors", "--resample-probability", "--metric", "--workers", "--timeout", "--out",
-        "--seed", "--resume", "--quiet",
+        "--seed", "--resume", "--quiet", "--overwrite",
     ])

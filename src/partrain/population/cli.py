@@ -70,11 +70,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1, help="processes to spread members over (default 1)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds for rendezvous and every collective with --workers > 1 (default 300)")
-    p.add_argument("--out", default="runs/population", help="output directory (default runs/population)")
+    p.add_argument("--out", default=None,
+                   help=f"output directory (default {DEFAULT_OUT}, or {DEFAULT_OUT}-2, -3, ... when that holds a run)")
+    p.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/population.pt up to --steps")
     p.add_argument("--quiet", action="store_true", help="print only the leaderboard")
     p.set_defaults(func=run)
+
+
+DEFAULT_OUT = "runs/population"
+
+
+def _out(args: argparse.Namespace) -> str:
+    """``--out``, or the default directory (numbered when it holds a run, said in one line)."""
+    if args.out is not None:
+        return args.out
+    from ..train.prepare import numbered_dir
+    from .prepare import RUN_FILES
+
+    out = DEFAULT_OUT if args.resume else numbered_dir(DEFAULT_OUT, RUN_FILES)
+    if out != DEFAULT_OUT and not args.quiet:
+        print(f"partrain population: {DEFAULT_OUT} holds a run; writing {out} (--out DIR to choose, "
+              "--overwrite to replace, --resume to continue)", flush=True)
+    return out
 
 
 def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,8 +153,8 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "epochs": args.epochs, "batch_size": args.batch_size, "pbt_interval": args.pbt_interval,
         "eval_interval": args.eval_interval, "quantile_fraction": args.quantile_fraction,
         "perturbation_factors": factors, "resample_probability": args.resample_probability,
-        "metric": args.metric, "workers": args.workers, "timeout": args.timeout, "out": args.out,
-        "seed": args.seed, "resume": args.resume, "quiet": args.quiet,
+        "metric": args.metric, "workers": args.workers, "timeout": args.timeout, "out": _out(args),
+        "seed": args.seed, "resume": args.resume, "quiet": args.quiet, "overwrite": args.overwrite,
     }
 
 

@@ -61,7 +61,7 @@ class Prepared:
 
 def prepare(cfg: dict[str, Any]) -> Prepared:
     """Check everything the parent can (one `UsageError` line each); load the data once."""
-    check_out(cfg["out"])
+    check_out(cfg["out"], cfg["resume"], cfg.get("overwrite", False))
     train, val, test = load_splits(cfg)
     shape, classes = list(train.tensors[0].shape[1:]), class_count(train, val, test)
     name = cfg["model"]
@@ -92,19 +92,16 @@ def prepare(cfg: dict[str, Any]) -> Prepared:
     return Prepared(train, val, test, shape, classes, kwargs, steps, eval_interval)
 
 
-def check_out(out: str) -> None:
-    """``--out`` must be (or become) a writable directory."""
-    if not out:
-        raise UsageError("Expected --out to name a directory. Received: an empty path")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"Expected --out to name a directory. Received: {out!r} (a file)")
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"Expected --out to be a directory that can be created. Received: {out!r} "
-                         f"({exc.strerror or exc})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UsageError(f"Expected a writable --out directory. Received: {out!r} (not writable)")
+#: files a population run writes: their presence means ``--out`` holds a run
+RUN_FILES = ("population.pt", "leaderboard.csv", "history.csv", "best.pt", "curves.png")
+
+
+def check_out(out: str, resume: bool = False, overwrite: bool = False) -> None:
+    """``--out`` must be (or become) a writable directory holding no other run (unless resumed
+    or overwritten)."""
+    from ..train.prepare import check_run_dir
+
+    check_run_dir(out, resume=resume, overwrite=overwrite, label="--out", run_files=RUN_FILES)
 
 
 # ------------------------------------------------------------------------------------ data

@@ -124,33 +124,40 @@ def first_line(exc: BaseException) -> str:
 
 # ----- the run directory -----------------------------------------------------------------
 def check_out_dir(cfg: FitConfig) -> None:
-    """The output directory can be written and holds no other run (unless resumed or overwritten)."""
-    if not cfg.out_dir:
-        return
-    out = cfg.out_dir
+    """`fit`'s output directory: see `check_run_dir`."""
+    if cfg.out_dir:
+        check_run_dir(cfg.out_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite)
+
+
+def check_run_dir(out: str, *, resume: bool, overwrite: bool, label: str = "out_dir",
+                  run_files: tuple[str, ...] = RUN_FILES) -> None:
+    """``out`` is (or becomes) a writable directory holding no other run, unless resumed or
+    overwritten (then the run's files go). One line naming ``label`` when not."""
+    if not str(out).strip():
+        raise UsageError(f"Expected {label} to name a directory. Received: an empty string")
     if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"Expected out_dir to be a directory. Received: {out!r}, which is a file")
-    existing = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
-    if existing and not cfg.resume and not cfg.overwrite:
+        raise UsageError(f"Expected {label} to be a directory. Received: {out!r}, which is a file")
+    existing = [f for f in run_files if os.path.exists(os.path.join(out, f))]
+    if existing and not resume and not overwrite:
         raise UsageError(f"Expected a new output directory (or resume / overwrite). Received: {out!r}, which "
                          f"holds a run ({', '.join(existing)})")
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as exc:
-        raise UsageError(f"Expected out_dir to be a directory that can be created. Received: {out!r} "
-                         f"({exc.strerror})") from None
-    if not os.access(out, os.W_OK):
-        raise UsageError(f"Expected a writable out_dir. Received: {out!r} (not writable)")
-    if existing and cfg.overwrite and not cfg.resume:
+        raise UsageError(f"Expected {label} to be a directory that can be created. Received: {out!r} "
+                         f"({exc.strerror or exc})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"Expected a writable {label}. Received: {out!r} (not writable)")
+    if existing and overwrite and not resume:
         for name in existing:
             os.unlink(os.path.join(out, name))
         shutil.rmtree(os.path.join(out, "tensorboard"), ignore_errors=True)
 
 
-def numbered_dir(path: str) -> str:
+def numbered_dir(path: str, run_files: tuple[str, ...] = RUN_FILES) -> str:
     """``path`` when it holds no run, else the first free ``path-2``, ``path-3``, ..."""
     def taken(p: str) -> bool:
-        return os.path.exists(p) and (not os.path.isdir(p) or any(os.path.exists(os.path.join(p, f)) for f in RUN_FILES))
+        return os.path.exists(p) and (not os.path.isdir(p) or any(os.path.exists(os.path.join(p, f)) for f in run_files))
 
     if not taken(path):
         return path
