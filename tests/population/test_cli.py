@@ -49,6 +49,12 @@ def test_cli_writes_every_output(tmp_path, capsys) -> None:
     loading = pytest.importorskip("partrain.serve.loading")
     served = loading.load_model_spec(f"digits={tmp_path / 'best.pt'}")  # what `partrain serve` does
     assert served.name == "digits"
+    # the served model takes raw digits (pixel values 0..16): the dataset's scaling is recorded with it
+    assert spec["preprocess"]["scale"] == pytest.approx(1 / 6.4) and spec["preprocess"]["offset"] == -0.75
+    served_model, _ = loading.model_from_checkpoint(str(tmp_path / "best.pt"))
+    raw = torch.arange(64, dtype=torch.float32).reshape(1, 1, 8, 8) % 17
+    with torch.no_grad():
+        assert torch.allclose(served_model(raw), model((raw / 16 - 0.3) / 0.4), atol=1e-5)
 
 
 def test_resume_continues_exactly(tmp_path) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..data.datasets import preprocessing
 from ..models import build_model
 from ..train.checkpoint import save_checkpoint
 from .pbt import PBT
@@ -115,7 +116,9 @@ def _body(cfg: dict[str, Any], prepared: Prepared, distributed: bool,
     batch = int(member_hp.get("batch_size") or cfg["batch_size"])
     save_checkpoint(os.path.join(cfg["out"], "best.pt"), {
         "model": model_state,
-        "model_spec": {"name": cfg["model"], "kwargs": kwargs, "input_shape": shape, "num_classes": classes},
+        "model_spec": {"name": cfg["model"], "kwargs": kwargs, "input_shape": shape, "num_classes": classes,
+                       "task": "classification",
+                       **({"preprocess": pre} if (pre := preprocessing(cfg["dataset"])) else {})},
         "optimizer": opt_state,
         "strategy": None,
         "scheduler": None,
