@@ -164,3 +164,14 @@ def test_config_repeats_a_run_bit_for_bit_and_runs_are_never_overwritten(tmp_pat
     assert main(["train", "--config", "runs/train/config.json", "--seed", "6", "--quiet"]) == 0
     c = load_checkpoint(str(tmp_path / "runs/train-3/checkpoint.pt"))
     assert c["config"]["seed"] == 6 and not torch.equal(c["model"]["1.weight"], a["model"]["1.weight"])
+
+
+def test_bench_json_path_is_checked_before_the_benchmark_runs(tmp_path, capsys, monkeypatch):
+    import partrain.bench.core as core
+
+    monkeypatch.setattr(core, "run", lambda args: pytest.fail("the benchmark ran before its --json path was checked"))
+    path = tmp_path / "no" / "x.json"
+    assert main(["bench", "core", "--json", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"partrain bench: error: Expected --json in an existing directory. Received: '{path}' "
+                   f"('{path.parent}' does not exist)")

@@ -6,6 +6,7 @@ import argparse
 import importlib
 
 from ..errors import UsageError
+from ..files import check_output_file
 from . import BENCHMARKS
 
 
@@ -45,6 +46,8 @@ def _no_name(args: argparse.Namespace) -> int:
 
 def _run(module):  # noqa: ANN001, ANN202
     def run(args: argparse.Namespace) -> int:
+        if args.json is not None:
+            check_output_file(args.json, "--json")  # before the run: its figures must not be lost
         report = module.run(args)
         report.finish()
         report.write_json(args.json)

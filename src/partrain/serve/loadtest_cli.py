@@ -7,8 +7,8 @@ import json
 import sys
 
 from ..errors import UsageError
+from ..files import check_output_file
 from .loadtest import LoadConfig, prepare, run_load
-from .loadtest.report import check_output_file
 
 
 def _shape(text: str) -> tuple[int, ...]:
