@@ -384,3 +384,18 @@ def test_a_task_object_carries_target_key_and_metrics():
     assert task.metric_names == ["mae"]
     with pytest.raises(UsageError, match=r"Expected dict batches with a target under 'y'"):
         Task(target_key="y").resolve({"features": torch.zeros(2)})
+
+
+def test_resuming_with_weights_of_another_shape_names_the_tensors(tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    fit(regressor64, regression64, sgd, epochs=1, out_dir=out, **COMMON)
+    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    with pytest.raises(UsageError) as e:
+        fit(wider, regression64, sgd, epochs=2, out_dir=out, resume="auto", **COMMON)
+    assert str(e.value).endswith("Received: 3 mismatched tensors (0.weight: checkpoint (12, 6) vs model (20, 6); "
+                                 "0.bias: checkpoint (12,) vs model (20,); 2.weight: checkpoint (1, 12) vs model "
+                                 "(1, 20))")
+
+
+def wider() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 20), nn.Tanh(), nn.Linear(20, 1)).double()
