@@ -37,6 +37,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .. import comm
+from .._tree import map_tensors
 from ..data.sharding import ClaimingBatchSampler, ShardedBatchSampler
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
@@ -232,13 +233,7 @@ class Strategy(ABC):
 
 def detach(obj: Any) -> Any:
     """Every tensor of a nested output detached from the graph."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach()
-    if isinstance(obj, dict):
-        return {k: detach(v) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(detach(v) for v in obj)
-    return obj
+    return map_tensors(obj, torch.Tensor.detach)
 
 
 _REGISTRY: dict[str, type[Strategy]] = {}

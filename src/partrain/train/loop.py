@@ -46,6 +46,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from .._tree import map_tensors
 from ..errors import UsageError
 from ..launch import launch
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
@@ -283,17 +284,7 @@ class _Batches:
         if samples:
             return collate(samples, self.collate_fn)
         # a worker's share of the last global batch can be empty: a batch of no samples, same structure
-        return _map_tensors(collate([self.ds[0]], self.collate_fn), lambda t: t[:0])
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
+        return map_tensors(collate([self.ds[0]], self.collate_fn), lambda t: t[:0])
 
 
 @dataclass

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._tree import map_tensors
 from ..errors import UsageError
 
 TARGET_KEYS = ("y", "target", "targets", "label", "labels")
@@ -85,15 +86,7 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
 
 def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Every tensor of a nested batch moved to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, Mapping):
-        return {k: to_device(v, device, non_blocking) for k, v in obj.items()}
-    if isinstance(obj, tuple):
-        return tuple(to_device(v, device, non_blocking) for v in obj)
-    if isinstance(obj, list):
-        return [to_device(v, device, non_blocking) for v in obj]
-    return obj
+    return map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def tensors_of(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -385,13 +378,7 @@ class Task:
 
 
 def _float_output(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.float() if output.is_floating_point() else output
-    if isinstance(output, Mapping):
-        return {k: _float_output(v) for k, v in output.items()}
-    if isinstance(output, (tuple, list)):
-        return type(output)(_float_output(v) for v in output)
-    return output
+    return map_tensors(output, lambda t: t.float() if t.is_floating_point() else t)
 
 
 def _qualname(fn: Any) -> str | None:
