@@ -405,9 +405,11 @@ class _UpdateGuard:
     """Runs between the gradient exchange and the optimizer step: clipping and the finiteness check.
 
     Its ``loss`` wraps the task's loss to see each micro-batch's output and losses. One host
-    synchronisation per optimizer step (the gradient norm and the window's loss, together).
-    Under all-reduce a non-finite gradient on one worker is non-finite on all of them after
-    averaging, so every worker stops (or skips) at the same step.
+    synchronisation per optimizer step. ``stop`` checks the window's loss (a non-finite input,
+    parameter or output makes it non-finite); the worker that sees it stops and the job with
+    it. ``skip`` checks the exchanged gradient's norm too: under all-reduce a non-finite
+    gradient on one worker is non-finite on all of them after averaging, so every worker
+    drops the same step.
     """
 
     def __init__(self, strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int) -> None:
@@ -430,15 +432,16 @@ class _UpdateGuard:
     def __call__(self) -> bool:
         """True: step. False: drop this step's gradient (``skip``). Raises for ``stop``."""
         try:
-            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = torch.zeros(())
             if self.cfg.clip_grad is not None:
                 norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad)
-            elif grads and self.cfg.on_nan != "off":
-                norm = torch.nn.utils.get_total_norm(grads)
-            else:
-                norm = torch.zeros(())
+            elif self.cfg.on_nan == "skip":
+                # every worker must drop the same steps: the exchanged gradient, not this worker's loss
+                grads = [p.grad for p in self.params if p.grad is not None]
+                norm = torch.nn.utils.get_total_norm(grads) if grads else norm
             if self.cfg.on_nan == "off":
                 return True
+            # "stop" looks at the loss (a NaN input, parameter or output makes it NaN): one scalar
             loss = self.window_loss if self.window_loss is not None else torch.zeros(())
             if bool(torch.isfinite(norm.to(loss.device)) & torch.isfinite(loss)):
                 return True
