@@ -208,12 +208,13 @@ def check_not_bootstrapping() -> None:
     `launch` at module level, without ``if __name__ == "__main__":``, would start
     processes again from there; multiprocessing refuses with a traceback in every
     child. Here the child leaves silently with a status the parent recognises and
-    explains in one line. The test: the main module is ``__mp_main__`` and no parent
-    process is recorded yet (multiprocessing records it after the import, just before
-    running the target).
+    explains in one line. The test: a module named ``__mp_main__`` is in ``sys.modules``
+    (elsewhere that key is only multiprocessing's alias of ``__main__``, named
+    ``__main__``) and no parent process is recorded yet (multiprocessing records it
+    after the import, just before running the target).
     """
-    main = sys.modules.get("__main__")
-    if getattr(main, "__name__", None) == "__mp_main__" and multiprocessing.parent_process() is None:
+    mp_main = sys.modules.get("__mp_main__")
+    if getattr(mp_main, "__name__", None) == "__mp_main__" and multiprocessing.parent_process() is None:
         raise SystemExit(MAIN_GUARD_EXIT)
 
 
