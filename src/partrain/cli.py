@@ -16,6 +16,7 @@ signal (130 for SIGINT, 143 for SIGTERM):
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import multiprocessing
 import sys
@@ -43,14 +44,21 @@ class HelpFormatter(argparse.HelpFormatter):
     that have no default, ``(default: False)`` to every flag and ``(default: [])`` to
     repeatable options. This one appends ``(default: X)`` only when X is a value (not
     None, not False for a flag, not an empty list or string) and the help text does not
-    already speak of its default. Use it for every parser: ``formatter_class=HelpFormatter``.
+    already speak of its default; an option without help text gets ``default: X`` alone.
+    Use it for every parser: ``formatter_class=HelpFormatter``.
     """
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and meaningful_default(action):
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
         if not meaningful_default(action) or "default" in text.lower():
             return text
-        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+        return f"{text} (default: %(default)s)"
 
 
 def meaningful_default(action: argparse.Action) -> bool:
