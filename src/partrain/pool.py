@@ -184,10 +184,10 @@ class WorkerPool:
             here, there = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(target=_process_main, args=(there, self.one_shot),
                                      name=name if self.one_shot else f"partrain-pool{index}", daemon=False)
-            with starting_processes():
-                proc.start()
+            with starting_processes():  # a Ctrl-C held back meanwhile is raised on leaving: the
+                proc.start()               # process is in the pool by then, which stops it
+                slot = self._slots[index] = (proc, here)
             there.close()  # the child holds it now: its death is an end-of-file here
-            slot = self._slots[index] = (proc, here)
         return slot
 
 
@@ -223,8 +223,8 @@ _PARENT_GRACE = 5.0  # seconds for a job to unwind after the caller died, then e
 def _process_main(conn: Any, one_shot: bool) -> None:
     install_in_worker()
     unblock_interrupts()
-    current: list[Job] = []  # the job running now (for the watch: its rendezvous directory)
-    watch_parent(_PARENT_GRACE, on_death=lambda: _remove_rendezvous(current))
+    rendezvous: list[str] = []  # the temporary directory of the job running now (see the watch)
+    watch_parent(_PARENT_GRACE, on_death=lambda: _remove_temporary(rendezvous))
     try:
         while True:
             try:
@@ -233,7 +233,7 @@ def _process_main(conn: Any, one_shot: bool) -> None:
                 return
             if job is None:
                 return
-            current[:] = [job]
+            rendezvous[:] = _launch_directory(job)
             if not _run_job(job, conn):
                 # after a failure the process may hold a broken group or threads stuck in gloo:
                 # leave now (the pool starts a fresh one); the report is already written
@@ -245,13 +245,18 @@ def _process_main(conn: Any, one_shot: bool) -> None:
         return
 
 
-def _remove_rendezvous(current: list[Job]) -> None:
-    """After the caller died: remove the temporary directory its `launch` made for this job."""
-    for job in current:
-        if job.store_spec[0] == "file":
-            directory = os.path.dirname(job.store_spec[1])
-            if os.path.basename(directory).startswith("partrain-"):
-                shutil.rmtree(directory, ignore_errors=True)
+def _launch_directory(job: Job) -> list[str]:
+    """The temporary directory `launch` made for ``job``'s FileStore (none for a TCPStore)."""
+    if job.store_spec[0] != "file":
+        return []
+    directory = os.path.dirname(job.store_spec[1])
+    return [directory] if os.path.basename(directory).startswith("partrain-") else []
+
+
+def _remove_temporary(directories: list[str]) -> None:
+    """After the caller died: remove what it can no longer remove itself."""
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _run_job(job: Job, conn: Any) -> bool:
