@@ -158,6 +158,8 @@ def watch_parent(grace: float, on_death: Callable[[], None] | None = None) -> bo
         return False
     main_thread = threading.main_thread().ident
     sentinel = parent.sentinel
+    if main_thread is None:  # not started: cannot happen in a running interpreter
+        return False
 
     def watch() -> None:
         wait([sentinel])

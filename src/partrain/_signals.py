@@ -71,7 +71,7 @@ def signals_raise(*, take_over: bool, on_signal: Callable[[int], None] | None = 
         yield None
         return
     handler = RaiseInterrupted(on_signal)
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     for sig in SIGNALS:
         current = signal.getsignal(sig)
         if current == signal.SIG_IGN or current is None:  # None: set outside Python, leave it

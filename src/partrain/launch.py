@@ -94,6 +94,9 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
         raise UsageError(f"Expected 0 <= node_rank < nnodes. Received: node_rank={node_rank}, nnodes={nnodes}")
     if nnodes > 1 and (master_addr is None or master_port is None):
         raise UsageError("Expected master_addr and master_port with nnodes > 1. Received: none")
+    if master_addr is not None and master_port is None:
+        raise UsageError(f"Expected master_port with master_addr. Received: master_addr={master_addr!r}, "
+                         f"master_port=None")
     if strat.name == "single" and workers * nnodes > 1:  # its setup would refuse in every process
         raise UsageError(f"Expected --workers 1 for strategy 'single'. Received: {workers * nnodes}")
     local = workers + (strat.extra_processes(workers * nnodes) if node_rank == 0 else 0)
@@ -131,6 +134,7 @@ def _spawn(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, p
         if master_addr is None:
             store_spec = ("file", os.path.join(tmp, "rendezvous"))
         else:
+            assert master_port is not None  # launch refused master_addr without it
             if node_rank == 0:
                 try:
                     host_store = dist.TCPStore(master_addr, int(master_port), world_size=None,
