@@ -79,6 +79,45 @@ def test_bad_arguments():
         partrain.launch(sum_ranks, 0, workers=2, strategy="nope")
 
 
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+NONE_VISIBLE = "Received: none visible (torch.cuda.is_available() is False)"
+BACKENDS = ", ".join(b for b in torch.distributed.Backend.backend_list if b != "undefined")
+
+# (launch keywords, the same on the command line, the line) - each refused before a process starts
+LAUNCH_ERRORS = [
+    pytest.param({"device": "cuda"}, ["--device", "cuda"], f"Expected a CUDA device for --device cuda. {NONE_VISIBLE}",
+                 marks=NO_CUDA),
+    pytest.param({"device": "cuda:1"}, ["--device", "cuda:1"],
+                 f"Expected a CUDA device for --device cuda:1. {NONE_VISIBLE}", marks=NO_CUDA),
+    pytest.param({"backend": "nccl"}, ["--backend", "nccl"],
+                 f"Expected a CUDA device for --backend nccl. {NONE_VISIBLE}", marks=NO_CUDA),
+    ({"device": "gpu"}, ["--device", "gpu"], "Expected a device such as cpu, cuda, cuda:1 or auto. Received: 'gpu'"),
+    ({"backend": "pigeon"}, None, f"Expected a backend among {BACKENDS}. Received: 'pigeon'"),
+    ({"strategy": "single", "workers": 3}, ["--strategy", "single", "--workers", "3"],
+     "Expected --workers 1 for strategy 'single'. Received: 3"),
+    ({"threads": 0}, ["--threads", "0"], "Expected a positive number of threads. Received: threads=0"),
+    ({"master_addr": "127.0.0.1"}, ["--master-addr", "127.0.0.1"],
+     "Expected master_port with master_addr. Received: master_addr='127.0.0.1', master_port=None"),
+    ({"timeout": float("nan")}, ["--timeout", "nan"],
+     "Expected a positive, finite timeout in seconds. Received: timeout=nan"),
+]
+
+
+@pytest.mark.parametrize("kwargs,argv,expected", LAUNCH_ERRORS)
+def test_what_the_launcher_can_check_is_refused_before_any_process_starts(kwargs, argv, expected, tmp_path,
+                                                                          capsys):
+    from partrain.cli import main
+
+    pool = partrain.WorkerPool(4)  # starts its processes at the first job only
+    with pytest.raises(UsageError) as info:
+        partrain.launch(sum_ranks, 0, **{"workers": 2, "timeout": 30, "pool": pool, **kwargs})
+    assert str(info.value) == expected
+    assert repr(pool) == "WorkerPool(processes=4, alive=0)"  # nothing was started
+    if argv is not None:  # the same from the command line: exit status 2, one line
+        code = main(["train", "--quiet", "--epochs", "1", "--workers", "2", "--out", str(tmp_path), *argv])
+        assert (code, capsys.readouterr().err.splitlines()) == (2, [f"partrain train: error: {expected}"])
+
+
 def test_distenv_reads_torchrun_variables(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")

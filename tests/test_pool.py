@@ -29,6 +29,14 @@ def fail_on_rank_1(strategy, how):
     strategy.barrier()
 
 
+def signal_self_on_rank_1(strategy, signum):
+    if strategy.rank == 1:
+        os.kill(os.getpid(), signum)  # delivered at once: the handler runs before the next line
+    t = torch.ones(1)
+    strategy.all_reduce_sum(t)
+    return t.item()
+
+
 def test_processes_are_reused_and_each_launch_is_a_fresh_job(module_pool, monkeypatch):
     first = partrain.launch(pid_and_sum, 1, workers=2, timeout=30)
     monkeypatch.setenv("PARTRAIN_TEST_MARK", "now")  # set after the processes started
@@ -71,3 +79,14 @@ def test_an_unpicklable_job_is_one_line_and_the_pool_goes_on():
     with pytest.raises(UsageError, match="Expected the function and arguments of a launch to be picklable"):
         partrain.launch(pid_and_sum, lambda: 1, workers=2, timeout=30)
     assert [o[1] for o in partrain.launch(pid_and_sum, 1, workers=2, timeout=30)] == [2.0, 2.0]
+
+
+def test_a_worker_ignores_ctrl_c_and_stops_on_sigterm():
+    """The caller owns its processes: Ctrl-C (SIGINT to the terminal's whole group) is the
+    caller's to act on, so a worker goes on; SIGTERM, how the caller stops a worker, unwinds
+    its job (``finally`` blocks run) and names the rank."""
+    assert partrain.launch(signal_self_on_rank_1, signal.SIGINT, workers=2, timeout=30) == [2.0, 2.0]
+    with pytest.raises(WorkerError) as info:
+        partrain.launch(signal_self_on_rank_1, signal.SIGTERM, workers=2, timeout=20)
+    assert info.value.rank == 1 and info.value.summary == "Interrupted: stopped by SIGTERM"
+    assert partrain.launch(signal_self_on_rank_1, signal.SIGINT, workers=2, timeout=30) == [2.0, 2.0]

@@ -1,16 +1,30 @@
-"""Inside one process of a job: threads, allocator, the job's store, process group, strategy.
+"""Inside one process of a job, and the life of the processes partrain starts.
 
 `run_in_process` is what every process of a job runs, whoever started it: a
 process `partrain.launch` spawned, a `WorkerPool` process, torchrun's worker,
 or the caller itself in a one-process run.
+
+The rest is the one way partrain starts and stops local processes (pool workers,
+serving replicas): `starting_processes` around ``Process.start()`` (a Ctrl-C
+aimed at the launcher does not reach a child still importing torch),
+`watch_parent` in the child (it stops when the process that started it dies, even
+by SIGKILL: no orphan keeps training and writing files), `stop_processes` to stop
+them (terminate, a bounded wait, kill), and `check_not_bootstrapping` for the
+script that calls `fit` at import time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import multiprocessing
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
@@ -19,6 +33,11 @@ import torch.distributed as dist
 from .env import DistEnv
 from .errors import UsageError
 from .strategies.base import WORKER, Strategy
+
+#: exit status of a spawned process whose import of the caller's script called `launch` again
+MAIN_GUARD_EXIT = 86
+#: exit status of a process that stopped because the process that started it died
+ORPHAN_EXIT = 87
 
 
 def run_in_process(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, env: DistEnv,
@@ -93,3 +112,116 @@ def tune_allocator() -> bool:
         return bool(ok)
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False
+
+
+# ----- starting and stopping local processes ----------------------------------------------
+
+@contextlib.contextmanager
+def starting_processes() -> Iterator[None]:
+    """Around ``Process.start()``: the child starts with SIGINT blocked.
+
+    Ctrl-C in a terminal reaches every process of the foreground group; a child still
+    importing torch would die of it with a traceback of its own. The blocked mask is
+    inherited through fork and exec; the child ignores SIGINT and unblocks it once it
+    runs (`partrain._signals.install_in_worker` then `unblock_interrupts`), which drops
+    one pending. The calling thread only: a SIGINT meanwhile goes to another thread of
+    this process and is handled as usual.
+    """
+    if not hasattr(signal, "pthread_sigmask"):  # Windows
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def unblock_interrupts() -> None:
+    """In the child, once SIGINT is ignored: take it out of the mask `starting_processes` set."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def watch_parent(grace: float, on_death: Callable[[], None] | None = None) -> bool:
+    """In a process `multiprocessing` started: stop when the parent dies, however it dies.
+
+    A thread waits on the parent's sentinel (a pipe the parent holds open while it
+    lives: no polling). When it ends: ``on_death()`` (e.g. remove the job's temporary
+    directory, which the parent can no longer do), SIGTERM to this process's main
+    thread (its handler unwinds the job: ``finally`` blocks run), and after ``grace``
+    seconds, if the main thread is stuck in a native call, exit at once. Returns False
+    where there is no parent to watch (a process that was not started by multiprocessing).
+    """
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return False
+    main_thread = threading.main_thread().ident
+    sentinel = parent.sentinel
+    if main_thread is None:  # not started: cannot happen in a running interpreter
+        return False
+
+    def watch() -> None:
+        wait([sentinel])
+        if on_death is not None:
+            with contextlib.suppress(Exception):
+                on_death()
+        with contextlib.suppress(OSError, ValueError):
+            signal.pthread_kill(main_thread, signal.SIGTERM)
+        time.sleep(grace)  # the bound on the orderly exit, not a synchronisation
+        os._exit(ORPHAN_EXIT)
+
+    threading.Thread(target=watch, name="partrain-parent-watch", daemon=True).start()
+    return True
+
+
+def stop_processes(procs: Iterable[Any], grace: float = 0.0, kill_after: float = 5.0) -> list[Any]:
+    """Let processes end within ``grace`` seconds, then terminate (SIGTERM), then kill.
+
+    ``procs`` are `multiprocessing` processes. Every wait is bounded: at most
+    ``grace + 2 * kill_after`` seconds in all. Returns the processes that were still
+    running when this was called.
+    """
+    procs = [p for p in procs if p.pid is not None]  # never started: nothing to stop
+    running = [p for p in procs if p.exitcode is None]
+    deadline = time.monotonic() + grace
+    for p in running:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    late = [p for p in running if p.exitcode is None]
+    for p in late:
+        with contextlib.suppress(OSError):
+            p.terminate()
+    deadline = time.monotonic() + kill_after
+    for p in late:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in late:
+        if p.exitcode is None:
+            with contextlib.suppress(OSError):
+                p.kill()
+            p.join(timeout=kill_after)
+    return running
+
+
+def check_not_bootstrapping() -> None:
+    """Exit quietly with `MAIN_GUARD_EXIT` when this process is a spawned child importing the script.
+
+    A process started with ``spawn`` first imports the parent's main script (as
+    ``__mp_main__``) to find the functions it will run. A script that calls `fit` or
+    `launch` at module level, without ``if __name__ == "__main__":``, would start
+    processes again from there; multiprocessing refuses with a traceback in every
+    child. Here the child leaves silently with a status the parent recognises and
+    explains in one line. The test: a module named ``__mp_main__`` is in ``sys.modules``
+    (elsewhere that key is only multiprocessing's alias of ``__main__``, named
+    ``__main__``) and no parent process is recorded yet (multiprocessing records it
+    after the import, just before running the target).
+    """
+    mp_main = sys.modules.get("__mp_main__")
+    if getattr(mp_main, "__name__", None) == "__mp_main__" and multiprocessing.parent_process() is None:
+        raise SystemExit(MAIN_GUARD_EXIT)
+
+
+def main_guard_message() -> str:
+    """The line that explains `MAIN_GUARD_EXIT`, naming the caller's script."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"
+    return (f"partrain: {script} calls fit/launch at import time; worker processes import it again. "
+            f'Put the call under `if __name__ == "__main__":`')

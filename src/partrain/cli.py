@@ -1,17 +1,31 @@
 """The ``partrain`` command: ``train``, ``serve``, ``loadtest``, ``population``, ``bench``.
 
 Each subcommand lives beside the code it drives and exposes
-``register(subparsers)``, which adds its parser and sets ``func(args) -> int``.
-Bad input (`UsageError`) becomes one line on stderr and exit status 2.
+``register(subparsers)``, which adds its parser (with ``formatter_class=HelpFormatter``)
+and sets ``func(args) -> int``. Bad input (`UsageError`) becomes one line on stderr and
+exit status 2.
+
+SIGINT and SIGTERM stop a command the same way: the signal becomes an `Interrupted`
+exception in the main thread, every child process the command started is asked to
+stop at once, the unwinding removes temporary directories, the children are reaped
+(killed if they linger), and the command prints one line and exits with 128 + the
+signal (130 for SIGINT, 143 for SIGTERM):
+``partrain train: stopped by SIGTERM; 2 worker processes stopped``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
+import multiprocessing
 import sys
+from collections import Counter
+from typing import Any
 
-from .errors import UsageError, WorkerError
+from ._process import stop_processes
+from ._signals import signals_raise
+from .errors import Interrupted, UsageError, WorkerError, signal_name
 
 # subcommand -> module exposing register(subparsers)
 SUBCOMMANDS = {
@@ -23,6 +37,57 @@ SUBCOMMANDS = {
 }
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that shows an option's default only when it tells the reader something.
+
+    ``argparse.ArgumentDefaultsHelpFormatter`` appends ``(default: None)`` to options
+    that have no default, ``(default: False)`` to every flag and ``(default: [])`` to
+    repeatable options. This one appends ``(default: X)`` only when X is a value (not
+    None, not False for a flag, not an empty list or string) and the help text does not
+    already speak of its default; an option without help text gets ``default: X`` alone.
+    Use it for every parser: ``formatter_class=HelpFormatter``.
+    """
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and meaningful_default(action):
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if not meaningful_default(action) or "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def meaningful_default(action: argparse.Action) -> bool:
+    """True when ``action``'s default is worth printing in its help."""
+    default = action.default
+    if default is None or default is argparse.SUPPRESS or action.help is argparse.SUPPRESS:
+        return False
+    if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+        return False  # a required positional has no default to speak of
+    if action.nargs == 0:  # a flag (store_true, store_const, count...): its default is its absence
+        return False
+    if isinstance(default, (list, tuple, dict, set, str)) and len(default) == 0:
+        return False
+    return True
+
+
+def version() -> str:
+    """partrain's version: the installed distribution's, else the package's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("partrain")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="partrain",
@@ -31,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Hogwild, local SGD; dynamic-batching inference; populations of models."
         ),
         epilog="Run 'partrain COMMAND --help' for the options of one command.",
+        formatter_class=HelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"partrain {version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMANDS.values():
@@ -52,21 +119,70 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if argv is None or not argv else 2
-    try:
-        return int(args.func(args) or 0)
-    except UsageError as exc:
-        if args.verbose:
-            raise
-        print(f"partrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
-        return 2
-    except WorkerError as exc:
-        if args.verbose and exc.traceback:
-            print(exc.traceback, file=sys.stderr)
-        print(f"partrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"partrain {args.command}: interrupted", file=sys.stderr)
-        return 130
+    children = _Children()
+    with signals_raise(take_over=True, on_signal=children.stop_now):
+        try:
+            return int(args.func(args) or 0)
+        except UsageError as exc:
+            if args.verbose:
+                raise
+            print(f"partrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+            return 2
+        except WorkerError as exc:
+            if args.verbose and exc.traceback:
+                print(exc.traceback, file=sys.stderr)
+            print(f"partrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+            return 1
+        except Interrupted as stop:
+            children.reap()
+            print(f"partrain {args.command}: stopped by {signal_name(stop.signum)}{children.summary()}",
+                  file=sys.stderr)
+            return stop.exit_status
+        except KeyboardInterrupt:  # a SIGINT handler of someone else's raised it
+            children.reap()
+            print(f"partrain {args.command}: interrupted{children.summary()}", file=sys.stderr)
+            return 130
+
+
+class _Children:
+    """The child processes a command started, as the signal found them.
+
+    At the signal every live child is sent SIGTERM at once (``stop_now``): a child the
+    main thread is not waiting on (a benchmark's helper) stops too, and the ones it is
+    waiting on stop sooner. After the unwinding, ``reap`` waits for them (bounded) and
+    kills any that linger.
+    """
+
+    def __init__(self) -> None:
+        self.signalled: list[Any] = []
+
+    def stop_now(self, signum: int) -> None:
+        self.signalled = multiprocessing.active_children()
+        for p in self.signalled:
+            try:
+                p.terminate()
+            except OSError:  # already gone
+                pass
+
+    def reap(self) -> None:
+        stop_processes(self.signalled + multiprocessing.active_children())
+
+    def summary(self) -> str:
+        """``; 2 worker processes stopped`` (nothing when there were none)."""
+        kinds = Counter(_kind(p.name) for p in self.signalled)
+        if not kinds:
+            return ""
+        parts = [f"{n} {kind} process{'es' if n > 1 else ''}" for kind, n in sorted(kinds.items())]
+        return "; " + " and ".join(parts) + " stopped"
+
+
+def _kind(process_name: str) -> str:
+    """What a child process is, from the name partrain gives it (pool.py, serve/replicas.py)."""
+    if process_name.startswith(("partrain-rank", "partrain-pool")):
+        return "worker"
+    if process_name.startswith("partrain-replica"):
+        return "replica"
+    return "child"
 
 
 def _one_line(exc: BaseException) -> str:

@@ -83,6 +83,42 @@ def pick_device(local_rank: int, device: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def check_device(device: str | None = None, backend: str | None = None) -> None:
+    """One line, before any process starts, for a device or backend this machine cannot give.
+
+    ``device``: None or "auto" (CUDA when present), "cpu", "cuda", "cuda:N"...;
+    ``backend``: a torch.distributed backend ("gloo", "nccl", ...). NCCL needs CUDA.
+    """
+    dev = None
+    if device is not None and device != "auto":
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise UsageError(f"Expected a device such as cpu, cuda, cuda:1 or auto. Received: {device!r}") from None
+        if dev.type == "cuda":
+            _check_cuda(f"--device {device}")
+            if dev.index is not None and dev.index >= torch.cuda.device_count():
+                raise UsageError(f"Expected a visible CUDA device for --device {device}. Received: "
+                                 f"{torch.cuda.device_count()} visible (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    if backend is None:
+        return
+    import torch.distributed as dist
+
+    known = [b for b in dist.Backend.backend_list if b != "undefined"]
+    if backend not in known:
+        raise UsageError(f"Expected a backend among {', '.join(known)}. Received: {backend!r}")
+    if backend == "nccl":
+        _check_cuda("--backend nccl")
+        if dev is not None and dev.type != "cuda":
+            raise UsageError(f"Expected --device cuda with --backend nccl. Received: --device {device}")
+
+
+def _check_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise UsageError(f"Expected a CUDA device for {what}. Received: none visible "
+                         f"(torch.cuda.is_available() is False)")
+
+
 def default_backend(device: torch.device) -> str:
     """gloo on CPU, NCCL on CUDA."""
     return "nccl" if device.type == "cuda" else "gloo"

@@ -1,14 +1,23 @@
 """Errors partrain raises on purpose.
 
 `UsageError` is bad input from the user: the CLI prints its message as one line
-and exits with status 2, never with a traceback.
+and exits with status 2, never with a traceback. `Interrupted` is SIGINT or
+SIGTERM turned into an exception, so that a signal unwinds the program like
+Ctrl-C does: every ``finally`` runs, the processes partrain started are stopped
+and its temporary directories removed.
 """
 
 from __future__ import annotations
 
+import signal
+
 
 class UsageError(ValueError):
     """Bad input: the message says what was expected and what was received."""
+
+
+class MainGuardError(UsageError):
+    """A script runs `fit`/`launch` at import time, so every spawned worker runs it again."""
 
 
 class WorkerError(RuntimeError):
@@ -20,3 +29,30 @@ class WorkerError(RuntimeError):
         self.summary = summary
         self.traceback = traceback
         super().__init__(f"{role} rank {rank} failed: {summary}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived. A `KeyboardInterrupt`: code that handles Ctrl-C handles it too.
+
+    ``signum`` is the signal; ``exit_status`` the shell's convention for a process it
+    stopped (128 + signal: 130 for SIGINT, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal_name(signum)}")
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.signum,)
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15; ``signal 99`` for a number with no name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

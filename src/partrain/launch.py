@@ -20,6 +20,14 @@ raises or dies makes the launcher stop the others and raise `WorkerError`
 naming its rank, with its traceback - unless the strategy survives worker
 loss (an asynchronous parameter server), in which case a dead worker is
 reported and the job goes on.
+
+Signals: while local processes run, SIGTERM (and SIGINT) raise `Interrupted`, a
+`KeyboardInterrupt`, in the caller's main thread, unless the caller installed a
+handler of its own: the processes are stopped, the temporary directory removed,
+and the exception reaches the caller; the handlers are put back on return. If
+the caller dies without unwinding (SIGKILL), its processes notice and stop.
+A script that calls `launch` (or `fit`) at import time, outside
+``if __name__ == "__main__":``, ends with one line saying so (`SystemExit`).
 """
 
 from __future__ import annotations
@@ -36,16 +44,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._process import join_store, run_in_process, tune_allocator
+from ._process import check_not_bootstrapping, join_store, run_in_process, tune_allocator
+from ._signals import signals_raise
 from .env import (
     DEFAULT_TIMEOUT,
     DistEnv,
     available_cores,
+    check_device,
     default_backend,
     in_torchrun,
     pick_device,
 )
-from .errors import UsageError
+from .errors import MainGuardError, UsageError
 from .pool import WorkerPool
 from .strategies.base import Strategy, get_strategy
 
@@ -74,7 +84,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
         The return values of the workers, in worker-rank order, when this call spawned
         them (they must be picklable). Under torchrun, a list holding this process's value.
     """
-    check_arguments(workers, timeout, threads)
+    check_arguments(workers, timeout, threads, device=device, backend=backend)
     strat = get_strategy(strategy)
     if in_torchrun():
         env = DistEnv.from_environ(backend, device)
@@ -84,6 +94,11 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
         raise UsageError(f"Expected 0 <= node_rank < nnodes. Received: node_rank={node_rank}, nnodes={nnodes}")
     if nnodes > 1 and (master_addr is None or master_port is None):
         raise UsageError("Expected master_addr and master_port with nnodes > 1. Received: none")
+    if master_addr is not None and master_port is None:
+        raise UsageError(f"Expected master_port with master_addr. Received: master_addr={master_addr!r}, "
+                         f"master_port=None")
+    if strat.name == "single" and workers * nnodes > 1:  # its setup would refuse in every process
+        raise UsageError(f"Expected --workers 1 for strategy 'single'. Received: {workers * nnodes}")
     local = workers + (strat.extra_processes(workers * nnodes) if node_rank == 0 else 0)
     world = workers * nnodes + strat.extra_processes(workers * nnodes)
     first_rank = 0 if node_rank == 0 else local_offset(workers, strat, nnodes, node_rank)
@@ -100,12 +115,26 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
         finally:
             torch.set_num_threads(before)
 
+    check_not_bootstrapping()
+    try:
+        with signals_raise(take_over=False):
+            return _spawn(fn, args, kwargs, strat, pool, local, world, first_rank, node_rank, backend, device,
+                          timeout, threads, master_addr, master_port)
+    except MainGuardError as exc:  # the caller's script is at fault, not this call: no traceback
+        raise SystemExit(str(exc)) from None
+
+
+def _spawn(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, pool: WorkerPool | None,
+           local: int, world: int, first_rank: int, node_rank: int, backend: str | None, device: str | None,
+           timeout: float, threads: int, master_addr: str | None, master_port: int | None) -> list[Any]:
+    """Run the job on local processes that meet through a FileStore here or a TCPStore on node 0."""
     with tempfile.TemporaryDirectory(prefix="partrain-") as tmp:
         store_spec: tuple[str, ...]
         host_store = None
         if master_addr is None:
             store_spec = ("file", os.path.join(tmp, "rendezvous"))
         else:
+            assert master_port is not None  # launch refused master_addr without it
             if node_rank == 0:
                 try:
                     host_store = dist.TCPStore(master_addr, int(master_port), world_size=None,
@@ -127,14 +156,16 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
             del host_store
 
 
-def check_arguments(workers: Any, timeout: Any, threads: Any = None) -> None:
-    """One line for a bad worker count, timeout or thread count (before any process starts)."""
+def check_arguments(workers: Any, timeout: Any, threads: Any = None, *, device: str | None = None,
+                    backend: str | None = None) -> None:
+    """One line for a bad worker count, timeout, thread count, device or backend (before any process starts)."""
     for name, value in (("workers", workers), ("threads", threads)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise UsageError(f"Expected a positive number of {name}. Received: {name}={value!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
             or timeout <= 0:
         raise UsageError(f"Expected a positive, finite timeout in seconds. Received: timeout={timeout!r}")
+    check_device(device, backend)
 
 
 def local_offset(workers: int, strat: Strategy, nnodes: int, node_rank: int) -> int:

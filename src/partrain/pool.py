@@ -24,6 +24,11 @@ A killed process breaks only its own pipe, which goes with it.
 The supervisor turns every failure into a `WorkerError` naming the rank that
 failed first (not one of its victims), unless the strategy survives the loss
 of a worker (an asynchronous parameter server): then the job goes on.
+
+Signals: the caller owns its processes. They ignore SIGINT (Ctrl-C reaches the
+caller, which stops them), take SIGTERM as an `Interrupted` that unwinds the job,
+and stop by themselves when the caller dies, even by SIGKILL (`watch_parent`):
+no orphan goes on training and writing files.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import math
 import os
 import pickle
 import re
-import signal
+import shutil
 import sys
 import time
 import traceback
@@ -49,9 +54,19 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ._process import run_in_process
+from ._process import (
+    MAIN_GUARD_EXIT,
+    check_not_bootstrapping,
+    main_guard_message,
+    run_in_process,
+    starting_processes,
+    stop_processes,
+    unblock_interrupts,
+    watch_parent,
+)
+from ._signals import install_in_worker
 from .env import DistEnv, default_backend, pick_device
-from .errors import UsageError, WorkerError
+from .errors import MainGuardError, UsageError, WorkerError, signal_name
 from .strategies.base import WORKER, Strategy
 
 _CURRENT: contextvars.ContextVar[WorkerPool | None] = contextvars.ContextVar("partrain_pool", default=None)
@@ -130,6 +145,7 @@ class WorkerPool:
             store_spec: tuple[str, ...], first_rank: int, local: int, world: int, backend: str | None,
             device: str | None, timeout: float, threads: int | None) -> list[Any]:
         """Run one job's ``local`` ranks on this pool; the workers' values in worker-rank order."""
+        check_not_bootstrapping()
         if self._closed:
             raise UsageError("Expected an open WorkerPool. Received: one that was closed")
         if local > self.processes:
@@ -156,7 +172,7 @@ class WorkerPool:
             ok = True
         finally:
             if not ok or self.one_shot:
-                _stop([proc for proc, _ in procs.values()], grace=5.0 if ok else 0.0)
+                stop_processes([proc for proc, _ in procs.values()], grace=5.0 if ok else 0.0)
         roles = strat.roles(world)
         return [values.get(r) for r in sorted(procs) if roles[r] == WORKER]  # None for a lost worker
 
@@ -168,9 +184,10 @@ class WorkerPool:
             here, there = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(target=_process_main, args=(there, self.one_shot),
                                      name=name if self.one_shot else f"partrain-pool{index}", daemon=False)
-            proc.start()
+            with starting_processes():  # a Ctrl-C held back meanwhile is raised on leaving: the
+                proc.start()               # process is in the pool by then, which stops it
+                slot = self._slots[index] = (proc, here)
             there.close()  # the child holds it now: its death is an end-of-file here
-            slot = self._slots[index] = (proc, here)
         return slot
 
 
@@ -191,7 +208,7 @@ def _shutdown(slots: list[tuple[Any, Any] | None]) -> None:
             conn.send(None)  # asks an idle process to return
         except (OSError, ValueError):
             pass
-    _stop([proc for proc, _ in live], grace=5.0)
+    stop_processes([proc for proc, _ in live], grace=5.0)
     for i, slot in enumerate(slots):
         if slot is not None:
             slot[1].close()
@@ -200,7 +217,14 @@ def _shutdown(slots: list[tuple[Any, Any] | None]) -> None:
 
 # ----- inside a pool process ----------------------------------------------------------------
 
+_PARENT_GRACE = 5.0  # seconds for a job to unwind after the caller died, then exit at once
+
+
 def _process_main(conn: Any, one_shot: bool) -> None:
+    install_in_worker()
+    unblock_interrupts()
+    rendezvous: list[str] = []  # the temporary directory of the job running now (see the watch)
+    watch_parent(_PARENT_GRACE, on_death=lambda: _remove_temporary(rendezvous))
     try:
         while True:
             try:
@@ -209,6 +233,7 @@ def _process_main(conn: Any, one_shot: bool) -> None:
                 return
             if job is None:
                 return
+            rendezvous[:] = _launch_directory(job)
             if not _run_job(job, conn):
                 # after a failure the process may hold a broken group or threads stuck in gloo:
                 # leave now (the pool starts a fresh one); the report is already written
@@ -216,8 +241,22 @@ def _process_main(conn: Any, one_shot: bool) -> None:
                 os._exit(1)
             if one_shot:
                 return
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent reports it
+    except KeyboardInterrupt:  # SIGTERM (`Interrupted`) while idle: the caller is stopping us
         return
+
+
+def _launch_directory(job: Job) -> list[str]:
+    """The temporary directory `launch` made for ``job``'s FileStore (none for a TCPStore)."""
+    if job.store_spec[0] != "file":
+        return []
+    directory = os.path.dirname(job.store_spec[1])
+    return [directory] if os.path.basename(directory).startswith("partrain-") else []
+
+
+def _remove_temporary(directories: list[str]) -> None:
+    """After the caller died: remove what it can no longer remove itself."""
+    for directory in directories:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _run_job(job: Job, conn: Any) -> bool:
@@ -269,6 +308,7 @@ class _Failure:
     summary: str
     traceback: str
     died: bool = False
+    exitcode: int | None = None
     order: int = field(default_factory=lambda: next(_ORDER))
 
 
@@ -308,7 +348,10 @@ def _supervise(procs: dict[int, tuple[Any, Any]], job_id: int, roles: list[str],
                     failures.append(_Failure(rank, *payload))
             elif proc.sentinel in ready or time.monotonic() - ended.get(rank, math.inf) > _EXIT_GRACE:
                 proc.join(timeout=0.1)
-                failures.append(_Failure(rank, _describe_exit(proc.exitcode), "", died=True))
+                failures.append(_Failure(rank, _describe_exit(proc.exitcode), "", died=True,
+                                         exitcode=proc.exitcode))
+        if any(f.exitcode == MAIN_GUARD_EXIT for f in failures):  # every rank fails alike: say why once
+            raise MainGuardError(main_guard_message())
         for f in [f for f in failures if f.rank not in lost]:
             if roles[f.rank] == WORKER and strat.survives_worker_loss and not f.summary.startswith("UsageError"):
                 print(f"partrain: warning: worker rank {f.rank} {f.summary}; strategy {strat.name!r} goes on "
@@ -328,29 +371,7 @@ def _supervise(procs: dict[int, tuple[Any, Any]], job_id: int, roles: list[str],
 
 def _describe_exit(code: int | None) -> str:
     if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"died with {name} (exit code {code})"
+        return f"died with {signal_name(-code)} (exit code {code})"
     if code is None:
         return "closed its pipe without reporting a result"
     return f"exited with code {code} without reporting a result"
-
-
-def _stop(procs: Any, grace: float = 0.0) -> None:
-    """Let processes end within ``grace`` seconds, then terminate, then kill."""
-    procs = list(procs)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    procs = [p for p in procs if p.exitcode is None]
-    for p in procs:
-        p.terminate()
-    deadline = time.monotonic() + 5
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
-            p.join(timeout=5)

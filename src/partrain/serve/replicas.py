@@ -8,7 +8,9 @@ connections across them, so no process is a proxy in the data path. The parent
 binds the port first (without listening) to reserve it and learn it when
 ``port=0``, waits until every replica is ready, forwards SIGINT/SIGTERM for a
 graceful shutdown (each replica finishes its in-flight requests and drains its
-batchers) and reports a replica that dies.
+batchers), says in one line that it stopped, and reports a replica that dies.
+A replica whose parent dies without forwarding anything (SIGKILL) shuts itself
+down the same way (`partrain._process.watch_parent`).
 
 Replica ``i`` calls itself ``partrain-replica-i`` in the server metadata
 (``GET /v2``), so that what a connection reads (``/metrics`` included) can be
@@ -33,8 +35,9 @@ from typing import Any
 
 import torch
 
+from .._process import starting_processes, stop_processes, unblock_interrupts, watch_parent
 from ..env import available_cores
-from ..errors import UsageError
+from ..errors import UsageError, signal_name
 from .protocol import ServedModel
 
 MakeModels = Callable[..., Sequence[ServedModel]]
@@ -103,6 +106,11 @@ def build_app(make_models: MakeModels, device: str | None, app_options: dict[str
 def _replica_main(make_models: MakeModels, index: int, host: str, port: int, threads: int,
                   device: str | None, app_options: dict[str, Any], ready: Any) -> None:
     """Entry point of one replica process."""
+    # The parent forwards SIGINT/SIGTERM as SIGTERM; once serving, uvicorn handles both
+    # (graceful). Until then Ctrl-C aimed at the terminal's group is the parent's to handle.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    unblock_interrupts()
+    watch_parent(_ORPHAN_GRACE)
     torch.set_num_threads(threads)
     # Each replica names itself in the server metadata (GET /v2): the kernel picks the replica
     # per connection, so the name is how a client (or a test) tells whose /metrics it read.
@@ -114,6 +122,9 @@ def _replica_main(make_models: MakeModels, index: int, host: str, port: int, thr
         ready.put((index, f"{type(exc).__name__}: {exc}"))
         return
     asyncio.run(serve_app(app, sock, on_ready=lambda _server: ready.put((index, None))))
+
+
+_ORPHAN_GRACE = 35.0  # seconds a replica whose parent died may drain (uvicorn's own bound is 30)
 
 
 def default_threads(processes: int) -> int:
@@ -155,23 +166,32 @@ def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 
                          args=(make_models, i, host, bound, threads, devices[i], app_options, ready))
              for i in range(replicas)]
     stopping = False
+    received: list[int] = []  # the signals that asked for the stop
+    serving: list[int] = []  # replicas alive when the first one came
 
-    def forward(signum: int, frame: Any) -> None:
+    def stop_all() -> None:
         nonlocal stopping
         stopping = True
         for p in procs:
             if p.is_alive() and p.pid:
                 os.kill(p.pid, signal.SIGTERM)
 
+    def forward(signum: int, frame: Any) -> None:
+        if not received:
+            received.append(signum)
+            serving.extend(i for i, p in enumerate(procs) if p.is_alive())
+        stop_all()
+
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for p in procs:
-            p.start()
+            with starting_processes():
+                p.start()
         waiting = set(range(replicas))
         deadline = time.monotonic() + start_timeout
         while waiting:
             if stopping:
-                return 130
+                return 128 + received[0] if received else 1  # stopped before serving
             dead = [i for i in waiting if not procs[i].is_alive()]
             if dead:
                 raise UsageError(f"Replica {dead[0]} exited with status {procs[dead[0]].exitcode} while starting")
@@ -195,17 +215,15 @@ def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 
                     print(f"partrain serve: replica {i} exited with status {p.exitcode}; stopping",
                           file=sys.stderr)
                     status = 1
-                    forward(signal.SIGTERM, None)
+                    stop_all()
         return status
     finally:
-        forward(signal.SIGTERM, None)
-        for p in procs:
-            if p.pid is None:
-                continue  # never started
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+        stop_all()
+        # a graceful drain is bounded by uvicorn's timeout_graceful_shutdown (30 s)
+        stop_processes(procs, grace=60.0)
         for s, handler in old.items():
             signal.signal(s, handler)
         reserve.close()
+        if received:  # a server stopped by SIGTERM/SIGINT after draining has done its job: status 0
+            print(f"partrain serve: stopped by {signal_name(received[0])}; {len(serving)} replica "
+                  f"process{'es' if len(serving) != 1 else ''} stopped", file=sys.stderr, flush=True)

@@ -1,0 +1,60 @@
+"""A script that calls `launch` at import time gets one line telling it to add the main guard.
+
+Why this exists: worker processes are started with ``spawn``, so each imports the
+user's script again before running anything. Without ``if __name__ == "__main__":``
+the import calls `launch` again, and multiprocessing refused it with a traceback in
+every worker, beneath the launcher's own: three nested tracebacks for a one-line fix.
+Each test runs a script in a fresh interpreter (independent of the suite's pool).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+BODY = {
+    "launch": "print(partrain.launch(rank_of, workers=2, timeout=60))",
+    "pool": "with partrain.WorkerPool(2):\n    print(partrain.launch(rank_of, workers=2, timeout=60))",
+}
+
+
+def script(tmp_path: Path, body: str, guarded: bool) -> Path:
+    if guarded:
+        body = 'if __name__ == "__main__":\n' + textwrap.indent(body, "    ")
+    path = tmp_path / "train_me.py"
+    path.write_text("import partrain\n\n\ndef rank_of(strategy):\n    return strategy.rank\n\n\n" + body + "\n")
+    return path
+
+
+def run(path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=240,
+                          cwd=path.parent)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", sorted(BODY))
+def test_a_script_without_the_main_guard_gets_one_line(tmp_path: Path, how: str) -> None:
+    path = script(tmp_path, BODY[how], guarded=False)
+    proc = run(path)
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.splitlines() == [
+        f"partrain: {path} calls fit/launch at import time; worker processes import it again. "
+        'Put the call under `if __name__ == "__main__":`'
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_the_same_script_with_the_guard_runs(tmp_path: Path) -> None:
+    proc = run(script(tmp_path, BODY["launch"], guarded=True))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[0, 1]"]

@@ -1,0 +1,316 @@
+"""A signal stops every process partrain started: no orphan trains on, no temporary directory stays.
+
+Why this exists: SIGTERM used to end ``partrain train`` on the spot (status 143) while
+its two workers, never told, trained to the end as orphans and kept rewriting
+``metrics.csv`` and ``checkpoint.pt``; the launcher's temporary directory stayed.
+
+Each test starts a real command in a session of its own (so that every process it
+starts, and every orphan, can be found by its session id in /proc), waits until the
+workers are provably working (a file they write, the store they meet through), sends
+the signal and checks: the exit status, the one line on stderr, that no process of the
+session is alive after a bounded wait, that the temporary directory is gone and that
+the run's files have stopped changing. Start reading at `test_sigterm_stops_train`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from partrain.cli import main
+
+from .waiting import wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+START = 180.0  # seconds for a command to get its workers going on a loaded 2-core machine
+pytestmark = pytest.mark.timeout(300)
+
+
+# ----- processes, from /proc ------------------------------------------------------------------
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, session id) of a process, None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+    return fields[0], int(fields[1]), int(fields[3])
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"  # a zombie has finished; only its exit code is left
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes of session ``sid``: the command, its children, and any orphan of theirs."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None and stat[2] == sid and stat[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def spawned_children(pid: int) -> list[int]:
+    """Live processes ``pid`` started with multiprocessing's spawn (not its resource tracker)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(int(entry))
+            if stat is not None and stat[1] == pid and stat[0] != "Z":
+                try:
+                    if b"spawn_main" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                        found.append(int(entry))
+                except OSError:
+                    pass
+    return found
+
+
+# ----- a command in its own session -------------------------------------------------------------
+
+class Command:
+    """``python -m partrain ARGS`` in a new session, its output read by threads (never blocks)."""
+
+    def __init__(self, args: list[str], tmp_path: Path) -> None:
+        self.tmpdir = tmp_path / "tmp"
+        self.tmpdir.mkdir()
+        env = {**os.environ, "TMPDIR": str(self.tmpdir), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "partrain", *args], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(s, into), daemon=True)
+                         for s, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self._readers:
+            t.start()
+
+    @staticmethod
+    def _read(stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+
+    @property
+    def sid(self) -> int:
+        return self.proc.pid  # start_new_session: the command leads its own session
+
+    def wait_for(self, condition, what: str) -> None:
+        wait_until(lambda: condition() or self.proc.poll() is not None, what, timeout=START, interval=0.05)
+        assert self.proc.poll() is None, f"exited with {self.proc.returncode} before {what}:\n{self.output()}"
+
+    def finish(self, timeout: float = 60.0) -> int:
+        code = self.proc.wait(timeout)
+        for t in self._readers:
+            t.join(10)
+        return code
+
+    def stderr_lines(self) -> list[str]:
+        return [line.rstrip("\n") for line in self.err if line.strip()]
+
+    def output(self) -> str:
+        return "".join(self.out) + "".join(self.err)
+
+    def leftover_dirs(self) -> list[str]:
+        return sorted(p.name for p in self.tmpdir.iterdir() if p.name.startswith("partrain-"))
+
+    def rendezvous(self) -> list[str]:
+        """The store files of `launch`'s temporary directories: present once workers met there."""
+        return glob.glob(str(self.tmpdir / "partrain-*" / "rendezvous"))
+
+    def close(self) -> None:
+        """Whatever happened in the test: nothing of the session survives it."""
+        for pid in session_members(self.sid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+
+
+def no_survivors(cmd: Command) -> None:
+    wait_until(lambda: not session_members(cmd.sid), "every process of the session to exit", timeout=30,
+               interval=0.05)
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    """Name -> (modification time, size) of the files of a run (none before it wrote any)."""
+    if not directory.exists():
+        return {}
+    return {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(directory.iterdir())}
+
+
+def train_args(out: Path) -> list[str]:
+    # far more epochs than the test lasts: only a signal ends this run
+    return ["train", "--dataset", "digits", "--workers", "2", "--threads", "1", "--epochs", "10000", "--quiet",
+            "--out", str(out)]
+
+
+# ----- train ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGINT to the group (Ctrl-C)"])
+def test_sigterm_stops_train(tmp_path: Path, how: str) -> None:
+    out = tmp_path / "run"
+    cmd = Command(train_args(out), tmp_path)
+    try:
+        if how.startswith("SIGTERM"):  # mid-training: the workers write files, the case of the orphans
+            cmd.wait_for(lambda: (out / "metrics.csv").exists(), "the first epoch's metrics")
+        else:  # as soon as the workers run their job
+            cmd.wait_for(cmd.rendezvous, "the workers to meet")
+        workers = spawned_children(cmd.proc.pid)
+        assert len(workers) == 2, workers
+        if how.startswith("SIGTERM"):
+            sig = signal.SIGTERM
+            os.kill(cmd.proc.pid, sig)  # the launcher alone: it must stop the workers itself
+        else:
+            sig = signal.SIGINT
+            os.killpg(cmd.proc.pid, sig)  # what a terminal's Ctrl-C does: every process of the group
+        code = cmd.finish()
+        at_exit = snapshot(out)
+        assert code == 128 + sig, cmd.output()
+        assert cmd.stderr_lines() == [f"partrain train: stopped by {sig.name}; 2 worker processes stopped"]
+        assert not any(_alive(pid) for pid in workers)  # stopped before the launcher exited
+        no_survivors(cmd)
+        assert cmd.leftover_dirs() == []
+        assert snapshot(out) == at_exit  # nobody writes any more
+        assert not [p for p in at_exit if p.endswith(".tmp")]  # no half-written checkpoint
+    finally:
+        cmd.close()
+
+
+def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    """SIGKILL leaves the launcher no chance to clean up: the workers notice it died and stop."""
+    out = tmp_path / "run"
+    cmd = Command(train_args(out), tmp_path)
+    try:
+        cmd.wait_for(cmd.rendezvous, "the workers to meet")
+        os.kill(cmd.proc.pid, signal.SIGKILL)
+        assert cmd.finish() == -signal.SIGKILL
+        no_survivors(cmd)
+        at_end = snapshot(out)
+        assert cmd.leftover_dirs() == []  # the workers removed the launcher's rendezvous directory
+        assert snapshot(out) == at_end
+    finally:
+        cmd.close()
+
+
+# ----- population, serve ------------------------------------------------------------------------
+
+def test_sigterm_stops_population(tmp_path: Path) -> None:
+    cmd = Command(["population", "--members", "4", "--workers", "2", "--steps", "1000000", "--quiet",
+                   "--out", str(tmp_path / "pop")], tmp_path)
+    try:
+        cmd.wait_for(cmd.rendezvous, "the workers to meet")
+        os.kill(cmd.proc.pid, signal.SIGTERM)
+        assert cmd.finish() == 143, cmd.output()
+        assert cmd.stderr_lines() == ["partrain population: stopped by SIGTERM; 2 worker processes stopped"]
+        no_survivors(cmd)
+        assert cmd.leftover_dirs() == []
+    finally:
+        cmd.close()
+
+
+def tiny_model() -> torch.nn.Module:
+    """Served by the replica tests (module-level: replicas import it by name)."""
+    return torch.nn.Linear(3, 2)
+
+
+SERVE = ["serve", "tiny=tests.test_signals:tiny_model", "--replicas", "2", "--threads", "1", "--port", "0"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_replicas_stop_with_the_server(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGTERM: a graceful stop (status 0, as for one process) saying what it stopped; SIGKILL of
+    the parent: the replicas notice and shut down by themselves."""
+    cmd = Command(SERVE, tmp_path)
+    try:
+        cmd.wait_for(lambda: any("serving" in line for line in cmd.out), "the server's announcement")
+        replicas = spawned_children(cmd.proc.pid)
+        assert len(replicas) == 2, replicas
+        os.kill(cmd.proc.pid, sig)
+        code = cmd.finish()
+        if sig == signal.SIGTERM:
+            assert code == 0, cmd.output()
+            assert cmd.stderr_lines() == ["partrain serve: stopped by SIGTERM; 2 replica processes stopped"]
+            assert not any(_alive(pid) for pid in replicas)
+        else:
+            assert code == -signal.SIGKILL
+        no_survivors(cmd)
+    finally:
+        cmd.close()
+
+
+# ----- library use: launch from someone's program ------------------------------------------------
+
+LIBRARY_SCRIPT = textwrap.dedent('''
+    import multiprocessing, os, signal, tempfile
+    import partrain
+    from partrain.errors import Interrupted
+
+    def work(strategy):
+        if strategy.rank == 0:
+            os.kill(os.getppid(), signal.SIGTERM)  # the launcher is told to stop while we work
+        while True:
+            strategy.barrier()
+
+    def run(pool):
+        before = signal.getsignal(signal.SIGTERM)
+        try:
+            partrain.launch(work, workers=2, timeout=60, pool=pool)
+        except KeyboardInterrupt as exc:
+            print("caught", type(exc).__name__, isinstance(exc, Interrupted) and exc.signum)
+        print("handler restored", signal.getsignal(signal.SIGTERM) == before)
+        print("children", len(multiprocessing.active_children()) if pool is None else repr(pool))
+        print("temp dirs", [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("partrain-")])
+
+    if __name__ == "__main__":
+        run(None)
+        run(partrain.WorkerPool(2))
+''')
+
+
+def test_library_callers_get_a_keyboard_interrupt_and_no_children(tmp_path: Path) -> None:
+    """From Python, SIGTERM during `launch` is a KeyboardInterrupt the caller can catch, raised
+    after the workers were stopped and the temporary directory removed; the caller's own
+    signal handling is back when `launch` returns. Processes of its own, then a WorkerPool's."""
+    script = tmp_path / "script.py"
+    script.write_text(LIBRARY_SCRIPT)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "caught Interrupted 15", "handler restored True", "children 0", "temp dirs []",
+        "caught Interrupted 15", "handler restored True", "children WorkerPool(processes=2, alive=0)",
+        "temp dirs []",
+    ]
+
+
+# ----- the command's handling, in this process ---------------------------------------------------
+
+def test_main_turns_a_signal_into_one_line_and_puts_the_handlers_back(monkeypatch, capsys) -> None:
+    import partrain.train.cli as train_cli
+
+    def signalled(args) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)  # raises Interrupted here, at the next bytecode
+        raise AssertionError("SIGTERM did not interrupt the command")
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(train_cli, "run", signalled)
+    assert main(["train"]) == 143
+    assert capsys.readouterr().err.splitlines() == ["partrain train: stopped by SIGTERM"]
+    assert {s: signal.getsignal(s) for s in before} == before
