@@ -88,7 +88,7 @@ ERRORS = [
                            "holds a run (metrics.csv)"),
     (["--resume", "{d}/done.pt"], "Expected epochs above 1 to train on from '{d}/done.pt'. Received: a checkpoint "
                                   "at epoch 1 of epochs=1, which leaves nothing to train"),
-    (["--strategy", "single", "--workers", "3"], "Expected --workers 1 for strategy 'single'. Received: --workers 3"),
+    (["--strategy", "single", "--workers", "3"], "Expected --workers 1 for strategy 'single'. Received: 3"),
     (["--lr-schedule", "wavy"], "Expected an lr schedule among ['constant', 'cosine', 'linear', "
                                 "'step:EPOCHS[:GAMMA]'] (e.g. step:3:0.5). Received: 'wavy'"),
     (["--warmup-steps", "-1"], "Expected warmup_steps to be a non-negative integer. Received: -1"),

@@ -97,8 +97,9 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
     if master_addr is not None and master_port is None:
         raise UsageError(f"Expected master_port with master_addr. Received: master_addr={master_addr!r}, "
                          f"master_port=None")
-    if strat.name == "single" and workers * nnodes > 1:  # its setup would refuse in every process
-        raise UsageError(f"Expected --workers 1 for strategy 'single'. Received: {workers * nnodes}")
+    if strat.max_workers is not None and workers * nnodes > strat.max_workers:  # its setup would refuse
+        raise UsageError(f"Expected --workers {strat.max_workers} for strategy {strat.name!r}. "
+                         f"Received: {workers * nnodes}")
     local = workers + (strat.extra_processes(workers * nnodes) if node_rank == 0 else 0)
     world = workers * nnodes + strat.extra_processes(workers * nnodes)
     first_rank = 0 if node_rank == 0 else local_offset(workers, strat, nnodes, node_rank)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from ..cli import HelpFormatter
 from ..errors import UsageError
 from ..files import check_output_file
 from . import BENCHMARKS
@@ -17,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Run a benchmark. Each one measures partrain against the alternative a user "
         "would otherwise pick, in the same run: variants in alternating rounds, medians with "
         "their spread, ratios and goals.",
+        formatter_class=HelpFormatter,
     )
     names = p.add_subparsers(dest="bench", metavar="NAME")
     for name, module_name in BENCHMARKS.items():
@@ -28,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             raise
         bp = names.add_parser(name, help=(module.__doc__ or name).strip().splitlines()[0],
                               description=module.__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              formatter_class=_Formatter)
         bp.add_argument("--quick", action="store_true",
                         help="a smoke run that finishes within about a minute (its figures are noise)")
         # the smallest run that goes through every code path: for the test suite only
@@ -38,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         module.add_arguments(bp)
         bp.set_defaults(func=_run(module))
     p.set_defaults(func=_no_name)
+
+
+class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Meaningful defaults only; the benchmark's docstring as written."""
 
 
 def _no_name(args: argparse.Namespace) -> int:

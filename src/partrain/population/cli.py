@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from ..cli import HelpFormatter
 from ..errors import UsageError
 from .prepare import DEFAULT_STEPS
 
@@ -36,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "resamples their hyperparameters. Classification only: integer class labels, cross-entropy.",
         epilog="Example: partrain population --members 16 --space lr=loguniform:1e-3:1e-1 "
         "--space momentum=choice:0.0,0.9 --steps 400 --pbt-interval 50 --out runs/pbt",
-    )
+        formatter_class=HelpFormatter)
     p.add_argument("--members", type=int, default=8, help="population size (default 8)")
     p.add_argument("--space", action="append", default=[], metavar="NAME=KIND:ARGS",
                    help="a hyperparameter's search space, repeatable: loguniform:LOW:HIGH, "

@@ -6,6 +6,7 @@ import argparse
 import functools
 import os
 
+from ..cli import HelpFormatter
 from ..errors import UsageError
 from .app import DEFAULT_MAX_BODY_BYTES
 from .batcher import make_policy
@@ -23,8 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "with dynamic batching. MODEL is [name=]PATH where PATH is a checkpoint written by "
             "'partrain train', a TorchScript file or a torch.export .pt2 file, or module:factory. "
             "See docs/serve-api.md."
-        ),
-    )
+        ), formatter_class=HelpFormatter)
     p.add_argument("models", nargs="+", metavar="MODEL", help="[name=]checkpoint|torchscript|.pt2|module:factory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; default 8000)")

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from ..cli import HelpFormatter
 from ..errors import UsageError
 from ..files import check_output_file
 from .loadtest import LoadConfig, prepare, run_load
@@ -34,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-error-rate allows (default: any).",
         epilog="Example: partrain loadtest http://127.0.0.1:8000 --model lenet --concurrency 16 "
         "--duration 10 --check partrain.bench.serve:lenet_factory",
-    )
+        formatter_class=HelpFormatter)
     p.add_argument("url", metavar="URL", help="the server (http://HOST:PORT) or a model's URL "
                    "(http://HOST:PORT/v2/models/NAME)")
     p.add_argument("--model", "-m", help="the model's name on the server (unless in the URL)")

@@ -55,6 +55,8 @@ class Strategy(ABC):
     #: workers claim batches from a shared counter instead of fixed shares (asynchronous
     #: strategies: a fast worker is not held back by a slow one at the epoch's end)
     dynamic_sharding: ClassVar[bool] = False
+    #: the most worker processes the strategy can run (None: any number)
+    max_workers: ClassVar[int | None] = None
 
     def __init__(self) -> None:
         self.env = DistEnv()

@@ -12,6 +12,7 @@ from .base import Strategy, register
 @register
 class Single(Strategy):
     name = "single"
+    max_workers = 1
 
     def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         if env.world_size != 1:

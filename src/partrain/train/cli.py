@@ -11,6 +11,7 @@ from typing import Any
 
 from torch import nn
 
+from ..cli import HelpFormatter
 from ..data.datasets import DataSpec, load_dataset, num_classes, preprocessing, sample_shape
 from ..env import available_cores
 from ..errors import UsageError
@@ -35,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "scikit-learn's bundled handwritten digits, synchronous all-reduce on every core. "
             "Batch size is per worker; --scale-lr applies the linear scaling rule."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     s = p.add_argument_group("strategy and processes")
     s.add_argument("--strategy", default="allreduce", metavar="NAME",
@@ -129,13 +130,11 @@ def run(args: argparse.Namespace) -> int:
         _apply_config(args)
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"Expected a positive number of workers. Received: --workers {args.workers}")
-    if args.strategy == "single" and args.workers not in (None, 1):
-        raise UsageError(f"Expected --workers 1 for strategy 'single'. Received: --workers {args.workers}")
     if args.out is not None and not args.out.strip():
         raise UsageError("Expected --out to name a directory. Received: an empty string")
-    workers = args.workers or (1 if args.strategy == "single" else available_cores())
     options = parse_options(args.strategy, args.strategy_opt)
     strategy = get_strategy(args.strategy, **options)
+    workers = args.workers or min(available_cores(), strategy.max_workers or available_cores())
     if not 0 < args.test_fraction < 1:
         raise UsageError(f"Expected 0 < --test-fraction < 1. Received: {args.test_fraction}")
     spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),

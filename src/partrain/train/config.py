@@ -124,7 +124,7 @@ class LaunchConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def validate(self) -> None:
-        check_arguments(self.workers, self.timeout, self.threads)
+        check_arguments(self.workers, self.timeout, self.threads, device=self.device, backend=self.backend)
 
 
 def split_options(config: FitConfig | None, launch_config: LaunchConfig | None,

@@ -7,13 +7,15 @@ test), and with ``tensorboard`` event files in ``out_dir/tensorboard``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 
 @dataclass
@@ -75,16 +77,20 @@ class MetricsWriter:
                     os.unlink(p)
 
     def write(self, history: list[dict[str, Any]]) -> None:
+        """Every file rewritten whole through a temporary file and a rename: a process stopped
+        mid-write leaves the previous epoch's files, never a truncated one."""
         row = history[-1]
-        with open(self.jsonl_path, "a") as f:
-            f.write(json.dumps(row, sort_keys=True) + "\n")
+        with _replacing(self.jsonl_path) as f:
+            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in history)
         keys = sorted({k for r in history for k in r})
-        with open(self.csv_path, "w", newline="") as f:
+        with _replacing(self.csv_path, newline="") as f:
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             for r in history:
                 w.writerow(r)
-        plot_curves(history, os.path.join(self.out_dir, "curves.png"))
+        curves = os.path.join(self.out_dir, "curves.png")
+        plot_curves(history, f"{curves}.tmp.png")
+        os.replace(f"{curves}.tmp.png", curves)
         if self.tb is not None:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in ("epoch", "workers"):
@@ -95,6 +101,15 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+@contextlib.contextmanager
+def _replacing(path: str, newline: str | None = None) -> Iterator[TextIO]:
+    """A text file written to ``path.tmp``, renamed over ``path`` when the block ends."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline=newline) as f:
+        yield f
+    os.replace(tmp, path)
 
 
 def _tb_tag(key: str) -> str:
