@@ -151,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sync_bn:
         build_cli_model(args.model, kwargs, sync_bn=True)  # fails here if the conversion cannot apply
     out = args.out
-    if out is None:
-        out = DEFAULT_OUT if args.resume else numbered_dir(DEFAULT_OUT)
+    one_launcher = "RANK" not in os.environ and args.nnodes == 1  # not torchrun, not several nodes
+    if out is None:  # a numbered directory only where one process decides it for the whole job
+        out = DEFAULT_OUT if args.resume or not one_launcher else numbered_dir(DEFAULT_OUT)
         if out != DEFAULT_OUT and not args.quiet:
             print(f"partrain train: {DEFAULT_OUT} holds a run; writing {out} (--out DIR to choose, "
                   "--overwrite to replace, --resume auto to continue)", flush=True)
@@ -167,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"Expected --model {spec_in.get('name')!r} to resume {resume!r}. Received: --model {args.model!r}")
     from .config import FitConfig
 
-    check_out_dir(FitConfig(out_dir=out, resume=resume, overwrite=args.overwrite))
+    if one_launcher or (os.environ.get("RANK", "0") == "0" and args.node_rank == 0):
+        check_out_dir(FitConfig(out_dir=out, resume=resume, overwrite=args.overwrite))
     model_spec = {"name": args.model, "kwargs": kwargs, "input_shape": list(shape), "task": task.kind}
     if task.kind == "classification":
         model_spec["num_classes"] = outputs

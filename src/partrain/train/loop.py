@@ -176,7 +176,8 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         candidate = os.path.join(cfg.out_dir or ".", "checkpoint.pt")
         cfg.resume = candidate if os.path.exists(candidate) else None
     ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None  # one line when unreadable
-    check_out_dir(cfg)
+    if _is_first_process(launch_cfg):  # under torchrun every rank runs this: one judges the directory
+        check_out_dir(cfg)
     strat = get_strategy(strategy)
     for name, obj in (("model_fn", model_fn), ("data", data), ("optimizer_fn", optimizer_fn),
                       ("task", task), ("scheduler_fn", scheduler_fn)):
@@ -243,6 +244,7 @@ def _check_monitor(cfg: FitConfig, task: Task, has_test: bool) -> None:
 
 
 def _is_first_process(launch_cfg: LaunchConfig) -> bool:
+    """True in the process that starts the job, or in rank 0 when torchrun started every rank."""
     return launch_cfg.node_rank == 0 and os.environ.get("RANK", "0") == "0"
 
 
