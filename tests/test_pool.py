@@ -90,3 +90,20 @@ def test_a_worker_ignores_ctrl_c_and_stops_on_sigterm():
         partrain.launch(signal_self_on_rank_1, signal.SIGTERM, workers=2, timeout=20)
     assert info.value.rank == 1 and info.value.summary == "Interrupted: stopped by SIGTERM"
     assert partrain.launch(signal_self_on_rank_1, signal.SIGINT, workers=2, timeout=30) == [2.0, 2.0]
+
+
+def collective_on_rank_1_only(strategy):
+    import torch.distributed as dist
+
+    if strategy.rank == 1:  # a path the other rank does not take: it returns, this one waits on it
+        dist.all_reduce(torch.ones(1))
+    return strategy.rank
+
+
+def test_a_collective_entered_by_one_rank_alone_is_named_as_such():
+    """No rank failed: the one left waiting reports the lost peer, and the report says the others returned."""
+    with pytest.raises(WorkerError) as e:
+        partrain.launch(collective_on_rank_1_only, workers=2, timeout=20)
+    assert e.value.rank == 1
+    assert str(e.value).endswith("(every other rank had already returned: a collective this rank entered alone, "
+                                 "e.g. code that takes another path on some ranks)")

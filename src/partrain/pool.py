@@ -364,7 +364,13 @@ def _supervise(procs: dict[int, tuple[Any, Any]], job_id: int, roles: list[str],
             first_failure = first_failure or time.monotonic()
             if time.monotonic() - first_failure > _GRACE or all(settled(r) for r in procs):
                 root = min(fatal, key=lambda f: (not f.died and _is_peer_loss(f.summary), f.order))
-                raise WorkerError(root.rank, root.summary, root.traceback, role=roles[root.rank])
+                summary = root.summary
+                if not root.died and _is_peer_loss(summary) and len(values) == len(procs) - len(fatal) \
+                        and len(fatal) == 1:
+                    # no rank failed: the others returned while this one still waited on them
+                    summary += (" (every other rank had already returned: a collective this rank entered "
+                                "alone, e.g. code that takes another path on some ranks)")
+                raise WorkerError(root.rank, summary, root.traceback, role=roles[root.rank])
         elif all(settled(r) for r in procs):
             return values
 
