@@ -124,14 +124,12 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from .loop import check_model_takes, fit
-    from .prepare import check_out_dir, numbered_dir
+    from .prepare import check_run_dir, numbered_dir
 
     if args.config:
         _apply_config(args)
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"Expected a positive number of workers. Received: --workers {args.workers}")
-    if args.out is not None and not args.out.strip():
-        raise UsageError("Expected --out to name a directory. Received: an empty string")
     options = parse_options(args.strategy, args.strategy_opt)
     strategy = get_strategy(args.strategy, **options)
     workers = args.workers or min(available_cores(), strategy.max_workers or available_cores())
@@ -166,10 +164,8 @@ def run(args: argparse.Namespace) -> int:
         spec_in = ckpt.get("model_spec") or {}
         if spec_in and spec_in.get("name") != args.model:
             raise UsageError(f"Expected --model {spec_in.get('name')!r} to resume {resume!r}. Received: --model {args.model!r}")
-    from .config import FitConfig
-
     if one_launcher or (os.environ.get("RANK", "0") == "0" and args.node_rank == 0):
-        check_out_dir(FitConfig(out_dir=out, resume=resume, overwrite=args.overwrite))
+        check_run_dir(out, resume=bool(resume), overwrite=args.overwrite, label="--out")
     model_spec = {"name": args.model, "kwargs": kwargs, "input_shape": list(shape), "task": task.kind}
     if task.kind == "classification":
         model_spec["num_classes"] = outputs
