@@ -399,3 +399,9 @@ def test_resuming_with_weights_of_another_shape_names_the_tensors(tmp_path, monk
 
 def wider() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 20), nn.Tanh(), nn.Linear(20, 1)).double()
+
+
+def test_a_lambda_loss_is_named_in_one_line(monkeypatch):
+    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    with pytest.raises(UsageError, match=r"^Expected loss_fn to be picklable \(a module-level function"):
+        fit(regressor64, regression64, sgd, epochs=1, loss_fn=lambda out, y: (out.squeeze(1) - y) ** 2, **COMMON)

@@ -180,7 +180,8 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         check_out_dir(cfg)
     strat = get_strategy(strategy)
     for name, obj in (("model_fn", model_fn), ("data", data), ("optimizer_fn", optimizer_fn),
-                      ("task", task), ("scheduler_fn", scheduler_fn)):
+                      ("loss_fn", task.loss_fn), ("metrics", task.metric_spec), ("forward_fn", task.forward_fn),
+                      ("collate_fn", task.collate_fn), ("scheduler_fn", scheduler_fn)):
         _check_picklable(name, obj)
     if ckpt is not None and not check_resume(cfg, ckpt, cfg.resume or "", auto):
         history = list(ckpt.get("metrics") or [])
@@ -691,7 +692,7 @@ def _show_bar(strategy: Strategy, cfg: FitConfig) -> bool:
 
 
 def evaluate(strategy: Strategy, model: nn.Module, ds: Dataset | None, task: Task,
-             batch_size: int) -> tuple[float, dict[str, float]]:
+             eval_batch_size: int) -> tuple[float, dict[str, float]]:
     """Loss and metrics on ``ds``, each worker taking its shard, reduced over workers."""
     names = task.metric_names
     if ds is None or len(ds) == 0:  # type: ignore[arg-type]
@@ -699,7 +700,7 @@ def evaluate(strategy: Strategy, model: nn.Module, ds: Dataset | None, task: Tas
     net = strategy.unwrap(model)
     was_training = net.training
     net.eval()
-    sampler = strategy.shard(len(ds), batch_size, shuffle=False)  # type: ignore[arg-type]
+    sampler = strategy.shard(len(ds), eval_batch_size, shuffle=False)  # type: ignore[arg-type]
     # summed on the device: no host synchronisation per batch
     totals = torch.zeros(2 + len(names), dtype=torch.float64, device=strategy.device)
     with torch.no_grad():
@@ -707,17 +708,13 @@ def evaluate(strategy: Strategy, model: nn.Module, ds: Dataset | None, task: Tas
             inputs, target = task.split(batch)
             out = task.forward(net, inputs)
             totals[0] += task.loss(out, target).sum()
-            totals[1] += batch_size_of(target, inputs)
+            totals[1] += batch_size(target, inputs)
             if names:
                 totals[2:] += task.metric_values(out, target)
     net.train(was_training)
     strategy.all_reduce_sum(totals)
     n = max(totals[1].item(), 1.0)
     return totals[0].item() / n, {name: totals[2 + k].item() / n for k, name in enumerate(names)}
-
-
-def batch_size_of(target: Any, inputs: Any = None) -> int:
-    return batch_size(target, inputs)
 
 
 def _optimizer_state(optimizer: Optimizer) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 from ..data.datasets import DataSpec, load_dataset, preprocessing
 from ..errors import UsageError
 from .config import FitConfig
-from .task import Task, describe, split_batch, tensors_of
+from .task import Task, describe, split_batch
 
 #: files a run writes in its directory: their presence means the directory holds a run
 RUN_FILES = ("checkpoint.pt", "best.pt", "metrics.csv", "metrics.jsonl", "config.json", "curves.png")
@@ -262,5 +262,5 @@ def write_config(path: str, settings: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["RUN_FILES", "check_model_takes", "check_out_dir", "check_resume", "collate", "first_batch",
-           "infer_model_spec", "numbered_dir", "resolve_data", "tensors_of", "write_config"]
+__all__ = ["RUN_FILES", "check_model_takes", "check_out_dir", "check_resume", "check_run_dir", "collate",
+           "first_batch", "infer_model_spec", "numbered_dir", "resolve_data", "write_config"]

@@ -330,6 +330,8 @@ class Task:
 
     def forward(self, model: nn.Module, inputs: Any) -> Any:
         """The model's output on ``inputs`` (under autocast for ``bf16``)."""
+        if self.precision == "fp32":
+            return self.forward_fn(model, inputs) if self.forward_fn else call_model(model, inputs)
         device = next((t.device for _, t in tensors_of(inputs)), torch.device("cpu"))
         with self.autocast(device):
             return self.forward_fn(model, inputs) if self.forward_fn else call_model(model, inputs)
