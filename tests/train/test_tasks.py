@@ -405,3 +405,12 @@ def test_a_lambda_loss_is_named_in_one_line(monkeypatch):
     monkeypatch.setattr("partrain.train.loop.launch", no_launch)
     with pytest.raises(UsageError, match=r"^Expected loss_fn to be picklable \(a module-level function"):
         fit(regressor64, regression64, sgd, epochs=1, loss_fn=lambda out, y: (out.squeeze(1) - y) ** 2, **COMMON)
+
+
+def test_resume_auto_starts_again_where_a_run_stopped_before_its_first_checkpoint(tmp_path):
+    """A restart (torchrun, a scheduler) before the first checkpoint: config.json is there, nothing to resume."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    result = fit(regressor64, regression64, sgd, epochs=1, out_dir=str(out), resume="auto", **COMMON)
+    assert len(result.history) == 1 and (out / "checkpoint.pt").exists()

@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         if spec_in and spec_in.get("name") != args.model:
             raise UsageError(f"Expected --model {spec_in.get('name')!r} to resume {resume!r}. Received: --model {args.model!r}")
     if one_launcher or (os.environ.get("RANK", "0") == "0" and args.node_rank == 0):
-        check_run_dir(out, resume=bool(resume), overwrite=args.overwrite, label="--out")
+        check_run_dir(out, resume=bool(args.resume), overwrite=args.overwrite, label="--out")
     model_spec = {"name": args.model, "kwargs": kwargs, "input_shape": list(shape), "task": task.kind}
     if task.kind == "classification":
         model_spec["num_classes"] = outputs

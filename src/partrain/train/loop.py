@@ -57,8 +57,8 @@ from .metrics import MetricsWriter, StepTimes
 from .prepare import (
     DataArg,
     check_model_takes,
-    check_out_dir,
     check_resume,
+    check_run_dir,
     collate,
     describe_callable,
     describe_data,
@@ -176,8 +176,9 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         candidate = os.path.join(cfg.out_dir or ".", "checkpoint.pt")
         cfg.resume = candidate if os.path.exists(candidate) else None
     ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None  # one line when unreadable
-    if _is_first_process(launch_cfg):  # under torchrun every rank runs this: one judges the directory
-        check_out_dir(cfg)
+    if _is_first_process(launch_cfg) and cfg.out_dir:  # under torchrun every rank runs this: one judges
+        # resume="auto" continues whatever is there: a restart before the first checkpoint starts again
+        check_run_dir(cfg.out_dir, resume=auto or cfg.resume is not None, overwrite=cfg.overwrite)
     strat = get_strategy(strategy)
     for name, obj in (("model_fn", model_fn), ("data", data), ("optimizer_fn", optimizer_fn),
                       ("loss_fn", task.loss_fn), ("metrics", task.metric_spec), ("forward_fn", task.forward_fn),

@@ -123,12 +123,6 @@ def first_line(exc: BaseException) -> str:
 
 
 # ----- the run directory -----------------------------------------------------------------
-def check_out_dir(cfg: FitConfig) -> None:
-    """`fit`'s output directory: see `check_run_dir`."""
-    if cfg.out_dir:
-        check_run_dir(cfg.out_dir, resume=bool(cfg.resume), overwrite=cfg.overwrite)
-
-
 def check_run_dir(out: str, *, resume: bool, overwrite: bool, label: str = "out_dir",
                   run_files: tuple[str, ...] = RUN_FILES) -> None:
     """``out`` is (or becomes) a writable directory holding no other run, unless resumed or
@@ -262,5 +256,5 @@ def write_config(path: str, settings: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-__all__ = ["RUN_FILES", "check_model_takes", "check_out_dir", "check_resume", "check_run_dir", "collate",
+__all__ = ["RUN_FILES", "check_model_takes", "check_resume", "check_run_dir", "collate",
            "first_batch", "infer_model_spec", "numbered_dir", "resolve_data", "write_config"]
