@@ -38,7 +38,7 @@ def test_train_options_are_frozen():
         "--epochs", "--batch-size", "--accumulate", "--lr", "--scale-lr", "--optimizer", "--momentum",
         "--weight-decay", "--max-steps", "--seed", "--out", "--resume", "--quiet",
         "--loss", "--lr-schedule", "--warmup-steps", "--clip-grad", "--precision", "--on-nan", "--early-stop",
-        "--monitor", "--overwrite", "--config", "--tensorboard",
+        "--monitor", "--overwrite", "--config", "--tensorboard", "--checkpoint-every", "--checkpoint-seconds",
     ])
 
 
@@ -98,6 +98,13 @@ ERRORS = [
                                 "'train_accuracy', 'test_loss', 'test_accuracy']. Received: 'test_acc'"),
     (["--config", "{d}/none.json"], "Expected --config to name a run's config.json. Received: '{d}/none.json'"),
     (["--config", "{d}/text.npz"], "Expected --config to be JSON (a run's config.json)"),
+    (["--checkpoint-every", "0"], "Expected a positive number of steps between checkpoints. Received: "
+                                  "checkpoint_every=0"),
+    (["--checkpoint-seconds", "-1"], "Expected checkpoint_seconds to be a positive number of seconds or None. "
+                                     "Received: -1.0"),
+    (["--strategy", "ps", "--checkpoint-every", "5"], "Expected checkpoint_every / checkpoint_seconds with a strategy "
+                                                      "whose workers agree on every step (allreduce, single). Received: "
+                                                      "strategy 'ps', which checkpoints at epoch ends only"),
     (["--momentum", "nan"], "Expected finite, non-negative momentum and weight decay. Received: momentum=nan"),
     (["--master-addr", "127.0.0.1", "--master-port", "1", "--nnodes", "2", "--node-rank", "1", "--timeout", "2"],
      "Expected a reachable master at 127.0.0.1:1. Received: no answer within 2 s"),

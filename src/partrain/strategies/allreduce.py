@@ -31,6 +31,7 @@ from .base import Strategy, register
 @register
 class AllReduce(Strategy):
     name = "allreduce"
+    checkpoints_within_epoch = True
 
     def __init__(self, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True) -> None:

@@ -57,6 +57,9 @@ class Strategy(ABC):
     dynamic_sharding: ClassVar[bool] = False
     #: the most worker processes the strategy can run (None: any number)
     max_workers: ClassVar[int | None] = None
+    #: every worker holds the same parameters after every step, so a checkpoint within an
+    #: epoch resumes exactly (`fit`'s checkpoint_every); not so for asynchronous or local steps
+    checkpoints_within_epoch: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.env = DistEnv()

@@ -13,6 +13,7 @@ from .base import Strategy, register
 class Single(Strategy):
     name = "single"
     max_workers = 1
+    checkpoints_within_epoch = True
 
     def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         if env.world_size != 1:

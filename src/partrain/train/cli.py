@@ -97,6 +97,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="continue from a checkpoint ('auto': OUT/checkpoint.pt when present)")
     r.add_argument("--config", default=None, metavar="CONFIG_JSON",
                    help="repeat a run: take every option from its config.json (options given here win)")
+    r.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                   help="also checkpoint within an epoch every STEPS optimizer steps (exact resume from there)")
+    r.add_argument("--checkpoint-seconds", type=float, default=None, metavar="SECONDS",
+                   help="also checkpoint within an epoch when SECONDS have passed since the last checkpoint")
     r.add_argument("--tensorboard", action="store_true", help="TensorBoard event files in OUT/tensorboard")
     r.add_argument("--quiet", action="store_true", help="no progress bar, no per-epoch lines")
     p.set_defaults(func=run, _parser=p)
@@ -182,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device, threads=args.threads, on_nan=args.on_nan, clip_grad=args.clip_grad,
         precision=args.precision, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
         early_stop=args.early_stop, monitor=args.monitor, tensorboard=args.tensorboard,
+        checkpoint_every=args.checkpoint_every, checkpoint_seconds=args.checkpoint_seconds,
         overwrite=args.overwrite, return_state=False, model_spec=model_spec,
         extra_config={"cli": _cli_settings(args)},
         **_multinode(args),

@@ -49,6 +49,10 @@ class FitConfig:
     #: a checkpoint to continue from; ``"auto"``: ``out_dir/checkpoint.pt`` if it exists
     resume: str | None = None
     checkpoint: bool = True
+    #: also checkpoint within an epoch, every this many optimizer steps (exact resume from there)
+    checkpoint_every: int | None = None
+    #: also checkpoint within an epoch when this many seconds have passed since the last one
+    checkpoint_seconds: float | None = None
     quiet: bool = False
     #: a progress bar; None: when stderr is a terminal
     progress: bool | None = None
@@ -97,6 +101,13 @@ class FitConfig:
         if self.precision not in PRECISIONS:
             raise UsageError(f"Expected precision among {list(PRECISIONS)}. Received: {self.precision!r}")
         parse_schedule(self.lr_schedule, self.warmup_steps)
+        if self.checkpoint_every is not None:
+            _positive("checkpoint_every", self.checkpoint_every, "number of steps between checkpoints")
+        if self.checkpoint_seconds is not None and not (
+                isinstance(self.checkpoint_seconds, (int, float)) and math.isfinite(self.checkpoint_seconds)
+                and self.checkpoint_seconds > 0):
+            raise UsageError("Expected checkpoint_seconds to be a positive number of seconds or None. "
+                             f"Received: {self.checkpoint_seconds!r}")
         if self.early_stop is not None:
             _positive("early_stop", self.early_stop, "number of epochs without improvement")
 

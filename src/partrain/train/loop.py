@@ -30,6 +30,7 @@ then per epoch `train_epoch` (every micro-batch through ``Strategy.train_step``)
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import pickle
@@ -180,6 +181,10 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         # resume="auto" continues whatever is there: a restart before the first checkpoint starts again
         check_run_dir(cfg.out_dir, resume=auto or cfg.resume is not None, overwrite=cfg.overwrite)
     strat = get_strategy(strategy)
+    if (cfg.checkpoint_every or cfg.checkpoint_seconds) and not strat.checkpoints_within_epoch:
+        raise UsageError("Expected checkpoint_every / checkpoint_seconds with a strategy whose workers agree on "
+                         "every step (allreduce, single). Received: strategy "
+                         f"{strat.name!r}, which checkpoints at epoch ends only")
     for name, obj in (("model_fn", model_fn), ("data", data), ("optimizer_fn", optimizer_fn),
                       ("loss_fn", task.loss_fn), ("metrics", task.metric_spec), ("forward_fn", task.forward_fn),
                       ("collate_fn", task.collate_fn), ("scheduler_fn", scheduler_fn)):
@@ -265,22 +270,23 @@ class _Batches:
     """This worker's batches of one epoch: direct tensor indexing for in-memory data."""
 
     def __init__(self, ds: Dataset, sampler: Any, device: torch.device,
-                 collate_fn: Callable[[list], Any] | None = None) -> None:
+                 collate_fn: Callable[[list], Any] | None = None, skip: int = 0) -> None:
         self.ds, self.sampler, self.device, self.collate_fn = ds, sampler, device, collate_fn
         self.tensors = ds.tensors if isinstance(ds, TensorDataset) and collate_fn is None else None
+        self.skip = skip  # batches already trained on (a mid-epoch resume): their indices, never their data
 
     def __len__(self) -> int:
-        return len(self.sampler)
+        return len(self.sampler) - self.skip
 
     def __iter__(self):  # noqa: ANN204
         non_blocking = self.device.type == "cuda"
         if self.tensors is not None:
-            for index in self.sampler.iter_tensors():
+            for index in itertools.islice(self.sampler.iter_tensors(), self.skip, None):
                 yield tuple(t.index_select(0, index).to(self.device, non_blocking=non_blocking)
                             for t in self.tensors)
         else:
-            loader = DataLoader(self.ds, batch_sampler=self.sampler, pin_memory=non_blocking,
-                                collate_fn=self._collate)
+            batches = _Skipping(self.sampler, self.skip) if self.skip else self.sampler
+            loader = DataLoader(self.ds, batch_sampler=batches, pin_memory=non_blocking, collate_fn=self._collate)
             for batch in loader:
                 yield to_device(batch, self.device, non_blocking)
 
@@ -289,6 +295,19 @@ class _Batches:
             return collate(samples, self.collate_fn)
         # a worker's share of the last global batch can be empty: a batch of no samples, same structure
         return map_tensors(collate([self.ds[0]], self.collate_fn), lambda t: t[:0])
+
+
+class _Skipping:
+    """A batch sampler without its first ``skip`` batches (their indices are drawn, nothing loaded)."""
+
+    def __init__(self, sampler: Any, skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+
+    def __iter__(self):  # noqa: ANN204
+        return itertools.islice(iter(self.sampler), self.skip, None)
+
+    def __len__(self) -> int:
+        return len(self.sampler) - self.skip
 
 
 @dataclass
@@ -309,11 +328,16 @@ class _Parts:
 
 @dataclass
 class _Position:
-    """Where the run stands: the next epoch, optimizer steps taken, the figures so far."""
+    """Where the run stands: the next epoch, optimizer steps taken, the figures so far, and
+    for a mid-epoch checkpoint the micro-batches of ``epoch`` done and this worker's state then."""
 
     epoch: int = 0
     step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    batch: int = 0
+    #: this worker's random state and partial epoch sums at ``batch`` (a mid-epoch resume)
+    rng: torch.Tensor | None = None
+    sums: torch.Tensor | None = None
 
 
 @dataclass
@@ -327,6 +351,22 @@ class _EpochTotals:
     comm_bytes: int
     seconds: float = 0.0
     skipped: int = 0
+    #: when this epoch's part before a mid-epoch checkpoint began (its seconds count too)
+    started: float = field(default_factory=time.perf_counter)
+
+    def packed(self) -> torch.Tensor:
+        """The sums as one float64 row (a mid-epoch checkpoint keeps one per worker)."""
+        t = self.times
+        return torch.cat([torch.tensor([self.loss_sum.item(), float(self.seen), float(self.skipped), t.data,
+                                        t.compute, t.comm, time.perf_counter() - self.started + self.seconds],
+                                       dtype=torch.float64), self.metric_sums.cpu()])
+
+    def restore(self, row: torch.Tensor) -> None:
+        self.loss_sum += row[0].item()
+        self.seen, self.skipped = int(row[1].item()), int(row[2].item())
+        self.times.data, self.times.compute, self.times.comm = (float(v) for v in row[3:6])
+        self.seconds = float(row[6])
+        self.metric_sums += row[7:].to(self.metric_sums.device)
 
 
 def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
@@ -402,7 +442,17 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None) -> _
         strategy.load_state_dict(ckpt["strategy"])
     if parts.scheduler is not None and ckpt.get("scheduler") is not None:
         parts.scheduler.load_state_dict(ckpt["scheduler"])
-    return _Position(ckpt["epoch"], ckpt["step"], list(ckpt.get("metrics") or []))
+    position = _Position(ckpt["epoch"], ckpt["step"], list(ckpt.get("metrics") or []))
+    within = ckpt.get("within_epoch")
+    if within:  # a mid-epoch checkpoint: every worker's random state and sums, row by worker rank
+        rng, sums = within["rng"], within["sums"]
+        if len(rng) != strategy.num_workers:
+            raise UsageError(f"Expected {len(rng)} workers to resume a mid-epoch checkpoint (its random states are "
+                             f"per worker). Received: {strategy.num_workers}")
+        position.batch = int(within["batch"])
+        position.rng = rng[strategy.rank].to(torch.uint8).clone()  # set_rng_state reads a whole storage
+        position.sums = sums[strategy.rank]
+    return position
 
 
 class _UpdateGuard:
@@ -493,20 +543,26 @@ def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
     sampler = strategy.shard(len(parts.train_ds), cfg.batch_size, shuffle=True, seed=cfg.seed,  # type: ignore[arg-type]
                              drop_last=cfg.drop_last)
     sampler.set_epoch(epoch)
-    batches = _Batches(parts.train_ds, sampler, device, task.collate_fn)
+    first = position.batch  # micro-batches of this epoch done before a mid-epoch checkpoint
+    batches = _Batches(parts.train_ds, sampler, device, task.collate_fn, skip=first)
     parts.model.train()
     totals = _EpochTotals(torch.zeros((), dtype=torch.float64, device=device),
                           torch.zeros(len(task.metric_names), dtype=torch.float64, device=device), 0,
                           StepTimes(), strategy.comm_bytes)
+    if position.rng is not None and position.sums is not None:
+        torch.set_rng_state(position.rng)
+        totals.restore(position.sums)
+    position.batch, position.rng, position.sums = 0, None, None
+    clock = _CheckpointClock(strategy, cfg) if cfg.checkpoint_every or cfg.checkpoint_seconds else None
     guard = _UpdateGuard(strategy, parts, cfg, epoch)
     t_epoch = time.perf_counter()
     bar = _progress(len(batches), epoch, cfg.epochs) if _show_bar(strategy, cfg) else None
-    n_batches = len(batches)
+    n_batches = len(sampler)  # the whole epoch's micro-batches (a resumed epoch skips the first ones)
     window_total = 0
     pending = False  # gradients of an unfinished accumulation window
     scheduled = parts.schedule.kind != "constant" or parts.schedule.warmup_steps > 0
     totals.times.start()
-    for i, batch in enumerate(batches):
+    for i, batch in enumerate(batches, start=first):
         totals.times.data_ready()
         comm_before = strategy.comm_seconds
         inputs, target = task.split(batch)
@@ -542,6 +598,9 @@ def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
                 bar.set_postfix(loss=f"{totals.loss_sum.item() / max(totals.seen, 1):.4f}", refresh=False)
         if update and cfg.max_steps is not None and position.step >= cfg.max_steps:
             break
+        if update and clock is not None and i + 1 < n_batches and clock.due(position.step):
+            totals.skipped = guard.skipped
+            save_within_epoch(strategy, parts, cfg, position, epoch, i + 1, totals)
     if pending:  # the last accumulation window of claimed batches was partial
         guard.check_loss()
         strategy.optimizer_step(parts.optimizer)
@@ -551,7 +610,7 @@ def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
     if parts.scheduler is not None:
         parts.scheduler.step()
     strategy.barrier()  # the epoch lasts until its slowest worker is done
-    totals.seconds = time.perf_counter() - t_epoch
+    totals.seconds += time.perf_counter() - t_epoch
     totals.skipped = guard.skipped
     return totals
 
@@ -630,24 +689,26 @@ def _early_stop(history: list[dict[str, Any]], cfg: FitConfig) -> bool:
     return best is not None and len(history) - 1 - best >= cfg.early_stop
 
 
+def _state(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position) -> dict[str, Any]:
+    """A checkpoint's content (every worker takes part: a strategy may gather its state)."""
+    model_state = strategy.model_state_dict(parts.model)
+    return {"model": {k: v.detach().cpu() for k, v in model_state.items()},
+            "model_spec": cfg.model_spec,
+            "task": parts.task.describe(),
+            "freeze": freeze_state_dict(strategy.unwrap(parts.model)),
+            "optimizer": _optimizer_state(parts.optimizer),
+            "strategy": strategy.state_dict(),
+            "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
+            "epoch": position.epoch, "step": position.step,
+            "config": _jsonable({**asdict(cfg), "strategy": strategy.name, "workers": strategy.num_workers}),
+            "metrics": position.history}
+
+
 def save(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position,
          writer: MetricsWriter | None) -> None:
     """The end of an epoch: checkpoint, metrics files and the epoch line (worker 0 writes)."""
     path = _checkpoint_path(cfg)
-    state = None
-    if path is not None:  # every worker takes part: a strategy may gather its state
-        model_state = strategy.model_state_dict(parts.model)
-        state = {"model": {k: v.detach().cpu() for k, v in model_state.items()},
-                 "model_spec": cfg.model_spec,
-                 "task": parts.task.describe(),
-                 "freeze": freeze_state_dict(strategy.unwrap(parts.model)),
-                 "optimizer": _optimizer_state(parts.optimizer),
-                 "strategy": strategy.state_dict(),
-                 "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
-                 "epoch": position.epoch, "step": position.step,
-                 "config": _jsonable({**asdict(cfg), "strategy": strategy.name,
-                                      "workers": strategy.num_workers}),
-                 "metrics": position.history}
+    state = _state(strategy, parts, cfg, position) if path is not None else None
     if strategy.is_main:
         if writer is not None:
             writer.write(position.history)
@@ -658,6 +719,55 @@ def save(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position,
         if not cfg.quiet:
             print(_summary(position.history[-1], cfg.epochs), flush=True)
     strategy.barrier()
+
+
+def save_within_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position, epoch: int,
+                      batch: int, totals: _EpochTotals) -> None:
+    """A checkpoint after micro-batch ``batch`` of ``epoch`` (at the end of an accumulation window).
+
+    Besides the usual state it holds every worker's random state and partial sums of the
+    epoch (gathered by an all-reduce of one row per worker), so a resume continues the
+    epoch exactly: the same remaining batches, dropout masks and epoch figures.
+    """
+    path = _checkpoint_path(cfg)
+    if path is None:
+        return
+    rng = torch.get_rng_state().to(torch.float64)
+    sums = totals.packed()
+    rows = torch.zeros(strategy.num_workers, len(rng) + len(sums), dtype=torch.float64)
+    rows[strategy.rank] = torch.cat([rng, sums])
+    strategy.all_reduce_sum(rows)  # a CPU tensor is fine under nccl too (comm moves it)
+    state = _state(strategy, parts, cfg, _Position(epoch, position.step, position.history))
+    state["within_epoch"] = {"batch": batch, "rng": rows[:, :len(rng)].to(torch.uint8),
+                             "sums": rows[:, len(rng):].clone()}
+    if strategy.is_main:
+        save_checkpoint(path, state)
+    strategy.barrier()
+
+
+class _CheckpointClock:
+    """When a mid-epoch checkpoint is due: every ``checkpoint_every`` optimizer steps, or when
+    ``checkpoint_seconds`` have passed on worker 0 (asked every `PROBE_STEPS` steps with one
+    small all-reduce, so every worker decides alike)."""
+
+    PROBE_STEPS = 10
+
+    def __init__(self, strategy: Strategy, cfg: FitConfig) -> None:
+        self.strategy, self.cfg = strategy, cfg
+        self.last = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        if self.cfg.checkpoint_every and step % self.cfg.checkpoint_every == 0:
+            self.last = time.monotonic()
+            return True
+        if self.cfg.checkpoint_seconds and step % self.PROBE_STEPS == 0:
+            flag = torch.tensor([float(self.strategy.is_main and
+                                       time.monotonic() - self.last >= self.cfg.checkpoint_seconds)],
+                                dtype=torch.float64, device=self.strategy.device)
+            if self.strategy.all_reduce_sum(flag).item() > 0:
+                self.last = time.monotonic()
+                return True
+        return False
 
 
 def _copy_atomic(src: str, dst: str) -> None:

@@ -1,0 +1,77 @@
+"""Checkpoints within an epoch: a run that fails mid-epoch and resumes equals an uninterrupted one, bit for bit.
+
+Both runs are the same 2 processes with one intra-op thread each, float64, with dropout
+(the random state matters) and gradient accumulation (checkpoints fall at the end of a
+window). The fault is injected in the model's forward at a chosen micro-batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from partrain.errors import UsageError, WorkerError
+from partrain.train.checkpoint import load_checkpoint
+from partrain.train.loop import fit
+from tests.helpers import assert_states_close, sgd
+from tests.train.test_tasks import COMMON, no_launch, regression64
+
+FAIL_AT = "PARTRAIN_TEST_FAIL_AT"
+
+
+class FailsOnCall(nn.Module):
+    """A float64 regressor with dropout that raises at its Nth training forward when $PARTRAIN_TEST_FAIL_AT=N."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Dropout(0.2), nn.Linear(12, 1)).double()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == int(os.environ.get(FAIL_AT, "0")):
+                raise RuntimeError("injected fault")
+        return self.net(x)
+
+
+# 97 samples, 2 workers x 8: 7 micro-batches per epoch, accumulate 2: 4 optimizer steps per epoch
+RUN = dict(COMMON, batch_size=8, accumulate=2, epochs=2, checkpoint_every=1)
+
+
+@pytest.mark.parametrize("fail_at", [5, 7 + 5], ids=["epoch 1", "epoch 2"])
+def test_a_run_resumed_from_the_middle_of_an_epoch_equals_an_uninterrupted_one(tmp_path, monkeypatch, fail_at):
+    full = fit(FailsOnCall, regression64, sgd, out_dir=str(tmp_path / "full"), **RUN)
+    part = str(tmp_path / "part")
+    monkeypatch.setenv(FAIL_AT, str(fail_at))  # micro-batch index 4 of its epoch: after the step of window (2, 3)
+    with pytest.raises(WorkerError, match="injected fault"):
+        fit(FailsOnCall, regression64, sgd, out_dir=part, **RUN)
+    ckpt = load_checkpoint(os.path.join(part, "checkpoint.pt"))
+    assert ckpt["within_epoch"]["batch"] == 4 and ckpt["epoch"] == (fail_at - 1) // 7
+    assert ckpt["within_epoch"]["rng"].shape[0] == 2  # one random state per worker
+    monkeypatch.delenv(FAIL_AT)
+    resumed = fit(FailsOnCall, regression64, sgd, out_dir=part, resume="auto", **RUN)
+    assert_states_close(resumed.model_state, full.model_state, atol=0)
+    for got, want in zip(resumed.history, full.history, strict=True):
+        for key in ("epoch", "step", "samples", "train_loss", "train_mse", "train_mae", "test_loss", "test_mse"):
+            assert got[key] == want[key], (key, got[key], want[key])
+
+
+def test_a_mid_epoch_checkpoint_needs_as_many_workers(tmp_path, monkeypatch):
+    part = str(tmp_path / "part")
+    monkeypatch.setenv(FAIL_AT, "5")
+    with pytest.raises(WorkerError):
+        fit(FailsOnCall, regression64, sgd, out_dir=part, **RUN)
+    monkeypatch.delenv(FAIL_AT)
+    with pytest.raises(UsageError, match=r"^Expected 2 workers to resume a mid-epoch checkpoint \(its random states "
+                                         r"are per worker\)\. Received: 1$"):
+        fit(FailsOnCall, regression64, sgd, out_dir=part, resume="auto", **{**RUN, "workers": 1})
+
+
+def test_asynchronous_strategies_refuse_mid_epoch_checkpoints_before_spawning(monkeypatch):
+    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    with pytest.raises(UsageError, match=r"Received: strategy 'hogwild', which checkpoints at epoch ends only"):
+        fit(FailsOnCall, regression64, sgd, strategy="hogwild", **RUN)
