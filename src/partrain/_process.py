@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .env import DistEnv
+from .env import DistEnv, external_job
 from .errors import UsageError
 from .strategies.base import WORKER, Strategy
 
@@ -51,7 +51,7 @@ def run_in_process(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Str
         torch.cuda.set_device(env.device)
     own_group = False
     if env.world_size > 1:
-        if store is None:  # torchrun, Slurm, Ray...: the job's store at MASTER_ADDR:MASTER_PORT
+        if store is None:  # torchrun, srun, PyTorchJob, Ray: the job's store (join_store)
             store = join_store(env, timeout)
         if not dist.is_initialized():
             dist.init_process_group(env.backend, store=store, rank=env.rank, world_size=env.world_size,
@@ -72,22 +72,33 @@ def run_in_process(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Str
 
 
 def join_store(env: DistEnv, timeout: float) -> dist.Store:
-    """The job's store when torchrun (or a scheduler speaking its protocol) started us.
+    """The job's store when another launcher started us: torchrun, srun, a PyTorchJob, Ray.
 
-    Under torchrun's elastic agent (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent hosts
-    the store and every worker is a client; otherwise rank 0 hosts it, unless a process
-    group already exists (Ray Train made one: its store is up, join it). Keys are prefixed
-    by ``TORCHELASTIC_RESTART_COUNT``: the agent's store outlives a restart, and a new
+    Where it is comes from `external_job` (MASTER_ADDR/MASTER_PORT, or under srun the
+    first host of the node list and a port derived from the job id). Under torchrun's
+    elastic agent (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent hosts the store and
+    every worker is a client; otherwise rank 0 hosts it, unless a process group already
+    exists (Ray Train made one: its store is up, join it). Keys are prefixed by
+    ``TORCHELASTIC_RESTART_COUNT``: the agent's store outlives a restart, and a new
     attempt must not meet the keys of the last one (re-forming gloo fails on them).
     """
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if not addr or not port or not port.isdigit():
+    job = external_job()
+    addr = job.master_addr if job is not None else None
+    port = job.master_port if job is not None else None
+    if addr is None or port is None:
         raise UsageError(f"Expected MASTER_ADDR and a numeric MASTER_PORT for a job of {env.world_size} "
-                         f"processes. Received: MASTER_ADDR={addr!r}, MASTER_PORT={port!r}")
+                         f"processes. Received: MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
+                         f"MASTER_PORT={os.environ.get('MASTER_PORT')!r}")
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_host = env.rank == 0 and not agent_hosts and not dist.is_initialized()
-    store = dist.TCPStore(addr, int(port), world_size=None, is_master=is_host,
-                          timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    try:
+        store = dist.TCPStore(addr, port, world_size=None, is_master=is_host,
+                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:  # port taken, host unknown, no answer within the timeout
+        role = "host" if is_host else "reach"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"Expected to {role} the job's store at {addr}:{port} "
+                         f"({job.launcher if job else 'torchrun'}). Received: {first}") from None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"partrain/attempt{attempt}", store)
 

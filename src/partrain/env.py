@@ -1,13 +1,25 @@
 """`DistEnv`: where this process stands in the job (rank, world size, device, backend).
 
-Read from torchrun's environment variables (RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or built by `partrain.launch`.
+Read from the variables of the launcher that started this process, or built by
+`partrain.launch`. `external_job` reads them, whichever launcher set them:
+
+- torchrun (and Ray Train): RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+  MASTER_ADDR, MASTER_PORT;
+- Kubeflow's PyTorchJob: the same without LOCAL_RANK (one process per pod:
+  local rank 0 of 1);
+- Slurm's ``srun``: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, the
+  tasks per node, the first host of the node list as master, a port derived from
+  SLURM_JOB_ID (`slurm_port`) unless MASTER_PORT is set.
+
+torchrun's variables win over Slurm's (torchrun inside an sbatch allocation).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,30 +57,227 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls, backend: str | None = None, device: str | None = None) -> DistEnv:
-        """Read torchrun's variables; a plain ``python script.py`` gives rank 0 of 1."""
+        """Read the launcher's variables (`external_job`); a plain ``python script.py`` gives rank 0 of 1."""
+        job = external_job()
+        if job is None:
+            dev = pick_device(0, device)
+            return cls(0, 1, 0, 1, dev, backend or default_backend(dev))
+        dev = pick_device(job.local_rank, device)
+        return cls(job.rank, job.world_size, job.local_rank, job.local_world_size, dev,
+                   backend or default_backend(dev))
 
-        def read(name: str, default: int) -> int:
-            raw = os.environ.get(name)
-            if raw is None or raw == "":
-                return default
-            try:
-                return int(raw)
-            except ValueError:
-                raise UsageError(f"Expected an integer in ${name}. Received: {raw!r}") from None
 
-        rank = read("RANK", 0)
-        world_size = read("WORLD_SIZE", 1)
-        local_rank = read("LOCAL_RANK", 0)
-        local_world_size = read("LOCAL_WORLD_SIZE", world_size)
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise UsageError(f"Expected 0 <= RANK < WORLD_SIZE. Received: RANK={rank}, WORLD_SIZE={world_size}")
-        dev = pick_device(local_rank, device)
-        return cls(rank, world_size, local_rank, local_world_size, dev, backend or default_backend(dev))
+@dataclass(frozen=True)
+class ExternalJob:
+    """A job some other launcher started, as its environment variables describe it.
+
+    ``launcher``: "torchrun" (or anything setting LOCAL_RANK too: Ray Train), "kubernetes"
+    (RANK/WORLD_SIZE without LOCAL_RANK: Kubeflow's PyTorchJob) or "slurm" (``srun``).
+    ``master_addr``/``master_port``: where the job's store is (rank 0 hosts it unless
+    torchrun's agent does); None when not given (a process `partrain.launch` spawned).
+    """
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+
+    @property
+    def joinable(self) -> bool:
+        """True when there is a master to meet at: this process must join the job, not start one."""
+        return self.master_addr is not None
+
+
+#: first port `slurm_port` gives, and how many it spreads job ids over
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 10000, 50000
+
+
+def slurm_port(job_id: int) -> int:
+    """The store's port for a Slurm job when MASTER_PORT is unset: 10000 + job_id % 50000.
+
+    Every task of the job computes the same port with no exchange; two jobs sharing a
+    first node collide only when their ids are 50000 apart. Set MASTER_PORT to choose.
+    """
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+
+
+def external_job(environ: Mapping[str, str] | None = None) -> ExternalJob | None:
+    """This process's place in a job another launcher started, or None (we start the job).
+
+    torchrun's variables (RANK, WORLD_SIZE, ...) come first; else an ``srun`` step of more
+    than one task (SLURM_STEP_ID and SLURM_PROCID set, SLURM_NTASKS > 1). A batch script
+    (no step) or a one-task step is not such a job: partrain starts its own processes there.
+    Variables that contradict each other raise `UsageError` naming them.
+    """
+    environ = os.environ if environ is None else environ
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        return _torchrun_job(environ)
+    if "SLURM_PROCID" in environ and ("SLURM_STEP_ID" in environ or "SLURM_STEPID" in environ):
+        return _slurm_job(environ)
+    return None
+
+
+def external_launcher(environ: Mapping[str, str] | None = None) -> str | None:
+    """"torchrun", "kubernetes" or "slurm" when this process must join a job that launcher started, else None."""
+    job = external_job(environ)
+    return job.launcher if job is not None and job.joinable else None
+
+
+def global_rank_from_environ(environ: Mapping[str, str] | None = None) -> int:
+    """This process's global rank as its launcher's variables give it; 0 when none started it."""
+    job = external_job(environ)
+    return 0 if job is None else job.rank
+
+
+def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"Expected an integer in ${name}. Received: {raw!r}") from None
+
+
+def _torchrun_job(environ: Mapping[str, str]) -> ExternalJob:
+    rank, world = _int(environ, "RANK"), _int(environ, "WORLD_SIZE")
+    if rank is None or world is None:
+        raise UsageError(f"Expected RANK and WORLD_SIZE together. Received: RANK={environ.get('RANK')!r}, "
+                         f"WORLD_SIZE={environ.get('WORLD_SIZE')!r}")
+    if world < 1 or not 0 <= rank < world:
+        raise UsageError(f"Expected 0 <= RANK < WORLD_SIZE. Received: RANK={rank}, WORLD_SIZE={world}")
+    if "LOCAL_RANK" in environ:
+        launcher = "torchrun"
+        local_rank = _int(environ, "LOCAL_RANK", 0)
+        local_world = _int(environ, "LOCAL_WORLD_SIZE", world)
+    else:  # Kubeflow's PyTorchJob: one process per pod
+        launcher = "kubernetes"
+        local_rank, local_world = 0, _int(environ, "LOCAL_WORLD_SIZE", 1)
+    assert local_rank is not None and local_world is not None
+    if not 0 <= local_rank < local_world <= world:
+        raise UsageError(f"Expected 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE <= WORLD_SIZE. Received: "
+                         f"LOCAL_RANK={local_rank}, LOCAL_WORLD_SIZE={local_world}, WORLD_SIZE={world}")
+    addr = environ.get("MASTER_ADDR") or None
+    port = _int(environ, "MASTER_PORT")
+    if addr is not None and port is None:
+        raise UsageError(f"Expected MASTER_PORT with MASTER_ADDR. Received: MASTER_ADDR={addr!r}, "
+                         f"MASTER_PORT={environ.get('MASTER_PORT')!r}")
+    _check_port(port, "MASTER_PORT")
+    return ExternalJob(launcher, rank, world, local_rank, local_world, addr, port)
+
+
+def _slurm_job(environ: Mapping[str, str]) -> ExternalJob | None:
+    rank, world = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS")
+    if world is None:
+        raise UsageError(f"Expected SLURM_NTASKS with SLURM_PROCID. Received: "
+                         f"SLURM_PROCID={environ.get('SLURM_PROCID')!r}, SLURM_NTASKS=None")
+    assert rank is not None
+    if world < 1 or not 0 <= rank < world:
+        raise UsageError(f"Expected 0 <= SLURM_PROCID < SLURM_NTASKS. Received: SLURM_PROCID={rank}, "
+                         f"SLURM_NTASKS={world}")
+    if world == 1:  # a one-task step: partrain starts its workers inside it
+        return None
+    local_rank, node = _int(environ, "SLURM_LOCALID", 0), _int(environ, "SLURM_NODEID", 0)
+    assert local_rank is not None and node is not None
+    name = next((n for n in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+                 if environ.get(n)), None)
+    if name is None:
+        raise UsageError("Expected SLURM_STEP_TASKS_PER_NODE, SLURM_TASKS_PER_NODE or SLURM_NTASKS_PER_NODE "
+                         "in an srun step. Received: none")
+    per_node = parse_tasks_per_node(environ[name], name)
+    if len(per_node) == 1 and name == "SLURM_NTASKS_PER_NODE":  # one count for every node
+        per_node = per_node * max(1, -(-world // per_node[0]))
+    elif sum(per_node) != world:
+        raise UsageError(f"Expected ${name} to add up to SLURM_NTASKS={world}. Received: "
+                         f"{environ[name]!r} ({sum(per_node)} tasks)")
+    if not 0 <= node < len(per_node):
+        raise UsageError(f"Expected 0 <= SLURM_NODEID < {len(per_node)} (the nodes in ${name}). "
+                         f"Received: SLURM_NODEID={node}")
+    local_world = per_node[node]
+    if not 0 <= local_rank < local_world:
+        raise UsageError(f"Expected 0 <= SLURM_LOCALID < {local_world} (tasks on node {node} in ${name}). "
+                         f"Received: SLURM_LOCALID={local_rank}")
+    addr = environ.get("MASTER_ADDR") or None
+    if addr is None:
+        nodes = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+                      if environ.get(n)), None)
+        if nodes is None:
+            raise UsageError("Expected MASTER_ADDR or SLURM_JOB_NODELIST in an srun step. Received: neither")
+        addr = parse_hostlist(environ[nodes], nodes)[0]
+    port = _int(environ, "MASTER_PORT")
+    if port is None:
+        job_id = _int(environ, "SLURM_JOB_ID", _int(environ, "SLURM_JOBID"))
+        if job_id is None:
+            raise UsageError("Expected MASTER_PORT or SLURM_JOB_ID in an srun step. Received: neither")
+        port = slurm_port(job_id)
+    _check_port(port, "MASTER_PORT")
+    return ExternalJob("slurm", rank, world, local_rank, local_world, addr, port)
+
+
+def _check_port(port: int | None, name: str) -> None:
+    if port is not None and not 0 < port < 65536:
+        raise UsageError(f"Expected a port between 1 and 65535 in ${name}. Received: {port}")
+
+
+_HOST_ITEM = re.compile(r"([^\[\],]+)(?:\[([^\[\]]*)\])?([^\[\],]*)")
+
+
+def parse_hostlist(text: str, name: str = "SLURM_JOB_NODELIST") -> list[str]:
+    """Slurm's compressed host list, expanded: "node[01-03,07],gpu-b3" -> node01..node03, node07, gpu-b3.
+
+    A range keeps its zero padding ("01-03" gives 01, 02, 03). One bracket per name
+    (what Slurm writes for the node lists it sets). ``name`` is for the error line.
+    """
+    hosts: list[str] = []
+    pos = 0
+    text = text.strip()
+    while pos < len(text):
+        match = _HOST_ITEM.match(text, pos)
+        if match is None or match.end() == pos:
+            raise UsageError(f"Expected a Slurm host list such as node[01-04,07],gpu-b3 in ${name}. "
+                             f"Received: {text!r}")
+        prefix, ranges, suffix = match.groups()
+        if ranges is None:
+            hosts.append(prefix + suffix)
+        else:
+            for part in ranges.split(","):
+                lo, sep, hi = part.partition("-")
+                if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)):
+                    raise UsageError(f"Expected a Slurm host list such as node[01-04,07],gpu-b3 in ${name}. "
+                                     f"Received: {text!r}")
+                for i in range(int(lo), int(hi if sep else lo) + 1):
+                    hosts.append(f"{prefix}{i:0{len(lo)}d}{suffix}")
+        pos = match.end()
+        if pos < len(text):
+            if text[pos] != ",":
+                raise UsageError(f"Expected a Slurm host list such as node[01-04,07],gpu-b3 in ${name}. "
+                                 f"Received: {text!r}")
+            pos += 1
+    if not hosts:
+        raise UsageError(f"Expected a Slurm host list such as node[01-04,07],gpu-b3 in ${name}. Received: {text!r}")
+    return hosts
+
+
+_TASKS_ITEM = re.compile(r"(\d+)(?:\(x(\d+)\))?")
+
+
+def parse_tasks_per_node(text: str, name: str = "SLURM_TASKS_PER_NODE") -> list[int]:
+    """Slurm's tasks per node, one count per node: "2(x3),1" -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for item in text.strip().split(","):
+        match = _TASKS_ITEM.fullmatch(item.strip())
+        if match is None or int(match.group(1)) < 1 or (match.group(2) and int(match.group(2)) < 1):
+            raise UsageError(f"Expected tasks per node such as 2(x3),1 in ${name}. Received: {text!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
 
 
 def in_torchrun() -> bool:
-    """True when torchrun (or a scheduler speaking its protocol) started this process."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    """True when torchrun, Slurm's srun, a PyTorchJob or Ray started this process: join, do not spawn."""
+    return external_launcher() is not None
 
 
 def pick_device(local_rank: int, device: str | None = None) -> torch.device:

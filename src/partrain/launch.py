@@ -9,8 +9,9 @@ Three ways in, one function:
 - **Many machines without torchrun**: give ``master_addr``/``master_port``,
   ``nnodes`` and ``node_rank``; node 0's launcher hosts a TCPStore there and
   every process meets through it.
-- **Under torchrun** (or Slurm, Kubernetes... setting its variables):
-  nothing is spawned; this process joins the job torchrun made.
+- **Under torchrun, Slurm's srun, a Kubeflow PyTorchJob or Ray Train**
+  (`partrain.env.external_job` reads their variables): nothing is spawned; this
+  process is one rank of the job that launcher made and joins it.
 
 Local processes live for one call, or as long as a `WorkerPool` that runs
 many calls (see `partrain.pool`).
@@ -52,7 +53,7 @@ from .env import (
     available_cores,
     check_device,
     default_backend,
-    in_torchrun,
+    external_launcher,
     pick_device,
 )
 from .errors import MainGuardError, UsageError
@@ -86,7 +87,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
     """
     check_arguments(workers, timeout, threads, device=device, backend=backend)
     strat = get_strategy(strategy)
-    if in_torchrun():
+    if external_launcher() is not None:  # torchrun, srun, a PyTorchJob, Ray: join, spawn nothing
         env = DistEnv.from_environ(backend, device)
         return [run_in_process(fn, args, kwargs, strat, env, timeout, threads, store=None)]
 
