@@ -291,16 +291,7 @@ def test_launch_joins_the_job(make):
     assert [json.loads(out.splitlines()[-1]) for out in outs] == [[row] for row in expected]
 
 
-def _cli_decides_out_by_rank() -> bool:
-    """True once train/cli.py asks partrain.env which rank judges --out (see docs/clusters.md)."""
-    from partrain.train import cli
-
-    return "global_rank_from_environ" in open(cli.__file__).read()
-
-
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not _cli_decides_out_by_rank(),
-                    reason="partrain train under srun needs train/cli.py to ask partrain.env for the rank")
 @pytest.mark.parametrize("make", [srun_environs, pytorchjob_environs], ids=["srun", "pytorchjob"])
 def test_train_cli_joins_the_job(make, tmp_path):
     """`partrain train` in both tasks: one job of 2 workers, one --out, every sample seen once per epoch."""

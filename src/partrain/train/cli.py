@@ -13,7 +13,7 @@ from torch import nn
 
 from ..cli import HelpFormatter
 from ..data.datasets import DataSpec, load_dataset, num_classes, preprocessing, sample_shape
-from ..env import available_cores
+from ..env import available_cores, external_launcher, global_rank_from_environ
 from ..errors import UsageError
 from ..models import MODELS, build_model, model_kwargs_for
 from ..strategies.base import available, get_strategy, parse_options
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     if args.sync_bn:
         build_cli_model(args.model, kwargs, sync_bn=True)  # fails here if the conversion cannot apply
     out = args.out
-    one_launcher = "RANK" not in os.environ and args.nnodes == 1  # not torchrun, not several nodes
+    one_launcher = external_launcher() is None and args.nnodes == 1  # not torchrun/srun/PyTorchJob, one node
     if out is None:  # a numbered directory only where one process decides it for the whole job
         out = DEFAULT_OUT if args.resume or not one_launcher else numbered_dir(DEFAULT_OUT)
         if out != DEFAULT_OUT and not args.quiet:
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         spec_in = ckpt.get("model_spec") or {}
         if spec_in and spec_in.get("name") != args.model:
             raise UsageError(f"Expected --model {spec_in.get('name')!r} to resume {resume!r}. Received: --model {args.model!r}")
-    if one_launcher or (os.environ.get("RANK", "0") == "0" and args.node_rank == 0):
+    if one_launcher or (global_rank_from_environ() == 0 and args.node_rank == 0):
         check_run_dir(out, resume=bool(args.resume), overwrite=args.overwrite, label="--out")
     model_spec = {"name": args.model, "kwargs": kwargs, "input_shape": list(shape), "task": task.kind}
     if task.kind == "classification":

@@ -48,6 +48,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .._tree import map_tensors
+from ..env import global_rank_from_environ
 from ..errors import UsageError
 from ..launch import launch
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
@@ -252,7 +253,7 @@ def _check_monitor(cfg: FitConfig, task: Task, has_test: bool) -> None:
 
 def _is_first_process(launch_cfg: LaunchConfig) -> bool:
     """True in the process that starts the job, or in rank 0 when torchrun started every rank."""
-    return launch_cfg.node_rank == 0 and os.environ.get("RANK", "0") == "0"
+    return launch_cfg.node_rank == 0 and global_rank_from_environ() == 0
 
 
 def run_settings(cfg: FitConfig, launch_cfg: LaunchConfig, strategy: Strategy, task: Task, data: Any,
