@@ -42,9 +42,14 @@ class FailsOnCall(nn.Module):
 RUN = dict(COMMON, batch_size=8, accumulate=2, epochs=2, checkpoint_every=1)
 
 
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The uninterrupted run (with the same mid-epoch checkpoints) both cases compare with."""
+    return fit(FailsOnCall, regression64, sgd, out_dir=str(tmp_path_factory.mktemp("full")), **RUN)
+
+
 @pytest.mark.parametrize("fail_at", [5, 7 + 5], ids=["epoch 1", "epoch 2"])
-def test_a_run_resumed_from_the_middle_of_an_epoch_equals_an_uninterrupted_one(tmp_path, monkeypatch, fail_at):
-    full = fit(FailsOnCall, regression64, sgd, out_dir=str(tmp_path / "full"), **RUN)
+def test_a_run_resumed_from_the_middle_of_an_epoch_equals_an_uninterrupted_one(tmp_path, monkeypatch, fail_at, full):
     part = str(tmp_path / "part")
     monkeypatch.setenv(FAIL_AT, str(fail_at))  # micro-batch index 4 of its epoch: after the step of window (2, 3)
     with pytest.raises(WorkerError, match="injected fault"):
