@@ -1,0 +1,101 @@
+"""How each strategy's step time grows with the number of workers: a communication model.
+
+Per optimizer step, a worker computes for ``compute_s`` seconds and the strategy moves
+bytes over links of ``bandwidth`` bytes/s with a per-message latency ``latency_s``.
+``model_bytes`` (S) is what one worker's gradient (or parameters) weighs: partrain's
+``comm_bytes`` per step and worker measures it.
+
+- all-reduce, ring: ``2 (n-1)/n * S/B + 2 (n-1) * latency``; with a tree for the latency
+  term (what NCCL switches to at scale): ``2 (n-1)/n * S/B + 2 log2(n) * latency``.
+- parameter server with ``k`` shards: every worker pushes S and pulls S per step, and each
+  shard's link carries ``2 n S / k`` per round of steps: ``2 n S / (k B) + 2 * latency``
+  when all workers step together (the synchronous bound; asynchronous workers see the same
+  link saturate at that rate).
+- local SGD / DiLoCo with period H: one all-reduce every H steps, ``ring / H`` per step.
+- pipeline with p stages and m micro-batches: the bubble, ``(p-1)/(m+p-1)`` of the step idle.
+
+Efficiency is ``compute / (compute + exposed communication)``: the exposed share is the
+whole communication time here (no overlap with backward), a lower bound on efficiency;
+``overlap=True`` hides up to the backward pass (two thirds of compute) behind it.
+These are the formulas `docs/scaling.md` prints with measured constants, and what a
+strategy advisor (``partrain compare``) fits to its measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+GBIT = 1e9 / 8  # bytes/s in one Gbit/s
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network: bandwidth in bytes/s and the latency of one message in seconds."""
+
+    bandwidth: float
+    latency_s: float = 20e-6
+
+    @classmethod
+    def gbit(cls, gbit_per_s: float, latency_s: float = 20e-6) -> Link:
+        return cls(gbit_per_s * GBIT, latency_s)
+
+
+def _check(n: int, model_bytes: float, compute_s: float) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UsageError(f"Expected a positive number of workers. Received: {n!r}")
+    if not (model_bytes >= 0 and compute_s > 0):
+        raise UsageError(f"Expected model_bytes >= 0 and compute_s > 0. Received: {model_bytes}, {compute_s}")
+
+
+def allreduce_seconds(n: int, model_bytes: float, link: Link, tree: bool = False) -> float:
+    """Seconds of one all-reduce of ``model_bytes`` over ``n`` workers (ring, or tree latency)."""
+    if n == 1:
+        return 0.0
+    transfer = 2 * (n - 1) / n * model_bytes / link.bandwidth
+    hops = 2 * math.log2(n) if tree else 2 * (n - 1)
+    return transfer + hops * link.latency_s
+
+
+def ps_seconds(n: int, model_bytes: float, link: Link, shards: int) -> float:
+    """Seconds per step at the busiest parameter-server shard (push and pull of every worker)."""
+    if shards < 1:
+        raise UsageError(f"Expected at least one server shard. Received: {shards}")
+    return 2 * n * model_bytes / (shards * link.bandwidth) + 2 * link.latency_s
+
+
+def local_sgd_seconds(n: int, model_bytes: float, link: Link, period: int, tree: bool = False) -> float:
+    """Communication per step of local SGD: one all-reduce every ``period`` steps."""
+    if period < 1:
+        raise UsageError(f"Expected a period of at least 1 step. Received: {period}")
+    return allreduce_seconds(n, model_bytes, link, tree) / period
+
+
+def pipeline_bubble(stages: int, microbatches: int) -> float:
+    """The idle share of a GPipe/1F1B step: ``(p-1)/(m+p-1)``."""
+    if stages < 1 or microbatches < 1:
+        raise UsageError(f"Expected stages and micro-batches >= 1. Received: {stages}, {microbatches}")
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def efficiency(compute_s: float, comm_s: float, overlap: bool = False) -> float:
+    """``compute / (compute + exposed comm)``; with ``overlap`` the backward (2/3 of compute) hides comm."""
+    exposed = max(0.0, comm_s - (2 / 3) * compute_s) if overlap else comm_s
+    return compute_s / (compute_s + exposed)
+
+
+def predict(strategy: str, n: int, model_bytes: float, compute_s: float, link: Link, *, shards: int | None = None,
+            period: int = 8, tree: bool = False, overlap: bool = False) -> float:
+    """Predicted efficiency of ``strategy`` (allreduce, ps, localsgd) at ``n`` workers."""
+    _check(n, model_bytes, compute_s)
+    if strategy == "allreduce":
+        comm = allreduce_seconds(n, model_bytes, link, tree)
+    elif strategy == "ps":
+        comm = ps_seconds(n, model_bytes, link, shards or max(1, n // 8))
+    elif strategy == "localsgd":
+        comm = local_sgd_seconds(n, model_bytes, link, period, tree)
+    else:
+        raise UsageError(f"Expected a strategy among ['allreduce', 'ps', 'localsgd']. Received: {strategy!r}")
+    return efficiency(compute_s, comm, overlap)

@@ -1,0 +1,57 @@
+"""The communication model of `partrain.scaling`, against hand computations."""
+
+import math
+
+import pytest
+
+from partrain.errors import UsageError
+from partrain.scaling import (
+    Link,
+    allreduce_seconds,
+    efficiency,
+    local_sgd_seconds,
+    pipeline_bubble,
+    predict,
+    ps_seconds,
+)
+
+LINK = Link(bandwidth=1e9, latency_s=1e-5)
+
+
+def test_each_formula_by_hand():
+    assert allreduce_seconds(1, 1e6, LINK) == 0.0
+    assert math.isclose(allreduce_seconds(4, 1e6, LINK), 2 * 3 / 4 * 1e-3 + 6 * 1e-5)
+    assert math.isclose(allreduce_seconds(8, 1e6, LINK, tree=True), 2 * 7 / 8 * 1e-3 + 2 * 3 * 1e-5)
+    assert math.isclose(ps_seconds(16, 1e6, LINK, shards=2), 2 * 16 * 1e6 / 2e9 + 2e-5)
+    assert math.isclose(local_sgd_seconds(4, 1e6, LINK, period=8), allreduce_seconds(4, 1e6, LINK) / 8)
+    assert pipeline_bubble(4, 12) == 3 / 15 and pipeline_bubble(1, 5) == 0.0
+    assert efficiency(3e-3, 1e-3) == 0.75
+    assert efficiency(3e-3, 1e-3, overlap=True) == 1.0  # hidden behind the backward (2 ms)
+    assert math.isclose(efficiency(3e-3, 4e-3, overlap=True), 3 / 5)  # 2 ms of 4 exposed
+    assert math.isclose(Link.gbit(10).bandwidth, 1.25e9)
+
+
+def test_predict_picks_the_formula_and_default_shards():
+    compute = 3e-3
+    assert predict("allreduce", 8, 1e6, compute, LINK) == efficiency(compute, allreduce_seconds(8, 1e6, LINK))
+    assert predict("ps", 64, 1e6, compute, LINK) == efficiency(compute, ps_seconds(64, 1e6, LINK, shards=8))
+    assert predict("localsgd", 8, 1e6, compute, LINK, period=4) == efficiency(
+        compute, local_sgd_seconds(8, 1e6, LINK, period=4))
+    # more workers never make a ring all-reduce step cheaper; local SGD always costs less per step
+    effs = [predict("allreduce", n, 1e6, compute, LINK) for n in (2, 8, 64, 512)]
+    assert effs == sorted(effs, reverse=True)
+    assert predict("localsgd", 64, 1e6, compute, LINK) > predict("allreduce", 64, 1e6, compute, LINK)
+
+
+@pytest.mark.parametrize("call,expected", [
+    (lambda: predict("hogwild", 8, 1e6, 1e-3, LINK), "Expected a strategy among ['allreduce', 'ps', 'localsgd']"),
+    (lambda: predict("allreduce", 0, 1e6, 1e-3, LINK), "Expected a positive number of workers. Received: 0"),
+    (lambda: predict("allreduce", 2, 1e6, 0.0, LINK), "Expected model_bytes >= 0 and compute_s > 0"),
+    (lambda: ps_seconds(2, 1e6, LINK, shards=0), "Expected at least one server shard. Received: 0"),
+    (lambda: local_sgd_seconds(2, 1e6, LINK, period=0), "Expected a period of at least 1 step. Received: 0"),
+    (lambda: pipeline_bubble(0, 4), "Expected stages and micro-batches >= 1"),
+])
+def test_bad_input_is_one_line(call, expected):
+    with pytest.raises(UsageError) as e:
+        call()
+    assert str(e.value).startswith(expected)
