@@ -6,8 +6,8 @@ store host) and worker 0's `RunResult` must reach the driver through `partrain.r
 The reference is `fit` under partrain's own launcher in this process, same float64 model,
 data and seed, one thread per process: the parameters must agree to `F64_ATOL`.
 
-One local Ray instance for the module (starting Ray costs seconds). Where to start
-reading: `test_fit_inside_ray_train_matches_partrains_own_launcher`.
+One local Ray instance and one TorchTrainer run for the module (Ray's start-up costs
+far more than the training). Where to start reading: `train_in_ray`.
 """
 
 from __future__ import annotations
@@ -39,23 +39,22 @@ FIT = dict(strategy="allreduce", epochs=1, batch_size=32, seed=3, threads=1, qui
 SGD = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
 
 
-def fit_and_report(config: dict) -> None:
-    """The train function: a plain `fit`, then `report` on every worker."""
-    result = partrain.fit(small_mlp64, digits64, SGD, **FIT)
-    partrain_ray.report(result, extra={"group_kept": dist.is_initialized()})
-
-
 def sum_ranks(strategy):
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
     return t.item(), strategy.rank, strategy.num_workers
 
 
-def launch_and_report(config: dict) -> None:
-    """A user loop on `launch`: an all-reduce of (rank + 1) over the group Ray made."""
+def train_in_ray(config: dict) -> None:
+    """The train function, unchanged from a script's: a `launch` loop, a `fit`, then `report`.
+
+    Both in one Ray run: Ray Train's start-up costs far more than either.
+    """
     (total, rank, workers), = partrain.launch(sum_ranks, workers=5)  # under Ray: ignored, Ray decides
-    ray_train.report({"total": total, "rank": rank, "workers": workers, "threads": torch.get_num_threads(),
-                      "group_kept": dist.is_initialized()})
+    launched = {"launch_total": total, "launch_rank": rank, "launch_workers": workers,
+                "threads": torch.get_num_threads()}
+    result = partrain.fit(small_mlp64, digits64, SGD, **FIT)
+    partrain_ray.report(result, extra={**launched, "group_kept": dist.is_initialized()})
 
 
 @pytest.fixture(scope="module")
@@ -84,27 +83,34 @@ def run_trainer(fn, tmp_path: Path):
     return trainer.fit()
 
 
-def test_fit_inside_ray_train_matches_partrains_own_launcher(local_ray, tmp_path):
-    got = run_trainer(fit_and_report, tmp_path)
+@pytest.fixture(scope="module")
+def ray_run(local_ray, tmp_path_factory):
+    """One TorchTrainer run of `train_in_ray` on 2 CPU workers, shared by the tests below."""
+    trainer = ray_torch.TorchTrainer(
+        train_in_ray, scaling_config=ray_train.ScalingConfig(num_workers=2, use_gpu=False),
+        run_config=ray_train.RunConfig(storage_path=str(tmp_path_factory.mktemp("ray")), name="run"))
+    return trainer.fit()
+
+
+def test_fit_inside_ray_train_matches_partrains_own_launcher(ray_run):
     want = partrain.fit(small_mlp64, digits64, SGD, workers=2, **FIT)
 
-    assert got.metrics["epoch"] == want.final["epoch"] == 1
-    assert got.metrics["step"] == want.final["step"]
-    assert got.metrics["train_loss"] == pytest.approx(want.train_loss, abs=F64_ATOL, rel=0)
-    assert got.metrics["test_accuracy"] == want.test_accuracy  # argmax of float64 logits: exact
-    assert got.metrics["group_kept"]  # partrain left Ray's group alone
-    run = partrain_ray.load_result(got, small_mlp64)
+    assert ray_run.metrics["epoch"] == want.final["epoch"] == 1
+    assert ray_run.metrics["step"] == want.final["step"]
+    assert ray_run.metrics["train_loss"] == pytest.approx(want.train_loss, abs=F64_ATOL, rel=0)
+    assert ray_run.metrics["test_accuracy"] == want.test_accuracy  # argmax of float64 logits: exact
+    assert ray_run.metrics["group_kept"]  # partrain left Ray's group alone
+    run = partrain_ray.load_result(ray_run, small_mlp64)
     assert [r["step"] for r in run.history] == [r["step"] for r in want.history]
     assert_states_close(run.model_state, want.model_state)
     assert isinstance(run.model(), torch.nn.Module)
 
 
-def test_a_launch_loop_inside_ray_train_uses_rays_group(local_ray, tmp_path):
-    got = run_trainer(launch_and_report, tmp_path)
-    # Ray keeps world rank 0's report: 1 + 2 summed over both workers, in Ray's own group
-    assert (got.metrics["total"], got.metrics["rank"], got.metrics["workers"]) == (3.0, 0, 2)
-    assert got.metrics["group_kept"]
-    assert got.metrics["threads"] == 1  # Ray gives each worker its CPUs (2 / 2) as OMP_NUM_THREADS
+def test_a_launch_loop_inside_ray_train_uses_rays_group(ray_run):
+    # (0 + 1) + (1 + 1) over Ray's two workers, on rank 0, in the group Ray made
+    got = ray_run.metrics
+    assert (got["launch_total"], got["launch_rank"], got["launch_workers"]) == (3.0, 0, 2)
+    assert got["threads"] == 1  # Ray gives each worker its CPUs (2 / 2 workers) as OMP_NUM_THREADS
 
 
 # ----- without Ray's workers: the joining rules and the bad-input lines ---------------------
