@@ -51,6 +51,8 @@ def run_in_process(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Str
         torch.cuda.set_device(env.device)
     own_group = False
     if env.world_size > 1:
+        if dist.is_initialized():  # the launcher made the group (Ray Train): use it, never a second one
+            check_existing_group(env)
         if store is None:  # torchrun, srun, PyTorchJob, Ray: the job's store (join_store)
             store = join_store(env, timeout)
         if not dist.is_initialized():
@@ -71,6 +73,14 @@ def run_in_process(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Str
                 dist.destroy_process_group()
 
 
+def check_existing_group(env: DistEnv) -> None:
+    """One line when the process group the launcher made is not the job the variables describe."""
+    have = (dist.get_rank(), dist.get_world_size())
+    if have != (env.rank, env.world_size):
+        raise UsageError(f"Expected the existing process group to be rank {env.rank} of {env.world_size} "
+                         f"(RANK, WORLD_SIZE). Received: rank {have[0]} of {have[1]}")
+
+
 def join_store(env: DistEnv, timeout: float) -> dist.Store:
     """The job's store when another launcher started us: torchrun, srun, a PyTorchJob, Ray.
 
@@ -86,8 +96,10 @@ def join_store(env: DistEnv, timeout: float) -> dist.Store:
     addr = job.master_addr if job is not None else None
     port = job.master_port if job is not None else None
     if addr is None or port is None:
+        hint = (" (Ray Train: keep TorchConfig(init_method='env'), its default)"
+                if dist.is_initialized() else "")
         raise UsageError(f"Expected MASTER_ADDR and a numeric MASTER_PORT for a job of {env.world_size} "
-                         f"processes. Received: MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
+                         f"processes{hint}. Received: MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
                          f"MASTER_PORT={os.environ.get('MASTER_PORT')!r}")
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     is_host = env.rank == 0 and not agent_hosts and not dist.is_initialized()

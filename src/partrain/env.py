@@ -3,8 +3,9 @@
 Read from the variables of the launcher that started this process, or built by
 `partrain.launch`. `external_job` reads them, whichever launcher set them:
 
-- torchrun (and Ray Train): RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-  MASTER_ADDR, MASTER_PORT;
+- torchrun (and Ray Train, which has also made the process group when the
+  train function starts: partrain joins that group, see `partrain.ray`): RANK,
+  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
 - Kubeflow's PyTorchJob: the same without LOCAL_RANK (one process per pod:
   local rank 0 of 1);
 - Slurm's ``srun``: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID, the
@@ -87,8 +88,14 @@ class ExternalJob:
 
     @property
     def joinable(self) -> bool:
-        """True when there is a master to meet at: this process must join the job, not start one."""
-        return self.master_addr is not None
+        """True when this process must join the job, not start one: there is a master to meet at,
+        or the launcher has already made the process group (Ray Train's ``init_method="tcp"``
+        sets RANK/WORLD_SIZE and the group but no MASTER_ADDR)."""
+        if self.master_addr is not None:
+            return True
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
 
 
 #: first port `slurm_port` gives, and how many it spreads job ids over
