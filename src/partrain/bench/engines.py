@@ -21,8 +21,8 @@ row appears in ``metrics.jsonl`` minus that epoch's training seconds (so it incl
 the first epoch's evaluation and file writes, the same for every engine); wall seconds.
 
 Recovery (the killed run): the kill comes half a checkpoint interval after a
-checkpoint of the second epoch (the interval as observed between the two checkpoints
-before it). *Time lost* is the killed run's wall time minus the wall time of the
+checkpoint of the second epoch (the interval: the longest gap between the checkpoints
+seen since the first epoch's row). *Time lost* is the killed run's wall time minus the wall time of the
 uninterrupted torchrun standalone run of the same round: the restart plus the steps
 redone since the last checkpoint. *Since checkpoint* is the time from that checkpoint's
 write to the kill, and *restart* = time lost - since checkpoint (kill to training
@@ -237,7 +237,8 @@ def _maybe_kill(agent: int, watch: _Watch) -> dict[str, float] | None:
     if len(watch.checkpoints) < 3:
         return None
     last = watch.checkpoints[-1]
-    interval = max(0.0, last - watch.checkpoints[-2])
+    # the longest gap seen: an epoch's end checkpoint can come a step or two before a mid-epoch one
+    interval = max(b - a for a, b in zip(watch.checkpoints, watch.checkpoints[1:]))
     if time.time() < last + interval / 2:
         return None
     workers = _children(agent)
