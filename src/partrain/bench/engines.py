@@ -54,6 +54,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..errors import UsageError
 from .harness import (
     Report,
     Spread,
@@ -350,6 +351,11 @@ def run(args: argparse.Namespace) -> Report:
     if work.epochs < 3 and size.recovery:
         report.note("recovery: not measured (it needs --epochs >= 3)")
         engines.remove(KILLED)
+    steps = int(work.samples * 0.95) // (2 * work.batch) * (work.epochs - 1)  # steps after the first epoch
+    if KILLED in engines and 4 * work.checkpoint_every > steps:
+        raise UsageError(f"Expected --checkpoint-every at most {steps // 4} (a quarter of the {steps} steps after "
+                         f"the first epoch: the killed run needs checkpoints before and after the kill). "
+                         f"Received: {work.checkpoint_every}")
     variants: dict[str, Callable[[], Run]] = {e: (lambda e=e: measure(e, work)) for e in engines}
     runs = alternate(variants, size.rounds, on_result=lambda r, name, v: report.progress(
         f"round {r + 1}: {name}: {v.rate:,.0f} samples/s, start-up {v.startup:.1f} s, wall {v.wall:.1f} s"))
