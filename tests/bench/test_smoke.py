@@ -26,6 +26,7 @@ GOALS = {
     "syncbn": {"syncbn.step_ratio"},
     "serve": {"serve.batched_vs_unbatched", "serve.vs_litserve"},
     "population": {"population.auto_vs_best", "population.vs_pool"},
+    "engines": {"engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"},
 }
 # what each toy run must print besides its goals (a line of its main table)
 TABLE_LINE = {
@@ -34,6 +35,7 @@ TABLE_LINE = {
     "syncbn": "partrain.nn.SyncBatchNorm",
     "serve": "unbatched",
     "population": "auto chose",
+    "engines": "torchrun standalone",
 }
 
 

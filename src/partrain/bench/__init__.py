@@ -17,4 +17,5 @@ BENCHMARKS = {
     "syncbn": "partrain.bench.syncbn",
     "serve": "partrain.bench.serve",
     "population": "partrain.bench.population",
+    "engines": "partrain.bench.engines",
 }

@@ -55,6 +55,7 @@ GOALS: dict[str, tuple[str, ...]] = {
     "syncbn": ("syncbn.step_ratio",),
     "serve": ("serve.batched_vs_unbatched", "serve.vs_litserve"),
     "population": ("population.auto_vs_best", "population.vs_pool"),
+    "engines": ("engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"),
 }
 
 SMOKE_NOTE = "smoke run: figures are noise"
