@@ -384,7 +384,7 @@ def run(args: argparse.Namespace) -> Report:
         report.goal("engines.ray_vs_launch", ratios[RAY].median, ">=", 0.9, "Ray Train / partrain.launch, samples/s")
     else:
         why = ("skipped (--no-ray)" if args.no_ray
-               else "not measured: ray not installed (pip install 'ray[train]')" if not installed
+               else "not measured: ray not installed (pip install 'partrain[ray]')" if not installed
                else "not measured at this size (its start-up alone is ~20 s)")
         report.note(f"Ray Train: {why}; engines.ray_vs_launch not measured")
         report.goal("engines.ray_vs_launch", None, ">=", 0.9, "Ray Train / partrain.launch, samples/s")
