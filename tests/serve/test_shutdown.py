@@ -127,6 +127,8 @@ def _refused(url: str) -> bool:
         socket.create_connection((host, int(port)), timeout=5).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:  # the listener closed with this connection in its backlog: ask again
+        return False
     return False
 
 
