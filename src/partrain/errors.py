@@ -12,6 +12,17 @@ from __future__ import annotations
 import signal
 
 
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (torch's often span many lines)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else ""
+
+
+def error_line(exc: BaseException) -> str:
+    """``"Type: first line of the message"``: an exception as one line."""
+    return f"{type(exc).__name__}: {first_line(exc)}"
+
+
 class UsageError(ValueError):
     """Bad input: the message says what was expected and what was received."""
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from .errors import UsageError
+from .errors import UsageError, error_line
 
 
 def cnn(in_channels: int = 1, num_classes: int = 10, image_size: int = 8, width: int = 32) -> nn.Module:
@@ -133,9 +133,8 @@ def resolve_callable(spec: str, what: str, path: str | None = None) -> Callable[
         raise UsageError(f"Expected module {module_name!r} of {what} {spec!r} in {where}. "
                          f"Received: no module named {exc.name or module_name!r}") from None
     except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: one line
-        lines = str(exc).strip().splitlines()
         raise UsageError(f"Expected module {module_name!r} of {what} {spec!r} to import. "
-                         f"Received: {type(exc).__name__}: {lines[0] if lines else ''}") from exc
+                         f"Received: {error_line(exc)}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise UsageError(f"Expected {spec!r} to name a callable {what}. Received: {type(fn).__name__}")

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import UsageError, error_line
 from .protocol import DATATYPES, ServedModel
-from .shapes import ShapeNotInferred, error_line, infer_input
+from .shapes import ShapeNotInferred, infer_input
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

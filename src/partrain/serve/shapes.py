@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import error_line
+
 DYNAMIC = -1
 
 # Sizes tried for dynamic dims, smallest first. A dim a model accepts at two of them is
@@ -136,12 +138,6 @@ def _run(fn: Callable[[Any], Any], shapes: Sequence[tuple[int, ...]], dtypes: Se
             f"Received: {[tuple(o.shape) if isinstance(o, Tensor) else type(o).__name__ for o in outs]}"
         )
     return outs
-
-
-def error_line(exc: BaseException) -> str:
-    """``"Type: first line of the message"``: torch's errors span lines, a usage error may not."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def probe(fn: Callable[[Any], Any], shapes: Sequence[tuple[int, ...]],

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UsageError
+from ..errors import UsageError, error_line
 
 FORMAT = "partrain/1"
 
@@ -92,9 +92,7 @@ def fit_weights(model: nn.Module, weights: Any, label: str) -> None:
     try:
         model.load_state_dict(weights)
     except (RuntimeError, TypeError, ValueError) as exc:
-        lines = str(exc).strip().splitlines()
-        raise UsageError(f"Expected checkpoint weights to fit {label}. Received: {type(exc).__name__}: "
-                         f"{lines[0] if lines else ''}") from None
+        raise UsageError(f"Expected checkpoint weights to fit {label}. Received: {error_line(exc)}") from None
 
 
 def load_model(path: str) -> tuple[nn.Module, dict[str, Any]]:

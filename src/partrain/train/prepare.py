@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from ..data.datasets import DataSpec, load_dataset, preprocessing
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from .config import FitConfig
 from .task import Task, describe, split_batch
 
@@ -110,16 +110,10 @@ def check_model_takes(model: nn.Module, ds: Dataset, model_name: str = "model", 
     except Exception as exc:
         inputs, _ = split_batch(batch, task.target_key)
         raise UsageError(f"Expected samples that {model_name} can take. Received: {data_name} with inputs "
-                         f"{describe(inputs)} ({first_line(exc)})") from None
+                         f"{describe(inputs)} ({first_line(exc)[:300]})") from None
     finally:
         model.train(was_training)
     return task
-
-
-def first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's message (torch's often start with a blank)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return lines[0][:300] if lines else type(exc).__name__
 
 
 # ----- the run directory -----------------------------------------------------------------
