@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -316,3 +317,37 @@ def test_main_turns_a_signal_into_one_line_and_puts_the_handlers_back(monkeypatc
     assert main(["train"]) == 143
     assert capsys.readouterr().err.splitlines() == ["partrain train: stopped by SIGTERM"]
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_signal_that_lands_in_a_callback_still_stops_the_command(monkeypatch, capsys) -> None:
+    """Python runs the handler at the next bytecode, which may be inside a weakref callback
+    (importlib's module locks have one): the `Interrupted` raised there cannot propagate and
+    used to be printed as "Exception ignored in ..." (seen once when SIGTERM hit the launcher
+    during an import). It must stop the command all the same, with the one line only."""
+    import weakref
+
+    import partrain.train.cli as train_cli
+
+    class Target:
+        pass
+
+    def signal_in_callback(ref) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside the callback
+        for _ in range(100):  # bytecodes for the handler to run on
+            pass
+
+    def signalled(args) -> int:
+        target = Target()
+        ref = weakref.ref(target, signal_in_callback)
+        del target  # the callback runs now; its Interrupted is lost, and the signal sent again
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the signal, sent again, interrupts this loop
+            pass
+        raise AssertionError(f"SIGTERM was lost in the callback ({ref})")
+
+    monkeypatch.setattr(train_cli, "run", signalled)
+    monkeypatch.setattr("partrain.cli.multiprocessing.active_children", lambda: [])
+    hook = sys.unraisablehook
+    assert main(["train"]) == 143
+    assert capsys.readouterr().err.splitlines() == ["partrain train: stopped by SIGTERM"]
+    assert sys.unraisablehook is hook

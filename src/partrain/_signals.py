@@ -20,12 +20,20 @@ Two users:
 A second signal while the first is being handled does not interrupt the clean-up
 (it is bounded: stopping processes takes seconds at most) unless ``REPEAT_AFTER``
 seconds have passed, in case the clean-up itself is stuck in someone's code.
+
+Python runs a handler at the next bytecode of the main thread, wherever that is:
+inside a weakref callback or a ``__del__`` (importlib's module locks have one) the
+raised `Interrupted` cannot propagate, and Python would only print "Exception
+ignored in ..." and go on. While a handler of this module is installed such a
+lost `Interrupted` is not printed: the signal is sent again (from another
+thread), and the handler raises it once the main thread is out of the callback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,8 +53,15 @@ class RaiseInterrupted:
         self.on_signal = on_signal
         self.first: float | None = None  # time.monotonic() of the signal being handled
         self.received: list[int] = []
+        self.resent = False  # the signal was sent again because its Interrupted was lost
+        self.in_hook = False  # `lost` is running: an Interrupted raised now would be lost too
 
     def __call__(self, signum: int, frame: Any) -> None:
+        if self.in_hook:
+            return  # only a second signal can come now: the first is being sent again
+        if self.resent:  # the same signal again, already counted and passed on
+            self.resent = False
+            raise Interrupted(signum)
         now = time.monotonic()
         if self.first is not None and now - self.first < REPEAT_AFTER:
             return  # the first one is unwinding the program: let its clean-up finish
@@ -55,6 +70,38 @@ class RaiseInterrupted:
         if self.on_signal is not None:
             self.on_signal(signum)
         raise Interrupted(signum)
+
+    def lost(self, stop: Interrupted) -> None:
+        """``stop`` was raised where it could not propagate: send its signal again."""
+        self.in_hook = True
+        self.resent = True
+        threading.Thread(target=self._send_again, args=(stop.signum,), name="partrain-resend-signal",
+                         daemon=True).start()
+        self.in_hook = False  # the last statement: no signal is handled between it and the return
+
+    def _send_again(self, signum: int) -> None:
+        # From another thread, once `lost` has returned: the handler runs at the main thread's
+        # next bytecode, which must be back in the code that was interrupted, not in `lost`.
+        while self.in_hook:
+            time.sleep(0.001)
+        signal.pthread_kill(threading.main_thread().ident, signum)
+
+
+def _resend_lost_interrupts(handler: RaiseInterrupted) -> Callable[[], None]:
+    """Install a `sys.unraisablehook` that sends a lost `Interrupted`'s signal again; return its undo."""
+    previous_hook = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_value, Interrupted):
+            handler.lost(unraisable.exc_value)
+        else:
+            previous_hook(unraisable)
+
+    sys.unraisablehook = hook
+
+    def undo() -> None:
+        sys.unraisablehook = previous_hook
+    return undo
 
 
 @contextlib.contextmanager
@@ -78,9 +125,11 @@ def signals_raise(*, take_over: bool, on_signal: Callable[[int], None] | None = 
             continue
         if take_over or current in (signal.SIG_DFL, signal.default_int_handler):
             previous[sig] = signal.signal(sig, handler)
+    undo_hook = _resend_lost_interrupts(handler)
     try:
         yield handler
     finally:
+        undo_hook()
         for sig, old in previous.items():
             signal.signal(sig, old)
 
@@ -94,5 +143,7 @@ def install_in_worker() -> None:
     in a terminal, which reaches every process of the foreground group, made each
     worker print its own traceback beside the launcher's one line.
     """
-    signal.signal(signal.SIGTERM, RaiseInterrupted())
+    handler = RaiseInterrupted()
+    signal.signal(signal.SIGTERM, handler)
+    _resend_lost_interrupts(handler)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
