@@ -4,6 +4,8 @@
 Both runs are 2 gloo processes with one intra-op thread each doing the same operations in
 the same order: the uninterrupted one under partrain's own launcher, the other under
 ``torchrun --max-restarts 1`` with ``--resume auto`` (what a restarted attempt needs).
+It is also the suite's test of the plain path: `partrain train` under torchrun joins
+torchrun's job instead of spawning workers of its own.
 """
 
 from __future__ import annotations

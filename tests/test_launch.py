@@ -131,20 +131,6 @@ def test_distenv_reads_torchrun_variables(monkeypatch):
 
 
 @pytest.mark.timeout(180)
-def test_torchrun_path_trains(tmp_path):
-    """The same CLI under torchrun: it joins torchrun's job instead of spawning."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "partrain", "train", "--epochs", "1", "--quiet", "--out", str(tmp_path), "--timeout", "60"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "test accuracy" in proc.stdout
-    import json
-
-    row = json.loads(open(tmp_path / "metrics.jsonl").read().splitlines()[-1])
-    assert row["workers"] == 2 and row["samples"] == 1438
-
-
 def test_available_cores_follow_affinity_not_the_host():
     """Under taskset the launcher must count 1 core, whatever the host has."""
     code = "from partrain.env import available_cores; print(available_cores())"

@@ -154,9 +154,10 @@ def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
 
 
 def train_args(out: Path) -> list[str]:
-    # far more epochs than the test lasts: only a signal ends this run
+    # far more epochs than the test lasts: only a signal ends this run; a checkpoint every
+    # 3 steps: the workers are writing files all the time
     return ["train", "--dataset", "digits", "--workers", "2", "--threads", "1", "--epochs", "10000", "--quiet",
-            "--out", str(out)]
+            "--checkpoint-every", "3", "--out", str(out)]
 
 
 # ----- train ------------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ def test_sigterm_stops_train(tmp_path: Path, how: str) -> None:
     cmd = Command(train_args(out), tmp_path)
     try:
         if how.startswith("SIGTERM"):  # mid-training: the workers write files, the case of the orphans
-            cmd.wait_for(lambda: (out / "metrics.csv").exists(), "the first epoch's metrics")
+            cmd.wait_for(lambda: (out / "checkpoint.pt").exists(), "the first checkpoint")
         else:  # as soon as the workers run their job
             cmd.wait_for(cmd.rendezvous, "the workers to meet")
         workers = spawned_children(cmd.proc.pid)
