@@ -17,7 +17,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+import partrain
 from partrain.env import (
     DistEnv,
     ExternalJob,
@@ -300,3 +302,18 @@ def test_train_cli_joins_the_job(make, tmp_path):
     run_ranks(make(), argv)
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert (row["workers"], row["samples"]) == (2, 1438)
+
+
+def test_fit_in_a_joined_job_takes_what_cannot_be_pickled(no_launcher, tmp_path):
+    """Joining a job, `fit` runs in this process: nothing is sent to a worker, so a lambda or a
+    closure is as good as a module-level function (Ray Train users write them inline)."""
+    no_launcher.setenv("RANK", "0")
+    no_launcher.setenv("WORLD_SIZE", "1")
+    no_launcher.setenv("MASTER_ADDR", "127.0.0.1")
+    no_launcher.setenv("MASTER_PORT", str(free_port()))
+    width = 8
+    result = partrain.fit(lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, width),
+                                                      torch.nn.ReLU(), torch.nn.Linear(width, 10)),
+                          "digits", lambda params: torch.optim.SGD(params, lr=0.1), epochs=1, quiet=True,
+                          threads=1, out_dir=str(tmp_path))
+    assert result.history[-1]["samples"] == 1438 and result.history[-1]["workers"] == 1

@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .._tree import map_tensors
-from ..env import global_rank_from_environ
+from ..env import external_launcher, global_rank_from_environ
 from ..errors import UsageError
 from ..launch import launch
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
@@ -186,10 +186,11 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         raise UsageError("Expected checkpoint_every / checkpoint_seconds with a strategy whose workers agree on "
                          "every step (allreduce, single). Received: strategy "
                          f"{strat.name!r}, which checkpoints at epoch ends only")
-    for name, obj in (("model_fn", model_fn), ("data", data), ("optimizer_fn", optimizer_fn),
-                      ("loss_fn", task.loss_fn), ("metrics", task.metric_spec), ("forward_fn", task.forward_fn),
-                      ("collate_fn", task.collate_fn), ("scheduler_fn", scheduler_fn)):
-        _check_picklable(name, obj)
+    if external_launcher() is None:  # joining a job (torchrun, Ray, Slurm): it runs here, nothing is sent
+        for name, obj in (("model_fn", model_fn), ("data", data), ("optimizer_fn", optimizer_fn),
+                          ("loss_fn", task.loss_fn), ("metrics", task.metric_spec), ("forward_fn", task.forward_fn),
+                          ("collate_fn", task.collate_fn), ("scheduler_fn", scheduler_fn)):
+            _check_picklable(name, obj)
     if ckpt is not None and not check_resume(cfg, ckpt, cfg.resume or "", auto):
         history = list(ckpt.get("metrics") or [])
         return RunResult(history=history, out_dir=cfg.out_dir, checkpoint=cfg.resume,
