@@ -164,7 +164,8 @@ def _commands(engine: str, work: Workload, out: str) -> list[list[str]]:
     if engine in (TORCHRUN, KILLED):
         return [_torchrun("--standalone", "--nproc-per-node", "2", "--max-restarts", "1") + train]
     if engine == TWO_NODES:
-        # the port is free now; the c10d store on node 0 binds it moments later (a race we accept here)
+        # the port is free now; the c10d store on node 0 binds it moments later (`measure`
+        # tries again on a new port when another process took it in between)
         endpoint = f"127.0.0.1:{_free_port()}"
         return [_torchrun("--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node", "1",
                           "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "bench",
@@ -176,6 +177,20 @@ def _commands(engine: str, work: Workload, out: str) -> list[list[str]]:
 
 def measure(engine: str, work: Workload) -> Run:
     """Run ``engine`` once in a fresh output directory; kill a worker when ``engine`` is `KILLED`."""
+    for attempt in range(3):
+        try:
+            return _measure(engine, work)
+        except _PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(RuntimeError):
+    """The rendezvous port chosen for the 2-node run was taken before its store bound it."""
+
+
+def _measure(engine: str, work: Workload) -> Run:
     with tempfile.TemporaryDirectory(prefix="partrain-bench-engines-") as tmp:
         out = os.path.join(tmp, "run")
         logs = [open(os.path.join(tmp, f"log{i}"), "w+") for i in range(2)]  # noqa: SIM115
@@ -199,6 +214,8 @@ def measure(engine: str, work: Workload) -> Run:
             wall = time.monotonic() - start
             watch.look()
             failed = [p.returncode for p in procs if p.returncode != 0]
+            if failed and engine == TWO_NODES and "address already in use" in _tail(logs, 200).lower():
+                raise _PortTaken(_tail(logs))
             if failed:
                 raise RuntimeError(f"{engine}: exit status {failed[0]}:\n{_tail(logs)}")
             if engine == KILLED and (killed is None or "back_at" not in killed):
