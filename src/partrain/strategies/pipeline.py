@@ -1,0 +1,678 @@
+"""``pipeline``: model parallel training, the model's layers split over processes.
+
+A model too big for one process is cut between its top-level children into ``stages``
+chunks, one per process; a global batch is cut into ``microbatches`` that flow through the
+stages so that every stage works on some micro-batch most of the time. The schedule (the
+order of forward and backward passes of the micro-batches on each stage) is
+``torch.distributed.pipelining``'s, chosen by name: ``gpipe``, ``1f1b``, ``interleaved1f1b``,
+``loopedbfs``, ``interleavedzerobubble``, ``zbvzerobubble``, ``dualpipev`` (the last five
+run ``virtual_stages`` chunks per process, 2 by default).
+
+With more processes than stages the job is *hybrid*: ``workers / stages`` pipeline replicas
+(the ``dp`` axis) each train on their share of the data, and every stage all-reduces its
+gradients with the same stage of the other replicas (the ``pp`` axis runs one pipeline).
+Global rank ``r`` is stage ``r % stages`` of replica ``r // stages``.
+
+What torch's API leaves to the user, this strategy does:
+
+- a batch that does not divide into micro-batches (the last of an epoch) is padded with
+  copies of its own samples, whose losses are left out: the gradient is exactly that of
+  the real samples;
+- the loss is computed on the last stage, per sample, and normalised by the global batch
+  as under every other strategy (`partrain.train.task`), so k steps equal one process
+  (``single``) on the same global batches;
+- the optimizer of each stage steps that stage's parameters and behaves as one optimizer
+  (`StageOptimizer`: one state dict in the whole model's numbering, LR schedulers);
+- checkpoints gather the whole model to the first stage (an ordinary partrain checkpoint,
+  which ``single``, ``allreduce`` and ``partrain serve`` load) and a pipeline resumes from one;
+- ``model(x)`` (evaluation, under ``torch.no_grad()``) runs the pipeline forward on every
+  stage with the same ``x`` and returns the output on every stage;
+- the step-time breakdown: ``comm`` counts the time stages waited for neighbours (the
+  *bubble*, also reported alone as ``pipeline_bubble_seconds``) and the gradient all-reduce.
+
+A training step is one call on every stage with the same batch (the first stage reads
+the inputs, the last the targets)::
+
+    out, losses = strategy.train_step(model, optimizer, x, y, loss_fn)  # loss_fn: per sample
+
+Vocabulary: a *stage* is one chunk of the model (``stages * virtual_stages`` of them); a
+*pipeline rank* is a process's index within its pipeline (``pp``), a *replica* its
+pipeline's index (``dp``), the data-parallel worker rank (``strategy.rank``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import pipelining
+from torch.distributed.pipelining import PipelineStage
+from torch.optim import Optimizer
+
+from .. import comm
+from .._tree import map_tensors
+from ..env import DEFAULT_TIMEOUT, DistEnv
+from ..errors import UsageError, error_line
+from ..train.task import batch_size, describe
+from ._pipeline_optim import StageOptimizer, keep_stage_params, recv_object, send_object
+from ._pipeline_split import BALANCE, chunk_ranges, plan_cuts, sequential_children, stage_ranks
+from .base import Strategy, register
+
+#: schedule name -> (torch class name, stages per process > 1, placement style)
+SCHEDULES: dict[str, tuple[str, bool, str]] = {
+    "gpipe": ("ScheduleGPipe", False, "loop"),
+    "1f1b": ("Schedule1F1B", False, "loop"),
+    "interleaved1f1b": ("ScheduleInterleaved1F1B", True, "loop"),
+    "loopedbfs": ("ScheduleLoopedBFS", True, "loop"),
+    "interleavedzerobubble": ("ScheduleInterleavedZeroBubble", True, "loop"),
+    "zbvzerobubble": ("ScheduleZBVZeroBubble", True, "v"),
+    "dualpipev": ("ScheduleDualPipeV", True, "v"),
+}
+
+
+@register
+class Pipeline(Strategy):
+    name = "pipeline"
+    checkpoints_within_epoch = True
+
+    def __init__(self, stages: int = 2, microbatches: int = 4, schedule: str = "1f1b", split: str = "params",
+                 virtual_stages: int = 0) -> None:
+        super().__init__()
+        if not isinstance(stages, int) or stages < 1:
+            raise UsageError(f"Expected stages to be a positive integer. Received: stages={stages!r}")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise UsageError(f"Expected microbatches to be a positive integer. Received: microbatches={microbatches!r}")
+        key = str(schedule).lower().replace("-", "").replace("_", "")
+        if key not in SCHEDULES:
+            raise UsageError(f"Expected a schedule among {list(SCHEDULES)}. Received: {schedule!r}")
+        _, multi, style = SCHEDULES[key]
+        if virtual_stages == 0:
+            virtual_stages = 2 if multi else 1
+        if not multi and virtual_stages != 1:
+            raise UsageError(f"Expected virtual_stages=1 for schedule {key!r} (one stage per process). "
+                             f"Received: virtual_stages={virtual_stages}")
+        if multi and (virtual_stages < 2 or (style == "v" and virtual_stages != 2)):
+            want = "2" if style == "v" else "at least 2"
+            raise UsageError(f"Expected virtual_stages={want} for schedule {key!r}. "
+                             f"Received: virtual_stages={virtual_stages}")
+        self.stages = stages
+        self.microbatches = microbatches
+        self.schedule = key
+        self.split = str(split)
+        self.virtual_stages = virtual_stages
+        # topology, from setup
+        self.pp_rank, self.dp_rank, self.replicas = 0, 0, 1
+        self.pp_group: Any = None
+        self.dp_group: Any = None
+        self.pp_ranks: list[int] = [0]  # global ranks of this process's pipeline
+        # the split, from prepare (or the first batch, for split="time")
+        self.runtime: _Runtime | None = None
+        #: seconds stages computed, and waited for neighbours, within schedule steps
+        self.compute_seconds = 0.0
+        self.bubble_seconds = 0.0
+        self.step_seconds = 0.0
+
+    # ----- topology -------------------------------------------------------------------
+    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        super().setup(env, store=store, timeout=timeout)
+        world = env.world_size
+        if world < self.stages or world % self.stages:
+            raise UsageError(f"Expected a number of workers divisible by stages={self.stages} (one process per "
+                             f"stage, times the data-parallel replicas). Received: {world} worker(s)")
+        p = self.stages
+        self.replicas = world // p
+        self.pp_rank, self.dp_rank = env.rank % p, env.rank // p
+        self.pp_ranks = [self.dp_rank * p + i for i in range(p)]
+        if self.replicas > 1:
+            wait = datetime.timedelta(seconds=timeout)
+            self.pp_group, _ = dist.new_subgroups_by_enumeration(
+                [[d * p + i for i in range(p)] for d in range(self.replicas)], timeout=wait)
+            self.dp_group, _ = dist.new_subgroups_by_enumeration(
+                [[d * p + i for d in range(self.replicas)] for i in range(p)], timeout=wait)
+        else:
+            self.pp_group = None  # the default group: every process is one pipeline
+
+    @property
+    def num_workers(self) -> int:
+        """Data-parallel workers: the pipeline replicas (every stage of a replica sees the same batches)."""
+        return self.replicas
+
+    @property
+    def rank(self) -> int:
+        """This process's replica: what data sharding and the loop's seeds use."""
+        return self.dp_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def first_stage(self) -> bool:
+        return self.runtime is not None and 0 in self.runtime.owned
+
+    @property
+    def last_stage(self) -> bool:
+        return self.runtime is not None and self.runtime.num_chunks - 1 in self.runtime.owned
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the replicas (the stages of one replica hold the same figures)."""
+        if self.replicas > 1:
+            comm.all_reduce_sum(tensor, self.dp_group)
+        return tensor
+
+    def barrier(self) -> None:
+        comm.barrier(None)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``src`` is a replica: its first stage sends."""
+        return comm.broadcast_object(obj, src * self.stages, None)
+
+    # ----- prepare: cut the model, keep this process's stages ---------------------------
+    def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
+        model, optimizer = super().prepare(model, optimizer)
+        children = sequential_children(model)
+        chunks = self.stages * self.virtual_stages
+        if chunks > len(children):
+            names = ", ".join(n for n, _ in children)
+            raise UsageError(f"Expected at least {chunks} top-level children to cut into {chunks} stages. "
+                             f"Received: a model with {len(children)} ({names})")
+        if self.split not in BALANCE:  # names are checked now, on every process alike
+            plan_cuts(children, chunks, self.split)
+        optim = StageOptimizer(optimizer, [], [], self._gather_states)
+        module = PipelineModule(self, children, optim)
+        if self.split != "time":
+            module._cut(plan_cuts(children, chunks, self.split))
+        return module, optim
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    # ----- one training step ------------------------------------------------------------
+    def train_step(self, model: nn.Module, optimizer: Optimizer, x: Any, y: Any,
+                   loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float = 1.0,
+                   update: bool = True, forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+                   before_update: Callable[[], bool] | None = None) -> tuple[Any, torch.Tensor]:
+        """One global batch through the pipeline on every stage (each stage calls this with the
+        same ``x`` and ``y``); see `Strategy.train_step` for the arguments. Returns the output
+        and per-sample losses on every stage (sent from the last)."""
+        module = _pipeline_module(model)
+        runtime = module._ensure_cut(x)
+        n = batch_size(y, x)
+        if n > 0:
+            out, per_sample = runtime.run(x, y, n, loss_fn, loss_scale, forward_fn)
+        else:  # a replica's share of the last global batch can be empty: it still all-reduces
+            out, per_sample = runtime.empty_output(), torch.zeros(0, dtype=torch.float64, device=self.device)
+        if update:
+            self._exchange_gradients(runtime)
+            if not self._agree(before_update):
+                optimizer.zero_grad(set_to_none=True)
+            self.optimizer_step(optimizer)
+        return out, per_sample
+
+    def _exchange_gradients(self, runtime: _Runtime) -> None:
+        if self.replicas <= 1:
+            return
+        params = [p for p in runtime.parameters() if p.requires_grad]
+        if not params:
+            return
+        start = time.perf_counter()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = comm.flatten([p.grad for p in params])
+        self.comm_bytes += flat.numel() * flat.element_size()
+        comm.all_reduce_mean(flat, self.dp_group)
+        comm.unflatten_into(flat, [p.grad for p in params])
+        self.comm_seconds += time.perf_counter() - start
+
+    def _agree(self, before_update: Callable[[], bool] | None) -> bool:
+        """``before_update`` on every stage; the step's gradient is kept only if every stage agrees
+        (a stage that raised makes the others raise too, naming it)."""
+        if before_update is None:
+            return True
+        code, error = 1, None
+        try:
+            code = 1 if before_update() else 0
+        except Exception as exc:  # re-raised below, after the others heard of it
+            code, error = -1, exc
+        if self.stages > 1:
+            flag = torch.tensor([code], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pp_group)
+            if error is None and int(flag) < 0:
+                raise RuntimeError(f"pipeline stage {self.pp_rank}: another stage of the pipeline stopped "
+                                   "the step (see its error)")
+            code = min(code, int(flag))
+        if error is not None:
+            raise error
+        return code > 0
+
+    # ----- checkpoints --------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The whole model's parameters on the first stage of each replica (gathered from the
+        other stages; every stage must call this); the other stages get their own part."""
+        module = _pipeline_module(model)
+        if module.runtime is None:  # not cut yet (split="time" before the first batch)
+            return module.full_state_dict()
+        return module.runtime.gather_state()
+
+    def _gather_states(self, own: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Every stage's optimizer state on the first stage (None elsewhere)."""
+        if self.stages == 1:
+            return [own]
+        if self.pp_rank == 0:
+            return [own] + [recv_object(src, self.pp_group) for src in self.pp_ranks[1:]]
+        send_object(own, self.pp_ranks[0], self.pp_group)
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stages": self.stages, "schedule": self.schedule}
+
+    def metrics(self) -> dict[str, float]:
+        figures = {"bubble_seconds": self.bubble_seconds, "compute_seconds": self.compute_seconds}
+        if self.step_seconds > 0:
+            figures["utilisation"] = self.compute_seconds / self.step_seconds
+        return figures
+
+
+def _pipeline_module(model: nn.Module) -> PipelineModule:
+    if not isinstance(model, PipelineModule):
+        raise UsageError("Expected the model strategy.prepare returned for strategy 'pipeline'. "
+                         f"Received: {type(model).__name__}")
+    return model
+
+
+class PipelineModule(nn.Module):
+    """This process's stages of a model cut into a pipeline.
+
+    Its children are the original model's children that this process runs, under their
+    own names (so ``state_dict()`` keys are the whole model's). Calling it runs the whole
+    pipeline forward: every stage must call it with the same input (evaluation).
+    """
+
+    def __init__(self, strategy: Pipeline, children: list[tuple[str, nn.Module]], optimizer: StageOptimizer) -> None:
+        super().__init__()
+        object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "runtime", None)
+        # until the cut (split="time" waits for a batch) every child stays here
+        for name, child in children:
+            self.add_module(name, child)
+        object.__setattr__(self, "_children_list", list(children))
+
+    def full_state_dict(self) -> dict[str, Any]:
+        return self.state_dict()
+
+    def _cut(self, cuts: list[int]) -> _Runtime:
+        strategy: Pipeline = self.strategy
+        children = self._children_list
+        ranges = chunk_ranges(cuts, len(children))
+        _, _, style = SCHEDULES[strategy.schedule]
+        owner = stage_ranks(len(ranges), strategy.stages, style)
+        owned = [s for s in range(len(ranges)) if owner[s] == strategy.pp_rank]
+        keep_names = {children[i][0] for s in owned for i in ranges[s]}
+        # the whole model's state layout (names, shapes, dtypes, which stage), for gathering it
+        layout = []
+        for s, r in enumerate(ranges):
+            for i in r:
+                name, child = children[i]
+                for key, value in child.state_dict().items():
+                    layout.append((f"{name}.{key}", s, tuple(value.shape), value.dtype))
+        for name, _ in children:
+            if name not in keep_names:
+                delattr(self, name)
+        chunks = {s: nn.Sequential(OrderedDict((children[i][0], children[i][1]) for i in ranges[s]))
+                  for s in owned}
+        keep = {id(p) for c in chunks.values() for p in c.parameters()}
+        kept, total = keep_stage_params(self.optimizer.inner, keep)
+        self.optimizer._kept, self.optimizer._total = kept, total
+        runtime = _Runtime(strategy, chunks, owner, layout, [list(children[i][0] for i in r) for r in ranges])
+        object.__setattr__(self, "runtime", runtime)
+        object.__setattr__(self, "_children_list", None)
+        strategy.runtime = runtime
+        return runtime
+
+    def _ensure_cut(self, x: Any) -> _Runtime:
+        if self.runtime is not None:
+            return self.runtime
+        strategy: Pipeline = self.strategy
+        children = self._children_list
+        chunks = strategy.stages * strategy.virtual_stages
+        cuts = None
+        if strategy.env.rank == 0:  # one process measures; every process cuts alike
+            b = max(1, math.ceil(_rows(x) / strategy.microbatches))
+            with torch.random.fork_rng(devices=[]):
+                cuts = plan_cuts(children, chunks, "time", example=lambda: _first_rows(x, b))
+        cuts = comm.broadcast_object(cuts, 0, None)
+        return self._cut(cuts)
+
+    def forward(self, *args: Any) -> Any:
+        if torch.is_grad_enabled():
+            raise UsageError("Expected strategy.train_step(...) to train a pipeline (or model(x) under "
+                             "torch.no_grad() to evaluate). Received: model(x) with gradients enabled")
+        inputs = args[0] if len(args) == 1 else args
+        return self._ensure_cut(inputs).forward(inputs)
+
+
+def _rows(x: Any) -> int:
+    t = x if isinstance(x, torch.Tensor) else x[0]
+    return int(t.shape[0])
+
+
+def _first_rows(x: Any, b: int) -> Any:
+    return x[:b] if isinstance(x, torch.Tensor) else tuple(t[:b] for t in x)
+
+
+def _pad_rows(x: Any, index: torch.Tensor | None) -> Any:
+    if index is None:
+        return x
+    if isinstance(x, torch.Tensor):
+        return x.index_select(0, index.to(x.device))
+    return tuple(t.index_select(0, index.to(t.device)) for t in x)
+
+
+def _as_args(x: Any) -> tuple[Any, ...]:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    raise UsageError(f"Expected a tensor or a tuple of tensors as the model's inputs for strategy 'pipeline'. "
+                     f"Received: {describe(x)}")
+
+
+class _FirstStage(nn.Module):
+    """The first chunk, called the way the whole model is (``forward_fn(model, inputs)``)."""
+
+    def __init__(self, chunk: nn.Module, runtime: _Runtime) -> None:
+        super().__init__()
+        self.chunk = chunk
+        object.__setattr__(self, "runtime", runtime)
+
+    def forward(self, *args: Any) -> Any:
+        fn = self.runtime.forward_fn
+        inputs = args[0] if len(args) == 1 else args
+        if fn is None:
+            return self.chunk(*args)
+        return fn(self.chunk, inputs)
+
+
+class _Step:
+    """What the last stage's loss needs during one schedule step, and what it collects."""
+
+    def __init__(self, y: Any, n: int, loss_fn: Callable[[Any, Any], torch.Tensor], loss_scale: float) -> None:
+        self.y, self.n, self.loss_fn, self.loss_scale = y, n, loss_fn, loss_scale
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class _Runtime:
+    """The stages this process runs and the schedules that drive them (one per micro-batch size:
+    torch fixes the shapes of what stages exchange at a schedule's first step)."""
+
+    def __init__(self, strategy: Pipeline, chunks: dict[int, nn.Sequential], owner: list[int],
+                 layout: list[tuple[str, int, tuple[int, ...], torch.dtype]], names: list[list[str]]) -> None:
+        self.strategy = strategy
+        self.chunks = chunks
+        self.owned = sorted(chunks)
+        self.owner = owner
+        self.num_chunks = len(owner)
+        self.layout = layout
+        self.names = names  # the children of each chunk, by name
+        self.forward_fn: Callable[[nn.Module, Any], Any] | None = None
+        self.step: _Step | None = None
+        self.schedules: dict[int, Any] = {}
+        self.out_meta: tuple[tuple[int, ...], torch.dtype] | None = None
+        self.first = _FirstStage(chunks[0], self) if 0 in chunks else None
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for s in self.owned for p in self.chunks[s].parameters()]
+
+    def module_of(self, s: int) -> nn.Module:
+        return self.first if s == 0 and self.first is not None else self.chunks[s]
+
+    def pp_global(self, chunk: int) -> int:
+        return self.strategy.pp_ranks[self.owner[chunk]]
+
+    # -- training ------------------------------------------------------------------------
+    def schedule_for(self, b: int) -> Any:
+        if b in self.schedules:
+            return self.schedules[b]
+        strategy = self.strategy
+        cls_name, multi, _ = SCHEDULES[strategy.schedule]
+        cls = getattr(pipelining.schedules, cls_name)
+        stages = [_TimedStage(self.module_of(s), s, self.num_chunks, strategy.device, group=strategy.pp_group,
+                              clock=strategy) for s in self.owned]
+        try:
+            schedule = cls(stages if multi else stages[0], n_microbatches=strategy.microbatches,
+                           loss_fn=self.loss, scale_grads=False)
+        except (ValueError, AssertionError, RuntimeError) as exc:
+            raise UsageError(f"Expected options schedule {strategy.schedule!r} accepts (stages={strategy.stages}, "
+                             f"microbatches={strategy.microbatches}, virtual_stages={strategy.virtual_stages}). "
+                             f"Received: {error_line(exc)}") from None
+        self.schedules[b] = schedule
+        return schedule
+
+    def loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss of one micro-batch: ``index`` holds its rows of the padded batch;
+        rows past the real ``n`` are padding and left out."""
+        start = time.perf_counter()
+        step = self.step
+        assert step is not None
+        first = int(index[0])
+        k = max(0, min(len(index), step.n - first))
+        if k == 0:
+            loss = (output * 0).sum()
+        else:
+            out = output if k == len(index) else output[:k]
+            target = step.y[first:first + k] if isinstance(step.y, torch.Tensor) else _slice(step.y, first, k)
+            per_sample = step.loss_fn(out, target)
+            step.outputs[first] = (out.detach(), per_sample.detach())
+            loss = per_sample.sum() * step.loss_scale
+        self.strategy.compute_seconds += time.perf_counter() - start
+        return loss
+
+    def run(self, x: Any, y: Any, n: int, loss_fn: Callable[[Any, Any], torch.Tensor], loss_scale: float,
+            forward_fn: Callable[[nn.Module, Any], Any] | None) -> tuple[Any, torch.Tensor]:
+        strategy = self.strategy
+        m = strategy.microbatches
+        b = math.ceil(n / m)
+        padded = b * m
+        # pad with copies of real samples (their losses are dropped): every micro-batch the same size
+        pad = None if padded == n else torch.arange(padded) % n
+        self.forward_fn = forward_fn
+        self.step = _Step(y, n, loss_fn, loss_scale)
+        schedule = self.schedule_for(b)
+        kwargs: dict[str, Any] = {}
+        if self.num_chunks - 1 in self.chunks:
+            kwargs["target"] = torch.arange(padded, device=strategy.device)
+            kwargs["losses"] = []
+        args = _as_args(_pad_rows(x, pad)) if 0 in self.chunks else ()
+        compute_before = strategy.compute_seconds
+        start = time.perf_counter()
+        try:
+            schedule.step(*args, return_outputs=False, **kwargs)
+        except UsageError:
+            raise
+        except Exception as exc:
+            raise RuntimeError(self.failure(exc)) from exc
+        wall = time.perf_counter() - start
+        strategy.step_seconds += wall
+        waited = max(0.0, wall - (strategy.compute_seconds - compute_before))
+        strategy.bubble_seconds += waited
+        strategy.comm_seconds += waited
+        step, self.step = self.step, None
+        return self.share_output(step)
+
+    def failure(self, exc: BaseException) -> str:
+        s = self.strategy
+        here = ", ".join(str(c) for c in self.owned)
+        neighbours = sorted({self.owner[c + d] for c in self.owned for d in (-1, 1)
+                             if 0 <= c + d < self.num_chunks and self.owner[c + d] != s.pp_rank})
+        peers = ", ".join(f"stage {r} (rank {s.pp_ranks[r]})" for r in neighbours)
+        return (f"pipeline stage {s.pp_rank} (rank {s.env.rank}, chunks {here}): a step with {peers} failed "
+                f"(a neighbour died or timed out?): {error_line(exc)}")
+
+    def share_output(self, step: _Step) -> tuple[Any, torch.Tensor]:
+        """The last stage's outputs and per-sample losses, in sample order, on every stage."""
+        strategy = self.strategy
+        out = per_sample = None
+        if step.outputs:
+            parts = [step.outputs[k] for k in sorted(step.outputs)]
+            if all(isinstance(o, torch.Tensor) for o, _ in parts):
+                out = torch.cat([o for o, _ in parts])
+            per_sample = torch.cat([p for _, p in parts])
+        last = self.pp_global(self.num_chunks - 1)
+        if strategy.stages > 1:
+            start = time.perf_counter()
+            out = _broadcast_tensor(out, last, strategy.pp_group, strategy.env.rank,
+                                    "the last stage's output (the pipeline needs a model returning one tensor)")
+            per_sample = _broadcast_tensor(per_sample, last, strategy.pp_group, strategy.env.rank, "the losses")
+            strategy.comm_seconds += time.perf_counter() - start
+        elif out is None:
+            raise UsageError("Expected a model returning one tensor for strategy 'pipeline'. Received: "
+                             f"{describe(parts[0][0])}")
+        self.out_meta = (tuple(out.shape[1:]), out.dtype)
+        return out, per_sample
+
+    def empty_output(self) -> torch.Tensor:
+        shape, dtype = self.out_meta or ((), torch.float32)
+        return torch.zeros((0, *shape), dtype=dtype, device=self.strategy.device)
+
+    # -- evaluation --------------------------------------------------------------------
+    def forward(self, inputs: Any) -> Any:
+        """The whole model's output on every stage: chunk after chunk, no micro-batches."""
+        strategy = self.strategy
+        group, me = strategy.pp_group, strategy.env.rank
+        x: Any = None
+        for s in range(self.num_chunks):
+            if self.owner[s] != strategy.pp_rank:
+                continue
+            if s == 0:
+                x = self.module_of(0)(*_as_args(inputs))
+            else:
+                if self.owner[s - 1] != strategy.pp_rank:
+                    x = _recv_tensor(self.pp_global(s - 1), group)
+                x = self.chunks[s](x)
+            if s + 1 < self.num_chunks and self.owner[s + 1] != strategy.pp_rank:
+                if not isinstance(x, torch.Tensor):
+                    raise UsageError(f"Expected one tensor between pipeline stages. Received: {describe(x)} "
+                                     f"after {self.names[s][-1]!r}")
+                _send_tensor(x, self.pp_global(s + 1), group)
+        if strategy.stages == 1:
+            return x
+        last = self.pp_global(self.num_chunks - 1)
+        return _broadcast_tensor(x if me == last else None, last, group, me, "the model's output")
+
+    # -- checkpoints -------------------------------------------------------------------
+    def gather_state(self) -> dict[str, torch.Tensor]:
+        """Every stage's parameters and buffers on this pipeline's first stage, in the whole model's order."""
+        strategy = self.strategy
+        own: dict[str, torch.Tensor] = {}
+        for s in self.owned:
+            own.update(self.chunks[s].state_dict())
+        if strategy.stages == 1:
+            return own
+        first = strategy.pp_ranks[0]
+        state: dict[str, torch.Tensor] = {}
+        for key, s, shape, dtype in self.layout:
+            src = self.pp_global(s)
+            if src == first:
+                if strategy.env.rank == first:
+                    state[key] = own[key]
+            elif strategy.env.rank == src:
+                dist.send(own[key].detach().contiguous(), dst=first, group=strategy.pp_group)
+            elif strategy.env.rank == first:
+                t = torch.empty(shape, dtype=dtype, device=strategy.device)
+                dist.recv(t, src=src, group=strategy.pp_group)
+                state[key] = t
+        return state if strategy.env.rank == first else own
+
+
+def _slice(obj: Any, first: int, k: int) -> Any:
+    return map_tensors(obj, lambda t: t[first:first + k])
+
+
+class _TimedStage(PipelineStage):
+    """A stage that adds the seconds of its forward and backward passes to ``clock.compute_seconds``
+    (the rest of a step is the bubble: waiting for neighbours)."""
+
+    def __init__(self, *args: Any, clock: Pipeline, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.clock = clock
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.clock.compute_seconds += time.perf_counter() - start
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.clock.compute_seconds += time.perf_counter() - start
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return super().backward_weight_one_chunk(*args, **kwargs)
+        finally:
+            self.clock.compute_seconds += time.perf_counter() - start
+
+
+# ----- tensors between stages: a fixed-size header (dtype, rank, shape), then the data -------
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool]
+_MAX_DIMS = 8
+
+
+def _header(t: torch.Tensor | None) -> torch.Tensor:
+    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    if t is None or not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
+        h[0] = -1  # nothing to send: the receivers raise too
+        return h
+    h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
+    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def _empty_from(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+    dims = int(h[1])
+    return torch.empty(tuple(int(v) for v in h[2:2 + dims]), dtype=_DTYPES[int(h[0])], device=device)
+
+
+def _send_tensor(t: torch.Tensor, dst: int, group: Any) -> None:
+    dist.send(_header(t), dst=dst, group=group)
+    dist.send(t.detach().contiguous(), dst=dst, group=group)
+
+
+def _recv_tensor(src: int, group: Any) -> torch.Tensor:
+    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    dist.recv(h, src=src, group=group)
+    t = _empty_from(h, torch.device("cpu"))
+    dist.recv(t, src=src, group=group)
+    return t
+
+
+def _broadcast_tensor(t: Any, src: int, group: Any, me: int, what: str) -> torch.Tensor:
+    h = _header(t if me == src else None) if me == src else torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    dist.broadcast(h, src=src, group=group)
+    if int(h[0]) < 0:
+        raise UsageError(f"Expected {what} to be one tensor. Received: "
+                         f"{describe(t) if me == src else 'something else, on rank ' + str(src)}")
+    if me == src:
+        data = t.detach().contiguous()
+    else:
+        data = _empty_from(h, torch.device("cpu"))
+    dist.broadcast(data, src=src, group=group)
+    return data
+
+
+__all__ = ["SCHEDULES", "Pipeline", "PipelineModule"]
