@@ -36,8 +36,6 @@ class StageOptimizer(Optimizer):
         # fit's warm-up and the user's code change the inner optimizer's rates through them)
         self.inner = inner
         self.defaults = inner.defaults
-        self.param_groups = inner.param_groups
-        self.state = inner.state
         self._kept = kept  # per group: global indices (within the group) of the parameters kept here
         self._total = total  # per group: parameters of the whole model's optimizer
         self._gather = gather
@@ -45,6 +43,23 @@ class StageOptimizer(Optimizer):
                      "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                      "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
             setattr(self, name, OrderedDict())
+
+    # the inner optimizer's, always: its load_state_dict replaces its lists
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.inner.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.inner.state = state
 
     def __repr__(self) -> str:
         return f"StageOptimizer({self.inner!r})"

@@ -162,9 +162,16 @@ class Pipeline(Strategy):
         return self.runtime is not None and self.runtime.num_chunks - 1 in self.runtime.owned
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the replicas (the stages of one replica hold the same figures)."""
+        """Sum over the replicas, as the first stage of each holds it, on every stage.
+
+        The stages of a replica agree on what the loop sums (losses and outputs come from the
+        last stage to all) but not on their own clocks and random states: the first stage's
+        count (it is the one that writes checkpoints and decides when they are due).
+        """
         if self.replicas > 1:
             comm.all_reduce_sum(tensor, self.dp_group)
+        if self.stages > 1:
+            dist.broadcast(tensor, src=self.pp_ranks[0], group=self.pp_group)
         return tensor
 
     def barrier(self) -> None:
@@ -246,8 +253,8 @@ class Pipeline(Strategy):
             flag = torch.tensor([code], dtype=torch.int64)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pp_group)
             if error is None and int(flag) < 0:
-                raise RuntimeError(f"pipeline stage {self.pp_rank}: another stage of the pipeline stopped "
-                                   "the step (see its error)")
+                # worded as an echo ("closed"): the launcher reports the stage that raised, not this one
+                raise RuntimeError(f"pipeline stage {self.pp_rank}: the step was closed by another stage's error")
             code = min(code, int(flag))
         if error is not None:
             raise error
@@ -408,6 +415,8 @@ class _Step:
     def __init__(self, y: Any, n: int, loss_fn: Callable[[Any, Any], torch.Tensor], loss_scale: float) -> None:
         self.y, self.n, self.loss_fn, self.loss_scale = y, n, loss_fn, loss_scale
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: a micro-batch's forward pass has begun (before it, torch infers shapes)
+        self.live = False
 
 
 class _Runtime:
@@ -446,7 +455,7 @@ class _Runtime:
         cls_name, multi, _ = SCHEDULES[strategy.schedule]
         cls = getattr(pipelining.schedules, cls_name)
         stages = [_TimedStage(self.module_of(s), s, self.num_chunks, strategy.device, group=strategy.pp_group,
-                              clock=strategy) for s in self.owned]
+                              clock=strategy, runtime=self) for s in self.owned]
         try:
             schedule = cls(stages if multi else stages[0], n_microbatches=strategy.microbatches,
                            loss_fn=self.loss, scale_grads=False)
@@ -462,7 +471,10 @@ class _Runtime:
         rows past the real ``n`` are padding and left out."""
         start = time.perf_counter()
         step = self.step
-        assert step is not None
+        if step is None or not step.live:
+            # torch's shape inference (a schedule's first step) calls the loss on a forward pass of
+            # its own, before any micro-batch: a loss with the right graph, and nothing recorded
+            return (output * 0).sum()
         first = int(index[0])
         k = max(0, min(len(index), step.n - first))
         if k == 0:
@@ -601,11 +613,14 @@ class _TimedStage(PipelineStage):
     """A stage that adds the seconds of its forward and backward passes to ``clock.compute_seconds``
     (the rest of a step is the bubble: waiting for neighbours)."""
 
-    def __init__(self, *args: Any, clock: Pipeline, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, clock: Pipeline, runtime: _Runtime, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.clock = clock
+        self.runtime = runtime
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        if self.runtime.step is not None:
+            self.runtime.step.live = True
         start = time.perf_counter()
         try:
             return super().forward_one_chunk(*args, **kwargs)
