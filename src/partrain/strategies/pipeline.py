@@ -120,12 +120,21 @@ class Pipeline(Strategy):
         self.step_seconds = 0.0
 
     # ----- topology -------------------------------------------------------------------
-    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
-        super().setup(env, store=store, timeout=timeout)
-        world = env.world_size
+    def extra_processes(self, workers: int) -> int:
+        """None; the launcher asks before it starts anything, so a worker count that does not
+        fit the stages is refused here, in one line, instead of in every worker."""
+        self._check_world(workers)
+        return 0
+
+    def _check_world(self, world: int) -> None:
         if world < self.stages or world % self.stages:
             raise UsageError(f"Expected a number of workers divisible by stages={self.stages} (one process per "
                              f"stage, times the data-parallel replicas). Received: {world} worker(s)")
+
+    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        super().setup(env, store=store, timeout=timeout)
+        world = env.world_size
+        self._check_world(world)
         p = self.stages
         self.replicas = world // p
         self.pp_rank, self.dp_rank = env.rank % p, env.rank // p
