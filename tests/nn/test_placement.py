@@ -2,9 +2,9 @@
 
 The reference is the same model, unplaced, in float64: outputs, gradients and a few SGD
 steps must agree exactly (the same kernels in the same order; only copies between
-devices are added). Without CUDA the "devices" are CPU ones, so the test checks the
-bookkeeping (which child sits where, names, activation moves recorded by hooks) rather
-than a transfer; the device tool's GPU run in the report covered ``cuda:0`` + ``cpu``.
+devices are added). Without CUDA the "devices" are CPU ones, so the tests check the
+bookkeeping (which child sits where, names, the device each chunk's input arrives on)
+rather than a transfer between memories.
 """
 
 from __future__ import annotations
