@@ -56,9 +56,9 @@ def per_sample_ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """40, 30 (not a multiple of 4 micro-batches), 3 (fewer samples than micro-batches), 40."""
+    """40, 38 (not a multiple of 4 micro-batches: padded to 40), 3 (fewer samples than micro-batches)."""
     x, y = digits64()[0].tensors
-    bounds = [0, 40, 70, 73, 113]
+    bounds = [0, 40, 78, 81]
     return [(x[a:b], y[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
@@ -75,10 +75,12 @@ def _by_hand_steps() -> dict[str, torch.Tensor]:
 
 def every_schedule(strategy: Pipeline, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """Each schedule in turn on the job's 2 processes (one Pipeline each on the same process group:
-    a pool job per schedule would cost a process group per schedule), stepping by hand."""
+    a pool job per schedule would cost a process group per schedule), stepping by hand.
+    ``"1f1b/time"`` is 1f1b cut by measured time (rank 0 times the children on the first batch)."""
     states = {}
     for name in names:
-        pipe = Pipeline(schedule=name, microbatches=4)
+        schedule, _, split = name.partition("/")
+        pipe = Pipeline(schedule=schedule, microbatches=4, split=split or "params")
         pipe.setup(strategy.env, timeout=30)
         torch.manual_seed(0)
         model = mlp64()
@@ -91,8 +93,9 @@ def every_schedule(strategy: Pipeline, names: list[str]) -> dict[str, dict[str, 
 
 
 def test_every_schedule_equals_one_process():
-    """Every schedule, 4 steps whose batches of 30 and 3 need padding to 4 micro-batches."""
-    names = list(SCHEDULES)
+    """Every schedule (and a cut by measured time), 3 steps whose batches of 38 and 3 need
+    padding to 4 micro-batches."""
+    names = [*SCHEDULES, "1f1b/time"]
     first, second = launch(every_schedule, names, workers=2, strategy=Pipeline(), threads=1, timeout=60)
     want = _by_hand_steps()
     for name in names:
@@ -130,13 +133,14 @@ def test_fit_equals_a_hand_written_loop_figures_included():
 def test_hybrid_two_replicas_of_two_stages_equal_one_process():
     """4 processes: replicas {0, 1} and {2, 3} each take half of every global batch of 96 and
     all-reduce gradients per stage; the last batch (93) splits 47 + 46, padded differently."""
-    state, history = by_hand()
-    result = run(4, GLOBAL_BATCH // 2, epochs=EPOCHS, stages=2, microbatches=4, split="3")
+    state, history = by_hand(1)
+    result = run(4, GLOBAL_BATCH // 2, epochs=1, stages=2, microbatches=4, split="3")
     assert_history_matches(result.history, history)
     assert_states_close(result.model_state, state)
     n_params = sum(v.numel() for v in state.values())
     # stage 0 of each replica all-reduces its own gradients (layer 1: 64 * 16 + 16 float64) every step
     assert result.final["comm_bytes"] == 2 * 15 * (64 * 16 + 16) * 8 and n_params > 64 * 16 + 16
+    assert result.final["workers"] == 2  # the replicas: data-parallel workers
 
 
 def test_checkpoints_cross_strategies_pipeline_single_pipeline(tmp_path):
@@ -209,6 +213,34 @@ def test_prepare_keeps_this_stage_under_the_models_own_names():
     assert optimizer.local_state_dict()["param_groups"][0]["params"] == [0, 1, 2, 3]
     pipe, model, optimizer = _prepared(schedule="zbvzerobubble")  # rank 0 holds stages 0 and 3
     assert pipe.runtime is not None and pipe.runtime.owned == [0, 3]
+
+
+def test_the_stage_optimizer_numbers_parameters_as_one_process_does():
+    """Two groups (weights, biases) of Adam after a step in one process: the stage on rank 1 keeps
+    exactly its parameters' state under the whole model's numbers, and gives them back so."""
+    torch.manual_seed(0)
+    whole = mlp64()
+    groups = lambda m: [{"params": [p for n, p in m.named_parameters() if n.endswith("weight")]},  # noqa: E731
+                        {"params": [p for n, p in m.named_parameters() if n.endswith("bias")], "lr": 0.5}]
+    adam = torch.optim.Adam(groups(whole), lr=0.1)
+    whole(torch.ones(3, 64, dtype=torch.float64)).sum().backward()
+    adam.step()
+    full = adam.state_dict()  # weights 1, 3, 5, 7 are 0-3; biases 4-7
+    pipe = Pipeline(split="5")
+    pipe.setup(DistEnv(rank=1, world_size=2))  # stage 1: layers 5 and 7
+    torch.manual_seed(0)
+    model = mlp64()
+    model, optimizer = pipe.prepare(model, torch.optim.Adam(groups(model), lr=0.1))
+    optimizer.load_state_dict(full)
+    assert [g["lr"] for g in optimizer.param_groups] == [0.1, 0.5]
+    assert [len(g["params"]) for g in optimizer.param_groups] == [2, 2]
+    local = optimizer.local_state_dict()
+    assert [g["params"] for g in local["param_groups"]] == [[2, 3], [6, 7]]
+    for i in (2, 3, 6, 7):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(local["state"][i][key], full["state"][i][key])
+    with pytest.raises(UsageError, match=r"Expected an optimizer state with 2 groups of \[4, 4\] parameters"):
+        optimizer.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1]}]})
 
 
 @pytest.mark.parametrize("options, line", [
