@@ -85,8 +85,9 @@ class Pipeline(Strategy):
     def __init__(self, stages: int = 2, microbatches: int = 4, schedule: str = "1f1b", split: str = "params",
                  virtual_stages: int = 0) -> None:
         super().__init__()
-        if not isinstance(stages, int) or stages < 1:
-            raise UsageError(f"Expected stages to be a positive integer. Received: stages={stages!r}")
+        if not isinstance(stages, int) or stages < 2:
+            raise UsageError(f"Expected stages to be an integer of at least 2 (one stage is data parallel: "
+                             f"strategy 'allreduce'). Received: stages={stages!r}")
         if not isinstance(microbatches, int) or microbatches < 1:
             raise UsageError(f"Expected microbatches to be a positive integer. Received: microbatches={microbatches!r}")
         key = str(schedule).lower().replace("-", "").replace("_", "")
