@@ -95,7 +95,15 @@ class StageOptimizer(Optimizer):
             groups.append({**group, "params": global_ids})
         return {"state": state, "param_groups": groups}
 
+    @property
+    def is_cut(self) -> bool:
+        """False until the model is cut (``split="time"`` waits for a batch): until then the
+        inner optimizer holds every parameter, numbered as one process numbers them."""
+        return bool(self._total)
+
     def state_dict(self) -> dict[str, Any]:
+        if not self.is_cut:
+            return self.inner.state_dict()
         own = self.local_state_dict()
         parts = self._gather(own)
         if parts is None:
@@ -109,6 +117,9 @@ class StageOptimizer(Optimizer):
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self.is_cut:
+            self.inner.load_state_dict(state_dict)
+            return
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != self._total:
             raise UsageError(f"Expected an optimizer state with {len(self._total)} groups of "
