@@ -104,6 +104,62 @@ def test_every_schedule_equals_one_process():
         assert set(second[name]) < set(want)  # the others hold their part only
 
 
+class ResidualMLP(nn.Module):
+    """Not an nn.Sequential (residual blocks in a ModuleList): cut by torch's tracer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(64, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.embed(x.flatten(1)))
+        for block in self.blocks:
+            h = h + torch.relu(block(h))
+        return self.head(h)
+
+
+def residual64() -> nn.Module:
+    return ResidualMLP().double()
+
+
+def traced(strategy: Pipeline, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """`every_schedule` for the residual model; also checks evaluation (``model(x)``) on every stage."""
+    x_eval = digits64()[1].tensors[0][:5]
+    states = {}
+    for name in names:
+        schedule, _, split = name.partition("/")
+        pipe = Pipeline(schedule=schedule, microbatches=4, split=split or "params")
+        pipe.setup(strategy.env, timeout=30)
+        torch.manual_seed(0)
+        model = residual64()
+        model, optimizer = pipe.prepare(model, sgd(model.parameters()))
+        for x, y in _batches():
+            pipe.train_step(model, optimizer, x, y, per_sample_ce, loss_scale=1 / len(y))
+        with torch.no_grad():
+            states[name] = {"state": pipe.model_state_dict(model), "eval": model(x_eval)}
+    return states
+
+
+def test_a_model_that_is_not_sequential_is_traced_and_equals_one_process():
+    names = ["1f1b/blocks.1", "interleaved1f1b"]
+    first, second = launch(traced, names, workers=2, strategy=Pipeline(), threads=1, timeout=60)
+    torch.manual_seed(0)
+    model = residual64()
+    optimizer = sgd(model.parameters())
+    for x, y in _batches():
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    with torch.no_grad():
+        want = model(digits64()[1].tensors[0][:5])
+    for name in names:
+        assert_states_close(first[name]["state"], model.state_dict())
+        for got in (first, second):  # the output on every stage
+            torch.testing.assert_close(got[name]["eval"], want, atol=1e-12, rtol=0)
+
+
 @functools.cache
 def by_hand(epochs: int = EPOCHS, scheduler: bool = False):
     return train_by_hand(mlp64, digits64, sgd, batch=GLOBAL_BATCH, epochs=epochs,
@@ -257,14 +313,32 @@ def test_bad_options_are_one_line(options, line):
         get_strategy("pipeline", **options)
 
 
+class _Branchy(nn.Module):
+    """Python control flow on a tensor's value: torch.export cannot trace it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) if x.sum() > 0 else self.a(x)
+
+
 def test_bad_models_and_splits_are_one_line():
     with pytest.raises(UsageError, match=r"Expected a number of workers divisible by stages=2 \(.*\). Received: 3 worker"):
         Pipeline().setup(DistEnv(rank=0, world_size=3))
-    with pytest.raises(UsageError, match="Expected an nn.Sequential model for strategy 'pipeline'.*Received: Bilinear"):
-        pipe = Pipeline()
+    pipe = Pipeline()
+    pipe.setup(DistEnv(rank=0, world_size=2))
+    branchy = _Branchy()
+    model, _ = pipe.prepare(branchy, torch.optim.SGD(branchy.parameters(), lr=0.1))
+    with pytest.raises(UsageError, match="Expected a model torch.export can trace, or an nn.Sequential .*"
+                                         "Received: _Branchy, whose tracing failed: "), torch.no_grad():
+        model(torch.ones(8, 4))  # traced at the first batch, before any message
+    with pytest.raises(UsageError, match="Expected split='params' or submodule names for a model that is not an "
+                                         "nn.Sequential. Received: split='time' for _Branchy"):
+        pipe = Pipeline(split="time")
         pipe.setup(DistEnv(rank=0, world_size=2))
-        bilinear = nn.Bilinear(2, 2, 2)
-        pipe.prepare(bilinear, torch.optim.SGD(bilinear.parameters(), lr=0.1))
+        pipe.prepare(branchy, torch.optim.SGD(branchy.parameters(), lr=0.1))
     with pytest.raises(UsageError, match=r"Expected split points among the model's children \['0', '1'"):
         _prepared(split="fc9")
     with pytest.raises(UsageError, match="Expected every pipeline stage to hold parameters. Received: stage 0 "

@@ -62,7 +62,8 @@ from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError, error_line
 from ..train.task import batch_size, describe
 from ._pipeline_optim import StageOptimizer, keep_stage_params, recv_object, send_object
-from ._pipeline_split import BALANCE, chunk_ranges, plan_cuts, sequential_children, stage_ranks
+from ._pipeline_split import chunk_ranges, plan_cuts, sequential_children, stage_ranks
+from ._pipeline_trace import split_points, trace_stages
 from .base import Strategy, register
 
 #: schedule name -> (torch class name, stages per process > 1, placement style)
@@ -181,7 +182,10 @@ class Pipeline(Strategy):
         if self.replicas > 1:
             comm.all_reduce_sum(tensor, self.dp_group)
         if self.stages > 1:
-            dist.broadcast(tensor, src=self.pp_ranks[0], group=self.pp_group)
+            staged = tensor.to(self.device) if self.env.backend == "nccl" else tensor  # NCCL: device tensors
+            dist.broadcast(staged, src=self.pp_ranks[0], group=self.pp_group)
+            if staged is not tensor:
+                tensor.copy_(staged)
         return tensor
 
     def barrier(self) -> None:
@@ -193,17 +197,24 @@ class Pipeline(Strategy):
 
     # ----- prepare: cut the model, keep this process's stages ---------------------------
     def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
+        """This process's stages of ``model`` and an optimizer over their parameters.
+
+        An ``nn.Sequential`` is cut between its children now (``split="time"``: at the first
+        batch); any other model is traced at the first batch, by torch's tracer.
+        """
         model, optimizer = super().prepare(model, optimizer)
+        optim = StageOptimizer(optimizer, [], [], self._gather_states)
+        module = PipelineModule(self, model, optim)
+        if not isinstance(model, nn.Sequential):
+            if self.split == "time":
+                split_points(model, (), 0, self.split)  # the one line, now rather than at the first batch
+            return module, optim
         children = sequential_children(model)
         chunks = self.stages * self.virtual_stages
         if chunks > len(children):
             names = ", ".join(n for n, _ in children)
             raise UsageError(f"Expected at least {chunks} top-level children to cut into {chunks} stages. "
                              f"Received: a model with {len(children)} ({names})")
-        if self.split not in BALANCE:  # names are checked now, on every process alike
-            plan_cuts(children, chunks, self.split)
-        optim = StageOptimizer(optimizer, [], [], self._gather_states)
-        module = PipelineModule(self, children, optim)
         if self.split != "time":
             module._cut(plan_cuts(children, chunks, self.split))
         return module, optim
@@ -260,7 +271,7 @@ class Pipeline(Strategy):
         except Exception as exc:  # re-raised below, after the others heard of it
             code, error = -1, exc
         if self.stages > 1:
-            flag = torch.tensor([code], dtype=torch.int64)
+            flag = torch.tensor([code], dtype=torch.int64, device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pp_group)
             if error is None and int(flag) < 0:
                 # worded as an echo ("closed"): the launcher reports the stage that raised, not this one
@@ -309,29 +320,37 @@ class PipelineModule(nn.Module):
     """This process's stages of a model cut into a pipeline.
 
     Its children are the original model's children that this process runs, under their
-    own names (so ``state_dict()`` keys are the whole model's). Calling it runs the whole
-    pipeline forward: every stage must call it with the same input (evaluation).
+    own names (so ``state_dict()`` keys are the whole model's); for a traced model, the
+    stage modules (``stage0``, ...; their own keys are the whole model's). Calling it runs
+    the whole pipeline forward: every stage must call it with the same input (evaluation).
     """
 
-    def __init__(self, strategy: Pipeline, children: list[tuple[str, nn.Module]], optimizer: StageOptimizer) -> None:
+    def __init__(self, strategy: Pipeline, model: nn.Module, optimizer: StageOptimizer) -> None:
         super().__init__()
         object.__setattr__(self, "strategy", strategy)
         object.__setattr__(self, "optimizer", optimizer)
         object.__setattr__(self, "runtime", None)
-        # until the cut (split="time" waits for a batch) every child stays here
-        for name, child in children:
-            self.add_module(name, child)
-        object.__setattr__(self, "_children_list", list(children))
+        object.__setattr__(self, "traced", not isinstance(model, nn.Sequential))
+        # until the cut (split="time" and traced models wait for a batch) the whole model stays here
+        if self.traced:
+            self.add_module("model", model)
+            object.__setattr__(self, "_children_list", None)
+        else:
+            children = list(model.named_children())
+            for name, child in children:
+                self.add_module(name, child)
+            object.__setattr__(self, "_children_list", children)
 
     def full_state_dict(self) -> dict[str, Any]:
-        return self.state_dict()
+        """The whole model's state before the cut."""
+        return self._modules["model"].state_dict() if self.traced else self.state_dict()
 
     def _cut(self, cuts: list[int]) -> _Runtime:
+        """Cut a Sequential between its children."""
         strategy: Pipeline = self.strategy
         children = self._children_list
         ranges = chunk_ranges(cuts, len(children))
-        _, _, style = SCHEDULES[strategy.schedule]
-        owner = stage_ranks(len(ranges), strategy.stages, style)
+        owner = self._owner(len(ranges))
         owned = [s for s in range(len(ranges)) if owner[s] == strategy.pp_rank]
         keep_names = {children[i][0] for s in owned for i in ranges[s]}
         # the whole model's state layout (names, shapes, dtypes, which stage), for gathering it
@@ -346,18 +365,47 @@ class PipelineModule(nn.Module):
                 delattr(self, name)
         chunks = {s: nn.Sequential(OrderedDict((children[i][0], children[i][1]) for i in ranges[s]))
                   for s in owned}
+        object.__setattr__(self, "_children_list", None)
+        return self._install(chunks, owner, layout, [[children[i][0] for i in r] for r in ranges])
+
+    def _cut_traced(self, x: Any) -> _Runtime:
+        """Trace the model on the first micro-batch of ``x`` and keep this process's stages."""
+        strategy: Pipeline = self.strategy
+        model = self._modules["model"]
+        chunks = strategy.stages * strategy.virtual_stages
+        b = max(1, math.ceil(_rows(x) / strategy.microbatches))
+        args = _as_args(_first_rows(x, b))
+        points = split_points(model, args, chunks, strategy.split)
+        was_training = model.training
+        stages = trace_stages(model, args, points, chunks)
+        owner = self._owner(chunks)
+        layout = [(key, s, tuple(v.shape), v.dtype) for s, stage in enumerate(stages)
+                  for key, v in stage.state_dict().items()]
+        owned = {s: stages[s] for s in range(chunks) if owner[s] == strategy.pp_rank}
+        delattr(self, "model")
+        for s, stage in owned.items():
+            self.add_module(f"stage{s}", stage.train(was_training))
+        return self._install(owned, owner, layout, [[n] for n in ["(input)", *points]])
+
+    def _owner(self, chunks: int) -> list[int]:
+        _, _, style = SCHEDULES[self.strategy.schedule]
+        return stage_ranks(chunks, self.strategy.stages, style)
+
+    def _install(self, chunks: dict[int, nn.Module], owner: list[int],
+                 layout: list[tuple[str, int, tuple[int, ...], torch.dtype]], names: list[list[str]]) -> _Runtime:
         keep = {id(p) for c in chunks.values() for p in c.parameters()}
         kept, total = keep_stage_params(self.optimizer.inner, keep)
         self.optimizer._kept, self.optimizer._total = kept, total
-        runtime = _Runtime(strategy, chunks, owner, layout, [list(children[i][0] for i in r) for r in ranges])
+        runtime = _Runtime(self.strategy, chunks, owner, layout, names)
         object.__setattr__(self, "runtime", runtime)
-        object.__setattr__(self, "_children_list", None)
-        strategy.runtime = runtime
+        self.strategy.runtime = runtime
         return runtime
 
     def _ensure_cut(self, x: Any) -> _Runtime:
         if self.runtime is not None:
             return self.runtime
+        if self.traced:
+            return self._cut_traced(x)
         strategy: Pipeline = self.strategy
         children = self._children_list
         chunks = strategy.stages * strategy.virtual_stages
@@ -552,8 +600,10 @@ class _Runtime:
         if strategy.stages > 1:
             start = time.perf_counter()
             out = _broadcast_tensor(out, last, strategy.pp_group, strategy.env.rank,
-                                    "the last stage's output (the pipeline needs a model returning one tensor)")
-            per_sample = _broadcast_tensor(per_sample, last, strategy.pp_group, strategy.env.rank, "the losses")
+                                    "the last stage's output (the pipeline needs a model returning one tensor)",
+                                    strategy.device)
+            per_sample = _broadcast_tensor(per_sample, last, strategy.pp_group, strategy.env.rank, "the losses",
+                                           strategy.device)
             strategy.comm_seconds += time.perf_counter() - start
         elif out is None:
             raise UsageError("Expected a model returning one tensor for strategy 'pipeline'. Received: "
@@ -578,17 +628,19 @@ class _Runtime:
                 x = self.module_of(0)(*_as_args(inputs))
             else:
                 if self.owner[s - 1] != strategy.pp_rank:
-                    x = _recv_tensor(self.pp_global(s - 1), group)
-                x = self.chunks[s](x)
+                    x = _recv_tensors(self.pp_global(s - 1), group, strategy.device)
+                x = self.chunks[s](*_as_args(x))
             if s + 1 < self.num_chunks and self.owner[s + 1] != strategy.pp_rank:
-                if not isinstance(x, torch.Tensor):
-                    raise UsageError(f"Expected one tensor between pipeline stages. Received: {describe(x)} "
-                                     f"after {self.names[s][-1]!r}")
-                _send_tensor(x, self.pp_global(s + 1), group)
+                try:
+                    sent = _as_args(x)
+                except UsageError:
+                    raise UsageError(f"Expected tensors between pipeline stages. Received: {describe(x)} "
+                                     f"after {self.names[s][-1]!r}") from None
+                _send_tensors(sent, self.pp_global(s + 1), group, strategy.device)
         if strategy.stages == 1:
             return x
         last = self.pp_global(self.num_chunks - 1)
-        return _broadcast_tensor(x if me == last else None, last, group, me, "the model's output")
+        return _broadcast_tensor(x if me == last else None, last, group, me, "the model's output", strategy.device)
 
     # -- checkpoints -------------------------------------------------------------------
     def gather_state(self) -> dict[str, torch.Tensor]:
@@ -673,29 +725,35 @@ def _empty_from(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(tuple(int(v) for v in h[2:2 + dims]), dtype=_DTYPES[int(h[0])], device=device)
 
 
-def _send_tensor(t: torch.Tensor, dst: int, group: Any) -> None:
-    dist.send(_header(t), dst=dst, group=group)
-    dist.send(t.detach().contiguous(), dst=dst, group=group)
+def _send_tensors(tensors: tuple[torch.Tensor, ...], dst: int, group: Any, device: torch.device) -> None:
+    dist.send(torch.tensor([len(tensors)], dtype=torch.int64, device=device), dst=dst, group=group)
+    for t in tensors:
+        dist.send(_header(t).to(device), dst=dst, group=group)
+        dist.send(t.detach().contiguous(), dst=dst, group=group)
 
 
-def _recv_tensor(src: int, group: Any) -> torch.Tensor:
-    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-    dist.recv(h, src=src, group=group)
-    t = _empty_from(h, torch.device("cpu"))
-    dist.recv(t, src=src, group=group)
-    return t
+def _recv_tensors(src: int, group: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(count, src=src, group=group)
+    out = []
+    for _ in range(int(count)):
+        h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+        dist.recv(h, src=src, group=group)
+        t = _empty_from(h.cpu(), device)
+        dist.recv(t, src=src, group=group)
+        out.append(t)
+    return tuple(out)
 
 
-def _broadcast_tensor(t: Any, src: int, group: Any, me: int, what: str) -> torch.Tensor:
-    h = _header(t if me == src else None) if me == src else torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+def _broadcast_tensor(t: Any, src: int, group: Any, me: int, what: str,
+                      device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    h = (_header(t) if me == src else torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)).to(device)
     dist.broadcast(h, src=src, group=group)
+    h = h.cpu()
     if int(h[0]) < 0:
         raise UsageError(f"Expected {what} to be one tensor. Received: "
                          f"{describe(t) if me == src else 'something else, on rank ' + str(src)}")
-    if me == src:
-        data = t.detach().contiguous()
-    else:
-        data = _empty_from(h, torch.device("cpu"))
+    data = t.detach().contiguous() if me == src else _empty_from(h, device)
     dist.broadcast(data, src=src, group=group)
     return data
 
