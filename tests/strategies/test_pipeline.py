@@ -33,6 +33,7 @@ from partrain.launch import launch
 from partrain.models import mlp
 from partrain.strategies import get_strategy, parse_options
 from partrain.strategies._pipeline_split import balance, stage_ranks
+from partrain.strategies._pipeline_trace import culprit
 from partrain.strategies.pipeline import SCHEDULES, Pipeline
 from partrain.train.checkpoint import load_checkpoint, load_model
 from partrain.train.loop import fit
@@ -332,8 +333,13 @@ def test_bad_models_and_splits_are_one_line():
     branchy = _Branchy()
     model, _ = pipe.prepare(branchy, torch.optim.SGD(branchy.parameters(), lr=0.1))
     with pytest.raises(UsageError, match="Expected a model torch.export can trace, or an nn.Sequential .*"
-                                         "Received: _Branchy, whose tracing failed: "), torch.no_grad():
+                                         "Received: _Branchy, whose tracing failed in _Branchy.forward itself: "), torch.no_grad():
         model(torch.ones(8, 4))  # traced at the first batch, before any message
+    # inside a larger model the line names the submodule that does not trace
+    wrapped = nn.Module()
+    wrapped.first, wrapped.inner = nn.Linear(4, 4), branchy
+    wrapped.forward = lambda x: wrapped.inner(wrapped.first(x))
+    assert culprit(wrapped, (torch.ones(2, 4),)) == "submodule 'inner' (_Branchy)"
     with pytest.raises(UsageError, match="Expected split='params' or submodule names for a model that is not an "
                                          "nn.Sequential. Received: split='time' for _Branchy"):
         pipe = Pipeline(split="time")

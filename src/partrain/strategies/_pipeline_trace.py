@@ -72,6 +72,31 @@ def split_points(model: nn.Module, args: Sequence[Any], chunks: int, split: str)
     return points
 
 
+def culprit(model: nn.Module, args: Sequence[Any]) -> str:
+    """Which part of ``model`` torch.export cannot trace: the first top-level submodule (in call
+    order, on the inputs it received) that fails alone, else the model's own forward."""
+    inputs: dict[str, tuple[Any, ...]] = {}
+    handles = []
+    for name, module in model.named_children():
+        def grab(_module: nn.Module, module_args: tuple[Any, ...], name: str = name) -> None:
+            inputs.setdefault(name, module_args)
+        handles.append(module.register_forward_pre_hook(grab))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(*args)
+    except Exception:
+        pass  # the part that ran recorded its inputs
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name, module_args in inputs.items():
+        try:
+            torch.export.export(model.get_submodule(name), tuple(module_args), strict=False)
+        except Exception:
+            return f"submodule {name!r} ({type(model.get_submodule(name)).__name__})"
+    return f"{type(model).__name__}.forward itself"
+
+
 def trace_stages(model: nn.Module, args: Sequence[Any], points: Sequence[str], chunks: int) -> list[nn.Module]:
     """The stage modules of ``model`` cut where ``points`` begin (one line when tracing fails)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
@@ -79,8 +104,9 @@ def trace_stages(model: nn.Module, args: Sequence[Any], points: Sequence[str], c
     try:
         pipe = pipeline(model, mb_args=tuple(args), split_spec={p: SplitPoint.BEGINNING for p in points})
     except Exception as exc:
+        where = culprit(model, args)
         raise UsageError(f"Expected a model torch.export can trace, or an nn.Sequential (cut between its children "
-                         f"without tracing). Received: {type(model).__name__}, whose tracing failed: "
+                         f"without tracing). Received: {type(model).__name__}, whose tracing failed in {where}: "
                          f"{error_line(exc)}") from None
     if pipe.num_stages != chunks:
         raise UsageError(f"Expected split points that cut {type(model).__name__} into {chunks} stages. Received: "
