@@ -1,8 +1,9 @@
 """``pipeline``: model parallel training, the model's layers split over processes.
 
-A model too big for one process is cut between its top-level children into ``stages``
-chunks, one per process; a global batch is cut into ``microbatches`` that flow through the
-stages so that every stage works on some micro-batch most of the time. The schedule (the
+A model too big for one process is cut into ``stages`` chunks, one per process: an
+``nn.Sequential`` between its children, any other model by torch's tracer. A global batch
+is cut into ``microbatches`` that flow through the stages so that every stage works on
+some micro-batch most of the time. The schedule (the
 order of forward and backward passes of the micro-batches on each stage) is
 ``torch.distributed.pipelining``'s, chosen by name: ``gpipe``, ``1f1b``, ``interleaved1f1b``,
 ``loopedbfs``, ``interleavedzerobubble``, ``zbvzerobubble``, ``dualpipev`` (the last five
