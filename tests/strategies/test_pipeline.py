@@ -161,6 +161,32 @@ def test_a_model_that_is_not_sequential_is_traced_and_equals_one_process():
             torch.testing.assert_close(got[name]["eval"], want, atol=1e-12, rtol=0)
 
 
+def clip_job(strategy: Pipeline) -> dict[str, torch.Tensor]:
+    """Every stage sets known gradients and clips with the whole model's norm."""
+    torch.manual_seed(0)
+    model = mlp64()
+    model, _ = strategy.prepare(model, sgd(model.parameters()))
+    for name, p in model.named_parameters():
+        p.grad = torch.full_like(p, float(name[0]))  # layer index: 1, 3, 5, 7
+    norm = strategy.clip_grad_norm_(model.parameters(), 1.0)
+    return {"norm": norm, **{n: p.grad for n, p in model.named_parameters()}}
+
+
+def test_clip_grad_norm_uses_the_whole_models_norm():
+    first, second = launch(clip_job, workers=2, strategy=Pipeline(), threads=1, timeout=60)
+    torch.manual_seed(0)
+    model = mlp64()
+    for name, p in model.named_parameters():
+        p.grad = torch.full_like(p, float(name[0]))
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    for got in (first, second):
+        torch.testing.assert_close(got.pop("norm"), want.to(torch.float64), atol=1e-12, rtol=0)
+    grads = {**first, **second}
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-12, rtol=0)
+
+
 @functools.cache
 def by_hand(epochs: int = EPOCHS, scheduler: bool = False):
     return train_by_hand(mlp64, digits64, sgd, batch=GLOBAL_BATCH, epochs=epochs,

@@ -43,8 +43,11 @@ pipeline's index (``dp``), the data-parallel worker rank (``strategy.rank``).
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import gc
 import math
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -233,6 +236,10 @@ class Pipeline(Strategy):
         and per-sample losses on every stage (sent from the last)."""
         module = _pipeline_module(model)
         runtime = module._ensure_cut(x)
+        if not runtime.trimmed:  # by now the caller dropped the whole model it handed to prepare
+            gc.collect()
+            _give_back_freed_memory()
+            runtime.trimmed = True
         n = batch_size(y, x)
         if n > 0:
             out, per_sample = runtime.run(x, y, n, loss_fn, loss_scale, forward_fn)
@@ -260,6 +267,27 @@ class Pipeline(Strategy):
         comm.all_reduce_mean(flat, self.dp_group)
         comm.unflatten_into(flat, [p.grad for p in params])
         self.comm_seconds += time.perf_counter() - start
+
+    def grad_norm(self, params: Any) -> torch.Tensor:
+        """The whole model's gradient norm (2-norm over every stage's gradients; collective over
+        the pipeline: every stage calls it). For `fit`'s ``clip_grad`` / ``on_nan="skip"``, which
+        today take the norm of the parameters they hold (this stage's): see docs."""
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        local = (torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2 if grads
+                 else torch.zeros((), dtype=torch.float64, device=self.device))
+        total = local.reshape(1).to(self.device)
+        dist.all_reduce(total, group=self.pp_group)
+        return total[0].sqrt()
+
+    def clip_grad_norm_(self, params: Any, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` with the whole model's norm (collective, as `grad_norm`)."""
+        params = list(params)
+        norm = self.grad_norm(params)
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.detach().mul_(scale.to(p.grad.dtype))
+        return norm
 
     def _agree(self, before_update: Callable[[], bool] | None) -> bool:
         """``before_update`` on every stage; the step's gradient is kept only if every stage agrees
@@ -426,6 +454,17 @@ class PipelineModule(nn.Module):
         return self._ensure_cut(inputs).forward(inputs)
 
 
+def _give_back_freed_memory() -> None:
+    """Return the other stages' layers, just freed, to the system (glibc keeps freed heap memory
+    up to a high trim threshold, which partrain's workers set for speed: `tune_allocator`)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
+
+
 def _rows(x: Any) -> int:
     t = x if isinstance(x, torch.Tensor) else x[0]
     return int(t.shape[0])
@@ -496,6 +535,8 @@ class _Runtime:
         self.schedules: dict[int, Any] = {}
         self.out_meta: tuple[tuple[int, ...], torch.dtype] | None = None
         self.first = _FirstStage(chunks[0], self) if 0 in chunks else None
+        #: the other stages' layers were given back to the system (at the first step)
+        self.trimmed = False
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for s in self.owned for p in self.chunks[s].parameters()]
