@@ -287,6 +287,11 @@ def run(args: argparse.Namespace) -> Report:
         report.goal("pipeline.vs_raw_torch", raw.median, ">=", 0.95,
                     "hand-written torch.distributed.pipelining step / partrain's (1f1b, m = 8)")
 
+    if getattr(args, "toy", False):  # the suite's smoke run: two more pairs of fresh processes cost seconds
+        report.goal("pipeline.memory_per_stage", None, "<=", 0.6,
+                    "the largest stage's peak RSS above its start / one process's (not at toy size)")
+        report.note("serving a split model (partrain serve --stages): not built yet, not measured")
+        return report
     report.progress("memory jobs (fresh processes: whole model, then 2 stages)")
     whole = launch(_memory_worker, size, False, workers=2, strategy="allreduce", threads=1, timeout=600)
     stages = launch(_memory_worker, size, True, workers=2, strategy=Pipeline(stages=STAGES, microbatches=8),
