@@ -18,6 +18,7 @@ another order: rounding near 1e-15 here, see `tests.helpers`).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from partrain.cli import main
 from partrain.env import DistEnv
 from partrain.errors import UsageError, WorkerError
 from partrain.launch import launch
@@ -378,6 +380,21 @@ def test_bad_models_and_splits_are_one_line():
         _prepared(split="1")
     with pytest.raises(UsageError, match="Expected at least 6 top-level children with parameters"):
         _prepared(schedule="interleaved1f1b", virtual_stages=3)
+
+
+def test_partrain_train_runs_a_pipeline(tmp_path, capsys):
+    """The issue's command line, unchanged (the default CNN on digits, a few steps)."""
+    code = main(["train", "--quiet", "--strategy", "pipeline", "-o", "stages=2", "-o", "microbatches=8",
+                 "--workers", "2", "--epochs", "1", "--max-steps", "4", "--out", str(tmp_path)])
+    assert code == 0 and "test accuracy" in capsys.readouterr().out
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert rows[-1]["strategy"] == "pipeline" and rows[-1]["step"] == 4
+    assert load_checkpoint(str(tmp_path / "checkpoint.pt"))["config"]["strategy"] == "pipeline"
+    assert main(["train", "--strategy", "pipeline", "-o", "stages=3", "--workers", "2", "--out",
+                 str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "Expected a number of workers divisible by stages=3 (one process per stage, times the data-parallel "
+        "replicas). Received: 2 worker(s)")
 
 
 def test_cli_options_reach_the_constructor():
