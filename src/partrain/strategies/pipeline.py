@@ -603,6 +603,7 @@ class _Runtime:
         if self.num_chunks - 1 in self.chunks:
             kwargs["target"] = torch.arange(padded, device=strategy.device)
             kwargs["losses"] = []
+        _as_args(x)  # on every stage (each has the batch): a bad input fails all of them alike, not one
         args = _as_args(_pad_rows(x, pad)) if 0 in self.chunks else ()
         compute_before = strategy.compute_seconds
         start = time.perf_counter()
