@@ -5,7 +5,10 @@ so after k steps the parameters equal one process's - for every schedule offered
 with batches that do not divide into micro-batches (padded by the strategy, whose
 padding must contribute nothing), under `fit` (figures per epoch included), in the
 hybrid 2 x 2 layout (2 pipeline replicas all-reducing per stage), and across a
-checkpoint written by a pipeline, resumed by ``single`` and resumed again by a pipeline.
+checkpoint written by a pipeline, resumed by ``single`` and resumed again by a pipeline;
+for a model that is not an ``nn.Sequential`` too (cut by torch's tracer). Besides: the
+whole model's gradient norm for clipping, a stage killed mid-step, the command line, and
+bad input as one line.
 
 References are plain PyTorch written here or in `tests.helpers` (`train_by_hand`):
 one process, ``F.cross_entropy(reduction="mean")``, no partrain sampler or strategy.
