@@ -43,11 +43,9 @@ pipeline's index (``dp``), the data-parallel worker rank (``strategy.rank``).
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import gc
 import math
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -56,30 +54,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import pipelining
-from torch.distributed.pipelining import PipelineStage
 from torch.optim import Optimizer
 
 from .. import comm
-from .._tree import map_tensors
 from ..env import DEFAULT_TIMEOUT, DistEnv
-from ..errors import UsageError, error_line
-from ..train.task import batch_size, describe
+from ..errors import UsageError
+from ..train.task import batch_size
 from ._pipeline_optim import StageOptimizer, keep_stage_params, recv_object, send_object
+from ._pipeline_runtime import SCHEDULES, Runtime, as_args, first_rows, give_back_freed_memory, rows
 from ._pipeline_split import chunk_ranges, plan_cuts, sequential_children, stage_ranks
 from ._pipeline_trace import split_points, trace_stages
 from .base import Strategy, register
-
-#: schedule name -> (torch class name, stages per process > 1, placement style)
-SCHEDULES: dict[str, tuple[str, bool, str]] = {
-    "gpipe": ("ScheduleGPipe", False, "loop"),
-    "1f1b": ("Schedule1F1B", False, "loop"),
-    "interleaved1f1b": ("ScheduleInterleaved1F1B", True, "loop"),
-    "loopedbfs": ("ScheduleLoopedBFS", True, "loop"),
-    "interleavedzerobubble": ("ScheduleInterleavedZeroBubble", True, "loop"),
-    "zbvzerobubble": ("ScheduleZBVZeroBubble", True, "v"),
-    "dualpipev": ("ScheduleDualPipeV", True, "v"),
-}
 
 
 @register
@@ -119,7 +104,7 @@ class Pipeline(Strategy):
         self.dp_group: Any = None
         self.pp_ranks: list[int] = [0]  # global ranks of this process's pipeline
         # the split, from prepare (or the first batch, for split="time")
-        self.runtime: _Runtime | None = None
+        self.runtime: Runtime | None = None
         #: seconds stages computed, and waited for neighbours, within schedule steps
         self.compute_seconds = 0.0
         self.bubble_seconds = 0.0
@@ -238,7 +223,7 @@ class Pipeline(Strategy):
         runtime = module._ensure_cut(x)
         if not runtime.trimmed:  # by now the caller dropped the whole model it handed to prepare
             gc.collect()
-            _give_back_freed_memory()
+            give_back_freed_memory()
             runtime.trimmed = True
         n = batch_size(y, x)
         if n > 0:
@@ -252,7 +237,7 @@ class Pipeline(Strategy):
             self.optimizer_step(optimizer)
         return out, per_sample
 
-    def _exchange_gradients(self, runtime: _Runtime) -> None:
+    def _exchange_gradients(self, runtime: Runtime) -> None:
         if self.replicas <= 1:
             return
         params = [p for p in runtime.parameters() if p.requires_grad]
@@ -374,7 +359,7 @@ class PipelineModule(nn.Module):
         """The whole model's state before the cut."""
         return self._modules["model"].state_dict() if self.traced else self.state_dict()
 
-    def _cut(self, cuts: list[int]) -> _Runtime:
+    def _cut(self, cuts: list[int]) -> Runtime:
         """Cut a Sequential between its children."""
         strategy: Pipeline = self.strategy
         children = self._children_list
@@ -397,13 +382,13 @@ class PipelineModule(nn.Module):
         object.__setattr__(self, "_children_list", None)
         return self._install(chunks, owner, layout, [[children[i][0] for i in r] for r in ranges])
 
-    def _cut_traced(self, x: Any) -> _Runtime:
+    def _cut_traced(self, x: Any) -> Runtime:
         """Trace the model on the first micro-batch of ``x`` and keep this process's stages."""
         strategy: Pipeline = self.strategy
         model = self._modules["model"]
         chunks = strategy.stages * strategy.virtual_stages
-        b = max(1, math.ceil(_rows(x) / strategy.microbatches))
-        args = _as_args(_first_rows(x, b))
+        b = max(1, math.ceil(rows(x) / strategy.microbatches))
+        args = as_args(first_rows(x, b))
         points = split_points(model, args, chunks, strategy.split)
         was_training = model.training
         stages = trace_stages(model, args, points, chunks)
@@ -421,16 +406,16 @@ class PipelineModule(nn.Module):
         return stage_ranks(chunks, self.strategy.stages, style)
 
     def _install(self, chunks: dict[int, nn.Module], owner: list[int],
-                 layout: list[tuple[str, int, tuple[int, ...], torch.dtype]], names: list[list[str]]) -> _Runtime:
+                 layout: list[tuple[str, int, tuple[int, ...], torch.dtype]], names: list[list[str]]) -> Runtime:
         keep = {id(p) for c in chunks.values() for p in c.parameters()}
         kept, total = keep_stage_params(self.optimizer.inner, keep)
         self.optimizer._kept, self.optimizer._total = kept, total
-        runtime = _Runtime(self.strategy, chunks, owner, layout, names)
+        runtime = Runtime(self.strategy, chunks, owner, layout, names)
         object.__setattr__(self, "runtime", runtime)
         self.strategy.runtime = runtime
         return runtime
 
-    def _ensure_cut(self, x: Any) -> _Runtime:
+    def _ensure_cut(self, x: Any) -> Runtime:
         if self.runtime is not None:
             return self.runtime
         if self.traced:
@@ -440,9 +425,9 @@ class PipelineModule(nn.Module):
         chunks = strategy.stages * strategy.virtual_stages
         cuts = None
         if strategy.env.rank == 0:  # one process measures; every process cuts alike
-            b = max(1, math.ceil(_rows(x) / strategy.microbatches))
+            b = max(1, math.ceil(rows(x) / strategy.microbatches))
             with torch.random.fork_rng(devices=[]):
-                cuts = plan_cuts(children, chunks, "time", example=lambda: _first_rows(x, b))
+                cuts = plan_cuts(children, chunks, "time", example=lambda: first_rows(x, b))
         cuts = comm.broadcast_object(cuts, 0, None)
         return self._cut(cuts)
 
@@ -452,353 +437,6 @@ class PipelineModule(nn.Module):
                              "torch.no_grad() to evaluate). Received: model(x) with gradients enabled")
         inputs = args[0] if len(args) == 1 else args
         return self._ensure_cut(inputs).forward(inputs)
-
-
-def _give_back_freed_memory() -> None:
-    """Return the other stages' layers, just freed, to the system (glibc keeps freed heap memory
-    up to a high trim threshold, which partrain's workers set for speed: `tune_allocator`)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator decides
-        pass
-
-
-def _rows(x: Any) -> int:
-    t = x if isinstance(x, torch.Tensor) else x[0]
-    return int(t.shape[0])
-
-
-def _first_rows(x: Any, b: int) -> Any:
-    return x[:b] if isinstance(x, torch.Tensor) else tuple(t[:b] for t in x)
-
-
-def _pad_rows(x: Any, index: torch.Tensor | None) -> Any:
-    if index is None:
-        return x
-    if isinstance(x, torch.Tensor):
-        return x.index_select(0, index.to(x.device))
-    return tuple(t.index_select(0, index.to(t.device)) for t in x)
-
-
-def _as_args(x: Any) -> tuple[Any, ...]:
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
-        return tuple(x)
-    raise UsageError(f"Expected a tensor or a tuple of tensors as the model's inputs for strategy 'pipeline'. "
-                     f"Received: {describe(x)}")
-
-
-class _FirstStage(nn.Module):
-    """The first chunk, called the way the whole model is (``forward_fn(model, inputs)``)."""
-
-    def __init__(self, chunk: nn.Module, runtime: _Runtime) -> None:
-        super().__init__()
-        self.chunk = chunk
-        object.__setattr__(self, "runtime", runtime)
-
-    def forward(self, *args: Any) -> Any:
-        fn = self.runtime.forward_fn
-        inputs = args[0] if len(args) == 1 else args
-        if fn is None:
-            return self.chunk(*args)
-        return fn(self.chunk, inputs)
-
-
-class _Step:
-    """What the last stage's loss needs during one schedule step, and what it collects."""
-
-    def __init__(self, y: Any, n: int, loss_fn: Callable[[Any, Any], torch.Tensor], loss_scale: float) -> None:
-        self.y, self.n, self.loss_fn, self.loss_scale = y, n, loss_fn, loss_scale
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        #: a micro-batch's forward pass has begun (before it, torch infers shapes)
-        self.live = False
-
-
-class _Runtime:
-    """The stages this process runs and the schedules that drive them (one per micro-batch size:
-    torch fixes the shapes of what stages exchange at a schedule's first step)."""
-
-    def __init__(self, strategy: Pipeline, chunks: dict[int, nn.Sequential], owner: list[int],
-                 layout: list[tuple[str, int, tuple[int, ...], torch.dtype]], names: list[list[str]]) -> None:
-        self.strategy = strategy
-        self.chunks = chunks
-        self.owned = sorted(chunks)
-        self.owner = owner
-        self.num_chunks = len(owner)
-        self.layout = layout
-        self.names = names  # the children of each chunk, by name
-        self.forward_fn: Callable[[nn.Module, Any], Any] | None = None
-        self.step: _Step | None = None
-        self.schedules: dict[int, Any] = {}
-        self.out_meta: tuple[tuple[int, ...], torch.dtype] | None = None
-        self.first = _FirstStage(chunks[0], self) if 0 in chunks else None
-        #: the other stages' layers were given back to the system (at the first step)
-        self.trimmed = False
-
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for s in self.owned for p in self.chunks[s].parameters()]
-
-    def module_of(self, s: int) -> nn.Module:
-        return self.first if s == 0 and self.first is not None else self.chunks[s]
-
-    def pp_global(self, chunk: int) -> int:
-        return self.strategy.pp_ranks[self.owner[chunk]]
-
-    # -- training ------------------------------------------------------------------------
-    def schedule_for(self, b: int) -> Any:
-        if b in self.schedules:
-            return self.schedules[b]
-        strategy = self.strategy
-        cls_name, multi, _ = SCHEDULES[strategy.schedule]
-        cls = getattr(pipelining.schedules, cls_name)
-        stages = [_TimedStage(self.module_of(s), s, self.num_chunks, strategy.device, group=strategy.pp_group,
-                              clock=strategy, runtime=self) for s in self.owned]
-        try:
-            schedule = cls(stages if multi else stages[0], n_microbatches=strategy.microbatches,
-                           loss_fn=self.loss, scale_grads=False)
-        except (ValueError, AssertionError, RuntimeError) as exc:
-            raise UsageError(f"Expected options schedule {strategy.schedule!r} accepts (stages={strategy.stages}, "
-                             f"microbatches={strategy.microbatches}, virtual_stages={strategy.virtual_stages}). "
-                             f"Received: {error_line(exc)}") from None
-        self.schedules[b] = schedule
-        return schedule
-
-    def loss(self, output: Any, index: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss of one micro-batch: ``index`` holds its rows of the padded batch;
-        rows past the real ``n`` are padding and left out."""
-        start = time.perf_counter()
-        step = self.step
-        if step is None or not step.live:
-            # torch's shape inference (a schedule's first step) calls the loss on a forward pass of
-            # its own, before any micro-batch: a loss with the right graph, and nothing recorded
-            return (output * 0).sum()
-        first = int(index[0])
-        k = max(0, min(len(index), step.n - first))
-        if k == 0:
-            loss = (output * 0).sum()
-        else:
-            out = output if k == len(index) else output[:k]
-            target = step.y[first:first + k] if isinstance(step.y, torch.Tensor) else _slice(step.y, first, k)
-            per_sample = step.loss_fn(out, target)
-            step.outputs[first] = (out.detach(), per_sample.detach())
-            loss = per_sample.sum() * step.loss_scale
-        self.strategy.compute_seconds += time.perf_counter() - start
-        return loss
-
-    def run(self, x: Any, y: Any, n: int, loss_fn: Callable[[Any, Any], torch.Tensor], loss_scale: float,
-            forward_fn: Callable[[nn.Module, Any], Any] | None) -> tuple[Any, torch.Tensor]:
-        strategy = self.strategy
-        m = strategy.microbatches
-        b = math.ceil(n / m)
-        padded = b * m
-        # pad with copies of real samples (their losses are dropped): every micro-batch the same size
-        pad = None if padded == n else torch.arange(padded) % n
-        self.forward_fn = forward_fn
-        self.step = _Step(y, n, loss_fn, loss_scale)
-        schedule = self.schedule_for(b)
-        kwargs: dict[str, Any] = {}
-        if self.num_chunks - 1 in self.chunks:
-            kwargs["target"] = torch.arange(padded, device=strategy.device)
-            kwargs["losses"] = []
-        _as_args(x)  # on every stage (each has the batch): a bad input fails all of them alike, not one
-        args = _as_args(_pad_rows(x, pad)) if 0 in self.chunks else ()
-        compute_before = strategy.compute_seconds
-        start = time.perf_counter()
-        try:
-            schedule.step(*args, return_outputs=False, **kwargs)
-        except UsageError:
-            raise
-        except Exception as exc:
-            raise RuntimeError(self.failure(exc)) from exc
-        wall = time.perf_counter() - start
-        strategy.step_seconds += wall
-        waited = max(0.0, wall - (strategy.compute_seconds - compute_before))
-        strategy.bubble_seconds += waited
-        strategy.comm_seconds += waited
-        step, self.step = self.step, None
-        return self.share_output(step)
-
-    def failure(self, exc: BaseException) -> str:
-        s = self.strategy
-        here = ", ".join(str(c) for c in self.owned)
-        neighbours = sorted({self.owner[c + d] for c in self.owned for d in (-1, 1)
-                             if 0 <= c + d < self.num_chunks and self.owner[c + d] != s.pp_rank})
-        peers = ", ".join(f"stage {r} (rank {s.pp_ranks[r]})" for r in neighbours)
-        return (f"pipeline stage {s.pp_rank} (rank {s.env.rank}, chunks {here}): a step with {peers} failed "
-                f"(a neighbour died or timed out?): {error_line(exc)}")
-
-    def share_output(self, step: _Step) -> tuple[Any, torch.Tensor]:
-        """The last stage's outputs and per-sample losses, in sample order, on every stage."""
-        strategy = self.strategy
-        out = per_sample = None
-        if step.outputs:
-            parts = [step.outputs[k] for k in sorted(step.outputs)]
-            if all(isinstance(o, torch.Tensor) for o, _ in parts):
-                out = torch.cat([o for o, _ in parts])
-            per_sample = torch.cat([p for _, p in parts])
-        last = self.pp_global(self.num_chunks - 1)
-        if strategy.stages > 1:
-            start = time.perf_counter()
-            out = _broadcast_tensor(out, last, strategy.pp_group, strategy.env.rank,
-                                    "the last stage's output (the pipeline needs a model returning one tensor)",
-                                    strategy.device)
-            per_sample = _broadcast_tensor(per_sample, last, strategy.pp_group, strategy.env.rank, "the losses",
-                                           strategy.device)
-            strategy.comm_seconds += time.perf_counter() - start
-        elif out is None:
-            raise UsageError("Expected a model returning one tensor for strategy 'pipeline'. Received: "
-                             f"{describe(parts[0][0])}")
-        self.out_meta = (tuple(out.shape[1:]), out.dtype)
-        return out, per_sample
-
-    def empty_output(self) -> torch.Tensor:
-        shape, dtype = self.out_meta or ((), torch.float32)
-        return torch.zeros((0, *shape), dtype=dtype, device=self.strategy.device)
-
-    # -- evaluation --------------------------------------------------------------------
-    def forward(self, inputs: Any) -> Any:
-        """The whole model's output on every stage: chunk after chunk, no micro-batches."""
-        strategy = self.strategy
-        group, me = strategy.pp_group, strategy.env.rank
-        x: Any = None
-        for s in range(self.num_chunks):
-            if self.owner[s] != strategy.pp_rank:
-                continue
-            if s == 0:
-                x = self.module_of(0)(*_as_args(inputs))
-            else:
-                if self.owner[s - 1] != strategy.pp_rank:
-                    x = _recv_tensors(self.pp_global(s - 1), group, strategy.device)
-                x = self.chunks[s](*_as_args(x))
-            if s + 1 < self.num_chunks and self.owner[s + 1] != strategy.pp_rank:
-                try:
-                    sent = _as_args(x)
-                except UsageError:
-                    raise UsageError(f"Expected tensors between pipeline stages. Received: {describe(x)} "
-                                     f"after {self.names[s][-1]!r}") from None
-                _send_tensors(sent, self.pp_global(s + 1), group, strategy.device)
-        if strategy.stages == 1:
-            return x
-        last = self.pp_global(self.num_chunks - 1)
-        return _broadcast_tensor(x if me == last else None, last, group, me, "the model's output", strategy.device)
-
-    # -- checkpoints -------------------------------------------------------------------
-    def gather_state(self) -> dict[str, torch.Tensor]:
-        """Every stage's parameters and buffers on this pipeline's first stage, in the whole model's order."""
-        strategy = self.strategy
-        own: dict[str, torch.Tensor] = {}
-        for s in self.owned:
-            own.update(self.chunks[s].state_dict())
-        if strategy.stages == 1:
-            return own
-        first = strategy.pp_ranks[0]
-        state: dict[str, torch.Tensor] = {}
-        for key, s, shape, dtype in self.layout:
-            src = self.pp_global(s)
-            if src == first:
-                if strategy.env.rank == first:
-                    state[key] = own[key]
-            elif strategy.env.rank == src:
-                dist.send(own[key].detach().contiguous(), dst=first, group=strategy.pp_group)
-            elif strategy.env.rank == first:
-                t = torch.empty(shape, dtype=dtype, device=strategy.device)
-                dist.recv(t, src=src, group=strategy.pp_group)
-                state[key] = t
-        return state if strategy.env.rank == first else own
-
-
-def _slice(obj: Any, first: int, k: int) -> Any:
-    return map_tensors(obj, lambda t: t[first:first + k])
-
-
-class _TimedStage(PipelineStage):
-    """A stage that adds the seconds of its forward and backward passes to ``clock.compute_seconds``
-    (the rest of a step is the bubble: waiting for neighbours)."""
-
-    def __init__(self, *args: Any, clock: Pipeline, runtime: _Runtime, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.clock = clock
-        self.runtime = runtime
-
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        if self.runtime.step is not None:
-            self.runtime.step.live = True
-        start = time.perf_counter()
-        try:
-            return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.clock.compute_seconds += time.perf_counter() - start
-
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.clock.compute_seconds += time.perf_counter() - start
-
-    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return super().backward_weight_one_chunk(*args, **kwargs)
-        finally:
-            self.clock.compute_seconds += time.perf_counter() - start
-
-
-# ----- tensors between stages: a fixed-size header (dtype, rank, shape), then the data -------
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool]
-_MAX_DIMS = 8
-
-
-def _header(t: torch.Tensor | None) -> torch.Tensor:
-    h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-    if t is None or not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
-        h[0] = -1  # nothing to send: the receivers raise too
-        return h
-    h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
-    h[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return h
-
-
-def _empty_from(h: torch.Tensor, device: torch.device) -> torch.Tensor:
-    dims = int(h[1])
-    return torch.empty(tuple(int(v) for v in h[2:2 + dims]), dtype=_DTYPES[int(h[0])], device=device)
-
-
-def _send_tensors(tensors: tuple[torch.Tensor, ...], dst: int, group: Any, device: torch.device) -> None:
-    dist.send(torch.tensor([len(tensors)], dtype=torch.int64, device=device), dst=dst, group=group)
-    for t in tensors:
-        dist.send(_header(t).to(device), dst=dst, group=group)
-        dist.send(t.detach().contiguous(), dst=dst, group=group)
-
-
-def _recv_tensors(src: int, group: Any, device: torch.device) -> tuple[torch.Tensor, ...]:
-    count = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(count, src=src, group=group)
-    out = []
-    for _ in range(int(count)):
-        h = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
-        dist.recv(h, src=src, group=group)
-        t = _empty_from(h.cpu(), device)
-        dist.recv(t, src=src, group=group)
-        out.append(t)
-    return tuple(out)
-
-
-def _broadcast_tensor(t: Any, src: int, group: Any, me: int, what: str,
-                      device: torch.device = torch.device("cpu")) -> torch.Tensor:
-    h = (_header(t) if me == src else torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)).to(device)
-    dist.broadcast(h, src=src, group=group)
-    h = h.cpu()
-    if int(h[0]) < 0:
-        raise UsageError(f"Expected {what} to be one tensor. Received: "
-                         f"{describe(t) if me == src else 'something else, on rank ' + str(src)}")
-    data = t.detach().contiguous() if me == src else _empty_from(h, device)
-    dist.broadcast(data, src=src, group=group)
-    return data
 
 
 __all__ = ["SCHEDULES", "Pipeline", "PipelineModule"]
