@@ -243,15 +243,34 @@ class Runtime:
 
     # -- evaluation --------------------------------------------------------------------
     def forward(self, inputs: Any) -> Any:
-        """The whole model's output on every stage: chunk after chunk, no micro-batches."""
+        """The whole model's output on every stage (evaluation, no gradients).
+
+        The batch goes through in ``microbatches`` pieces (uneven ones are fine: every message
+        says its shape), each through every chunk in order; a process moves on to the next
+        piece once it sent the last one on, so the stages overlap as in a forward-only GPipe.
+        """
         strategy = self.strategy
-        group, me = strategy.pp_group, strategy.env.rank
+        args = as_args(inputs)
+        pieces = max(1, min(strategy.microbatches, int(args[0].shape[0]) if args[0].dim() else 1))
+        chunks_of = [a.tensor_split(pieces) if a.dim() else [a] * pieces for a in args]
+        outputs = [self.forward_piece(tuple(c[j] for c in chunks_of)) for j in range(pieces)]
+        last = self.pp_global(self.num_chunks - 1)
+        me = strategy.env.rank
+        out = None
+        if me == last:
+            out = torch.cat(outputs) if all(isinstance(o, torch.Tensor) for o in outputs) else outputs[0]
+        return broadcast_tensor(out, last, strategy.pp_group, me, "the model's output", strategy.device)
+
+    def forward_piece(self, args: tuple[Any, ...]) -> Any:
+        """One piece through this process's chunks, receiving and sending between them."""
+        strategy = self.strategy
+        group = strategy.pp_group
         x: Any = None
         for s in range(self.num_chunks):
             if self.owner[s] != strategy.pp_rank:
                 continue
             if s == 0:
-                x = self.module_of(0)(*as_args(inputs))
+                x = self.module_of(0)(*args)
             else:
                 if self.owner[s - 1] != strategy.pp_rank:
                     x = recv_tensors(self.pp_global(s - 1), group, strategy.device)
@@ -263,10 +282,7 @@ class Runtime:
                     raise UsageError(f"Expected tensors between pipeline stages. Received: {describe(x)} "
                                      f"after {self.names[s][-1]!r}") from None
                 send_tensors(sent, self.pp_global(s + 1), group, strategy.device)
-        if strategy.stages == 1:
-            return x
-        last = self.pp_global(self.num_chunks - 1)
-        return broadcast_tensor(x if me == last else None, last, group, me, "the model's output", strategy.device)
+        return x
 
     # -- checkpoints -------------------------------------------------------------------
     def gather_state(self) -> dict[str, torch.Tensor]:

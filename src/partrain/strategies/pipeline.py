@@ -27,7 +27,7 @@ What torch's API leaves to the user, this strategy does:
 - checkpoints gather the whole model to the first stage (an ordinary partrain checkpoint,
   which ``single``, ``allreduce`` and ``partrain serve`` load) and a pipeline resumes from one;
 - ``model(x)`` (evaluation, under ``torch.no_grad()``) runs the pipeline forward on every
-  stage with the same ``x`` and returns the output on every stage;
+  stage with the same ``x``, in micro-batches, and returns the output on every stage;
 - the step-time breakdown: ``comm`` counts the time stages waited for neighbours (the
   *bubble*, also reported alone as ``pipeline_bubble_seconds``) and the gradient all-reduce.
 
