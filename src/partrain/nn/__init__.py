@@ -7,6 +7,8 @@
   `keep_frozen` was attached to (every strategy attaches it);
   `freeze_state_dict` and `load_freeze_state_dict` carry the masks through
   checkpoints; `hold_frozen` keeps them through other changes (averaging).
+- `place`: an ``nn.Sequential``'s layers spread over devices of one process
+  (``cuda:0``, ``cuda:1``), activations moved between them.
 """
 
 from .freeze import (
@@ -20,10 +22,12 @@ from .freeze import (
     load_freeze_state_dict,
     unfreeze,
 )
+from .placement import PlacedSequential, place
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
     "FrozenGuard",
+    "PlacedSequential",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "freeze",
@@ -33,5 +37,6 @@ __all__ = [
     "idx",
     "keep_frozen",
     "load_freeze_state_dict",
+    "place",
     "unfreeze",
 ]

@@ -17,6 +17,7 @@ _CLASSES = {
     "ParameterServer": "parameter_server",
     "Hogwild": "hogwild",
     "LocalSGD": "local_sgd",
+    "Pipeline": "pipeline",
 }
 
 __all__ = ["Strategy", "available", "get_strategy", "parse_options", "register", *_CLASSES]

@@ -1,0 +1,314 @@
+"""Pipeline (model parallel) training vs one process and vs data parallel, and memory per stage.
+
+One 2-process job trains the same model - ``layers`` blocks of ``Linear(width, width) + ReLU``
+and a 10-way head - on the same global batch under every variant, in alternating rounds:
+
+- ``single``: the whole model in one process (rank 0; rank 1 waits), 1 thread;
+- ``allreduce``: 2 workers with half the batch each (DistributedDataParallel);
+- ``pipeline``: 2 stages (cut by parameter count), each schedule at m = 8 micro-batches,
+  ``gpipe`` and ``1f1b`` at every m in {1, 2, 4, 8, 16};
+- ``raw torch``: a hand-written ``torch.distributed.pipelining`` script (``PipelineStage``,
+  ``Schedule1F1B``, a mean loss, SGD) on the same cut at m = 8: what partrain's step costs on top.
+
+A round's figure of a variant is the slower rank's mean step time (a pipeline step and an
+all-reduce step finish together); tables show medians over rounds with their min-max spread.
+*Utilisation* is the share of a pipeline step each stage spends computing (forward,
+backward, loss; the rest is the bubble and messages), averaged over the stages, against the
+ideal ``m / (m + p - 1)`` of a pipeline of p stages.
+
+Memory: two more jobs in fresh processes (peak RSS is a process's lifetime high) train a
+larger model of the same shape with Adam: every process holding the whole model, and a
+2-stage pipeline. The figure is each process's peak RSS above its RSS before the model
+was built (the interpreter and torch are the same in both), and the raw peak.
+
+Goals: ``pipeline.utilisation_vs_ideal`` (1f1b at m = 8) >= 0.9; ``pipeline.memory_per_stage``
+(a stage's peak / one process's) <= 0.6; ``pipeline.vs_raw_torch`` (raw step time / partrain's)
+>= 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import resource
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import UsageError
+from ..launch import launch
+from ..strategies.allreduce import AllReduce
+from ..strategies.pipeline import Pipeline
+from .harness import GOALS, Report, Spread, alternate, paired_ratio, pick_size, positive_int
+
+#: the goal names of issue 12; they belong in harness.GOALS (the table of every benchmark's
+#: goals), where `run` puts them until they are written there
+PIPELINE_GOALS = ("pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch")
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
+                  "dualpipev")
+MICROBATCHES = (1, 2, 4, 8, 16)
+STAGES = 2
+
+
+@dataclass(frozen=True)
+class Size:
+    width: int
+    layers: int
+    batch: int  # global batch
+    steps: int  # timed steps per round
+    rounds: int
+    memory_width: int  # the memory jobs' model
+    sweep: tuple[int, ...]  # micro-batch counts for gpipe and 1f1b
+    schedules: tuple[str, ...]
+
+
+FULL = Size(width=1024, layers=8, batch=128, steps=4, rounds=5, memory_width=2048, sweep=MICROBATCHES,
+            schedules=SCHEDULE_NAMES)
+QUICK = Size(width=512, layers=8, batch=64, steps=2, rounds=2, memory_width=1024, sweep=(1, 8),
+             schedules=SCHEDULE_NAMES)
+TOY = Size(width=32, layers=8, batch=16, steps=1, rounds=1, memory_width=64, sweep=(8,), schedules=("1f1b",))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--width", type=positive_int, default=None, help="features of every layer (default 1024)")
+    parser.add_argument("--layers", type=positive_int, default=None, help="Linear+ReLU blocks (default 8)")
+    parser.add_argument("--batch", type=positive_int, default=None, help="global batch (default 128)")
+    parser.add_argument("--steps", type=positive_int, default=None, help="timed steps per round (default 4)")
+    parser.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 5)")
+
+
+def block_model(width: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(width, 10))
+
+
+def per_sample_ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="none")
+
+
+# ----- the throughput job ---------------------------------------------------------------------
+class _PipelineVariant:
+    def __init__(self, env: Any, model_fn: Any, schedule: str, m: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.pipe = Pipeline(stages=STAGES, microbatches=m, schedule=schedule)
+        self.pipe.setup(env, timeout=300)
+        model = model_fn()
+        self.model, self.opt = self.pipe.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-4))
+        self.x, self.y = x, y
+
+    def step(self) -> None:
+        self.pipe.train_step(self.model, self.opt, self.x, self.y, per_sample_ce, loss_scale=1 / len(self.y))
+
+    def figures(self) -> tuple[float, float]:
+        return self.pipe.compute_seconds, self.pipe.step_seconds
+
+
+class _RawVariant:
+    """torch.distributed.pipelining by hand: the same cut, 1F1B, a mean loss per micro-batch."""
+
+    def __init__(self, env: Any, model_fn: Any, m: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        from ..strategies._pipeline_split import chunk_ranges, plan_cuts, sequential_children
+
+        children = sequential_children(model_fn())
+        cuts = plan_cuts(children, STAGES, "params")
+        mine = chunk_ranges(cuts, len(children))[env.rank]
+        self.chunk = nn.Sequential(*(children[i][1] for i in mine))
+        stage = PipelineStage(self.chunk, env.rank, STAGES, torch.device("cpu"))
+        self.schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=F.cross_entropy)
+        self.opt = torch.optim.SGD(self.chunk.parameters(), lr=1e-4)
+        self.rank, self.x, self.y = env.rank, x, y
+
+    def step(self) -> None:
+        if self.rank == 0:
+            self.schedule.step(self.x)
+        else:
+            self.schedule.step(target=self.y)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+class _WholeVariant:
+    """One process (rank 0) on the whole batch, or DDP with half the batch on each rank."""
+
+    def __init__(self, env: Any, model_fn: Any, x: torch.Tensor, y: torch.Tensor, ddp: bool) -> None:
+        model = model_fn()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        self.active = ddp or env.rank == 0
+        if ddp:
+            strategy = AllReduce()
+            strategy.setup(env, timeout=300)
+            model, opt = strategy.prepare(model, opt)
+            half = len(y) // 2
+            x, y = x[env.rank * half:(env.rank + 1) * half], y[env.rank * half:(env.rank + 1) * half]
+        self.model, self.opt, self.x, self.y = model, opt, x, y
+
+    def step(self) -> None:
+        if not self.active:
+            return
+        F.cross_entropy(self.model(self.x), self.y).backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def _throughput_worker(strategy: Any, size: Size) -> dict[str, Any]:
+    env = strategy.env
+    model_fn = functools.partial(block_model, size.width, size.layers)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(size.batch, size.width, generator=g)
+    y = torch.randint(0, 10, (size.batch,), generator=g)
+    variants: dict[str, Any] = {"single": _WholeVariant(env, model_fn, x, y, ddp=False),
+                                "allreduce": _WholeVariant(env, model_fn, x, y, ddp=True)}
+    unavailable: dict[str, str] = {}
+    wanted = [(s, 8) for s in size.schedules] + [(s, m) for s in ("gpipe", "1f1b") for m in size.sweep if m != 8]
+    for schedule, m in wanted:
+        name = f"{schedule} m={m}"
+        try:
+            variant = _PipelineVariant(env, model_fn, schedule, m, x, y)
+            variant.step()  # warm-up: torch infers the shapes stages exchange at the first step
+        except UsageError as exc:  # the same on both ranks: a schedule that refuses these options
+            unavailable[name] = str(exc)
+            continue
+        variants[name] = variant
+    variants["raw torch 1f1b m=8"] = _RawVariant(env, model_fn, 8, x, y)
+    for variant in variants.values():
+        variant.step()
+
+    def timed(variant: Any) -> tuple[float, float]:
+        dist.barrier()  # every rank starts the variant together: its messages pair up
+        before = variant.figures() if isinstance(variant, _PipelineVariant) else (0.0, 0.0)
+        start = time.perf_counter()
+        for _ in range(size.steps):
+            variant.step()
+        seconds = (time.perf_counter() - start) / size.steps
+        after = variant.figures() if isinstance(variant, _PipelineVariant) else (0.0, 0.0)
+        step = after[1] - before[1]
+        return seconds, (after[0] - before[0]) / step if step > 0 else float("nan")
+
+    results = alternate({name: functools.partial(timed, v) for name, v in variants.items()}, size.rounds)
+    return {"results": results, "unavailable": unavailable}
+
+
+# ----- the memory jobs -------------------------------------------------------------------------
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+
+
+def _memory_worker(strategy: Any, size: Size, pipeline: bool) -> tuple[float, float]:
+    """(peak RSS above the RSS before the model, raw peak RSS), in MiB, after 3 Adam steps."""
+    x = torch.randn(size.batch, size.memory_width)
+    y = torch.randint(0, 10, (size.batch,))
+    before = _rss_mb()
+    model = block_model(size.memory_width, size.layers)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    if pipeline:
+        model, optimizer = strategy.prepare(model, optimizer)
+    for _ in range(3):
+        if pipeline:
+            strategy.train_step(model, optimizer, x, y, per_sample_ce, loss_scale=1 / len(y))
+        else:
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return _peak_mb() - before, _peak_mb()
+
+
+# ----- the report --------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> Report:
+    preset, smoke = pick_size(args, FULL, QUICK, TOY)
+    size = Size(width=args.width or preset.width, layers=args.layers or preset.layers,
+                batch=args.batch or preset.batch, steps=args.steps or preset.steps,
+                rounds=args.rounds or preset.rounds, memory_width=preset.memory_width, sweep=preset.sweep,
+                schedules=preset.schedules)
+    if size.batch % 32 and not smoke:
+        raise UsageError(f"Expected --batch divisible by 32 (16 micro-batches of an even size). "
+                         f"Received: {size.batch}")
+    GOALS.setdefault("pipeline", PIPELINE_GOALS)
+    report = Report("pipeline", smoke=smoke)
+    report.say(f"partrain bench pipeline: {size.layers} x Linear({size.width}, {size.width}) + ReLU + head, "
+               f"global batch {size.batch}, {STAGES} processes x 1 thread, CPU, {size.rounds} alternating "
+               f"rounds x {size.steps} steps")
+    report.progress("throughput job (every variant in turns)")
+    out = launch(_throughput_worker, size, workers=2, strategy=Pipeline(stages=STAGES), threads=1, timeout=600)
+    per_rank = [o["results"] for o in out]
+    unavailable = out[0]["unavailable"]
+
+    def seconds(name: str) -> list[float]:
+        if name == "single":
+            return [t for t, _ in per_rank[0][name]]  # rank 1 only waits
+        return [max(a[0], b[0]) for a, b in zip(per_rank[0][name], per_rank[1][name])]
+
+    def utilisation(name: str) -> Spread:
+        return Spread.of([(a[1] + b[1]) / 2 for a, b in zip(per_rank[0][name], per_rank[1][name])])
+
+    single, ddp = seconds("single"), seconds("allreduce")
+    rows = []
+    for name in [*per_rank[0], *unavailable]:
+        if name in unavailable:
+            rows.append([name, "n/a", "-", "-", "-", "-"])
+            continue
+        t = seconds(name)
+        sps = Spread.of([size.batch / v for v in t])
+        report.figure(f"samples_per_s[{name}]", sps)
+        vs_single = paired_ratio(single, t)
+        vs_ddp = paired_ratio(ddp, t)
+        util, ideal = "-", "-"
+        if name.split()[0] in SCHEDULE_NAMES:
+            m = int(name.split("m=")[1])
+            u = utilisation(name)
+            report.figure(f"utilisation[{name}]", u)
+            util, ideal = u.cell(), f"{m / (m + STAGES - 1):.2f}"
+        rows.append([name, sps.cell(), vs_single.cell(), vs_ddp.cell(), util, ideal])
+    report.table(["variant", "samples/s", "x single", "x allreduce", "utilisation", "ideal m/(m+p-1)"], rows,
+                 title="training step (forward + backward + SGD step), samples/s median (min-max)")
+    for name, why in unavailable.items():
+        report.note(f"{name}: {why}")
+
+    if "1f1b m=8" in per_rank[0]:
+        u = utilisation("1f1b m=8")
+        ratio = Spread.of([v / (8 / (8 + STAGES - 1)) for v in u.values])
+        report.figure("utilisation_vs_ideal", ratio)
+        report.goal("pipeline.utilisation_vs_ideal", ratio.median, ">=", 0.9,
+                    "1f1b, m = 8: measured utilisation / ideal m/(m+p-1)")
+        raw = paired_ratio(seconds("raw torch 1f1b m=8"), seconds("1f1b m=8"))
+        report.figure("vs_raw_torch", raw)
+        report.goal("pipeline.vs_raw_torch", raw.median, ">=", 0.95,
+                    "hand-written torch.distributed.pipelining step / partrain's (1f1b, m = 8)")
+
+    if getattr(args, "toy", False):  # the suite's smoke run: two more pairs of fresh processes cost seconds
+        report.goal("pipeline.memory_per_stage", None, "<=", 0.6,
+                    "the largest stage's peak RSS above its start / one process's (not at toy size)")
+        report.note("serving a split model (partrain serve --stages): not built yet, not measured")
+        return report
+    report.progress("memory jobs (fresh processes: whole model, then 2 stages)")
+    whole = launch(_memory_worker, size, False, workers=2, strategy="allreduce", threads=1, timeout=600)
+    stages = launch(_memory_worker, size, True, workers=2, strategy=Pipeline(stages=STAGES, microbatches=8),
+                    threads=1, timeout=600)
+    whole_net, whole_raw = max(w[0] for w in whole), max(w[1] for w in whole)
+    stage_net, stage_raw = max(s[0] for s in stages), max(s[1] for s in stages)
+    mem_rows = [["whole model, one process", f"{whole_net:.0f}", f"{whole_raw:.0f}", "1.00"]]
+    for i, (net, raw_peak) in enumerate(stages):
+        mem_rows.append([f"pipeline stage {i}", f"{net:.0f}", f"{raw_peak:.0f}", f"{net / whole_net:.2f}"])
+    report.table(["process", "peak MiB above start", "peak RSS MiB", "x one process"], mem_rows,
+                 title=f"memory: {size.layers} x Linear({size.memory_width}) + Adam, 3 steps, batch {size.batch}")
+    for name, value in (("memory_whole_mb", whole_net), ("memory_stage_mb", stage_net),
+                        ("memory_whole_raw_mb", whole_raw), ("memory_stage_raw_mb", stage_raw)):
+        report.figure(name, value)
+    report.goal("pipeline.memory_per_stage", stage_net / whole_net, "<=", 0.6,
+                "the largest stage's peak RSS above its start / one process's")
+    report.note("serving a split model (partrain serve --stages): not built yet, not measured")
+    return report

@@ -1,0 +1,442 @@
+"""``pipeline``: model parallel training, the model's layers split over processes.
+
+A model too big for one process is cut into ``stages`` chunks, one per process: an
+``nn.Sequential`` between its children, any other model by torch's tracer. A global batch
+is cut into ``microbatches`` that flow through the stages so that every stage works on
+some micro-batch most of the time. The schedule (the
+order of forward and backward passes of the micro-batches on each stage) is
+``torch.distributed.pipelining``'s, chosen by name: ``gpipe``, ``1f1b``, ``interleaved1f1b``,
+``loopedbfs``, ``interleavedzerobubble``, ``zbvzerobubble``, ``dualpipev`` (the last five
+run ``virtual_stages`` chunks per process, 2 by default).
+
+With more processes than stages the job is *hybrid*: ``workers / stages`` pipeline replicas
+(the ``dp`` axis) each train on their share of the data, and every stage all-reduces its
+gradients with the same stage of the other replicas (the ``pp`` axis runs one pipeline).
+Global rank ``r`` is stage ``r % stages`` of replica ``r // stages``.
+
+What torch's API leaves to the user, this strategy does:
+
+- a batch that does not divide into micro-batches (the last of an epoch) is padded with
+  copies of its own samples, whose losses are left out: the gradient is exactly that of
+  the real samples;
+- the loss is computed on the last stage, per sample, and normalised by the global batch
+  as under every other strategy (`partrain.train.task`), so k steps equal one process
+  (``single``) on the same global batches;
+- the optimizer of each stage steps that stage's parameters and behaves as one optimizer
+  (`StageOptimizer`: one state dict in the whole model's numbering, LR schedulers);
+- checkpoints gather the whole model to the first stage (an ordinary partrain checkpoint,
+  which ``single``, ``allreduce`` and ``partrain serve`` load) and a pipeline resumes from one;
+- ``model(x)`` (evaluation, under ``torch.no_grad()``) runs the pipeline forward on every
+  stage with the same ``x``, in micro-batches, and returns the output on every stage;
+- the step-time breakdown: ``comm`` counts the time stages waited for neighbours (the
+  *bubble*, also reported alone as ``pipeline_bubble_seconds``) and the gradient all-reduce.
+
+A training step is one call on every stage with the same batch (the first stage reads
+the inputs, the last the targets)::
+
+    out, losses = strategy.train_step(model, optimizer, x, y, loss_fn)  # loss_fn: per sample
+
+Vocabulary: a *stage* is one chunk of the model (``stages * virtual_stages`` of them); a
+*pipeline rank* is a process's index within its pipeline (``pp``), a *replica* its
+pipeline's index (``dp``), the data-parallel worker rank (``strategy.rank``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from .. import comm
+from ..env import DEFAULT_TIMEOUT, DistEnv
+from ..errors import UsageError
+from ..train.task import batch_size
+from ._pipeline_optim import StageOptimizer, keep_stage_params, recv_object, send_object
+from ._pipeline_runtime import SCHEDULES, Runtime, as_args, first_rows, give_back_freed_memory, rows
+from ._pipeline_split import chunk_ranges, plan_cuts, sequential_children, stage_ranks
+from ._pipeline_trace import split_points, trace_stages
+from .base import Strategy, register
+
+
+@register
+class Pipeline(Strategy):
+    name = "pipeline"
+    checkpoints_within_epoch = True
+
+    def __init__(self, stages: int = 2, microbatches: int = 4, schedule: str = "1f1b", split: str = "params",
+                 virtual_stages: int = 0) -> None:
+        super().__init__()
+        if not isinstance(stages, int) or stages < 2:
+            raise UsageError(f"Expected stages to be an integer of at least 2 (one stage is data parallel: "
+                             f"strategy 'allreduce'). Received: stages={stages!r}")
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise UsageError(f"Expected microbatches to be a positive integer. Received: microbatches={microbatches!r}")
+        key = str(schedule).lower().replace("-", "").replace("_", "")
+        if key not in SCHEDULES:
+            raise UsageError(f"Expected a schedule among {list(SCHEDULES)}. Received: {schedule!r}")
+        _, multi, style = SCHEDULES[key]
+        if virtual_stages == 0:
+            virtual_stages = 2 if multi else 1
+        if not multi and virtual_stages != 1:
+            raise UsageError(f"Expected virtual_stages=1 for schedule {key!r} (one stage per process). "
+                             f"Received: virtual_stages={virtual_stages}")
+        if multi and (virtual_stages < 2 or (style == "v" and virtual_stages != 2)):
+            want = "2" if style == "v" else "at least 2"
+            raise UsageError(f"Expected virtual_stages={want} for schedule {key!r}. "
+                             f"Received: virtual_stages={virtual_stages}")
+        self.stages = stages
+        self.microbatches = microbatches
+        self.schedule = key
+        self.split = str(split)
+        self.virtual_stages = virtual_stages
+        # topology, from setup
+        self.pp_rank, self.dp_rank, self.replicas = 0, 0, 1
+        self.pp_group: Any = None
+        self.dp_group: Any = None
+        self.pp_ranks: list[int] = [0]  # global ranks of this process's pipeline
+        # the split, from prepare (or the first batch, for split="time")
+        self.runtime: Runtime | None = None
+        #: seconds stages computed, and waited for neighbours, within schedule steps
+        self.compute_seconds = 0.0
+        self.bubble_seconds = 0.0
+        self.step_seconds = 0.0
+
+    # ----- topology -------------------------------------------------------------------
+    def extra_processes(self, workers: int) -> int:
+        """None; the launcher asks before it starts anything, so a worker count that does not
+        fit the stages is refused here, in one line, instead of in every worker."""
+        self._check_world(workers)
+        return 0
+
+    def _check_world(self, world: int) -> None:
+        if world < self.stages or world % self.stages:
+            raise UsageError(f"Expected a number of workers divisible by stages={self.stages} (one process per "
+                             f"stage, times the data-parallel replicas). Received: {world} worker(s)")
+
+    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        super().setup(env, store=store, timeout=timeout)
+        world = env.world_size
+        self._check_world(world)
+        p = self.stages
+        self.replicas = world // p
+        self.pp_rank, self.dp_rank = env.rank % p, env.rank // p
+        self.pp_ranks = [self.dp_rank * p + i for i in range(p)]
+        if self.replicas > 1:
+            wait = datetime.timedelta(seconds=timeout)
+            self.pp_group, _ = dist.new_subgroups_by_enumeration(
+                [[d * p + i for i in range(p)] for d in range(self.replicas)], timeout=wait)
+            self.dp_group, _ = dist.new_subgroups_by_enumeration(
+                [[d * p + i for d in range(self.replicas)] for i in range(p)], timeout=wait)
+        else:
+            self.pp_group = None  # the default group: every process is one pipeline
+
+    @property
+    def num_workers(self) -> int:
+        """Data-parallel workers: the pipeline replicas (every stage of a replica sees the same batches)."""
+        return self.replicas
+
+    @property
+    def rank(self) -> int:
+        """This process's replica: what data sharding and the loop's seeds use."""
+        return self.dp_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def first_stage(self) -> bool:
+        return self.runtime is not None and 0 in self.runtime.owned
+
+    @property
+    def last_stage(self) -> bool:
+        return self.runtime is not None and self.runtime.num_chunks - 1 in self.runtime.owned
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the replicas, as the first stage of each holds it, on every stage.
+
+        The stages of a replica agree on what the loop sums (losses and outputs come from the
+        last stage to all) but not on their own clocks and random states: the first stage's
+        count (it is the one that writes checkpoints and decides when they are due).
+        """
+        if self.replicas > 1:
+            comm.all_reduce_sum(tensor, self.dp_group)
+        if self.stages > 1:
+            staged = tensor.to(self.device) if self.env.backend == "nccl" else tensor  # NCCL: device tensors
+            dist.broadcast(staged, src=self.pp_ranks[0], group=self.pp_group)
+            if staged is not tensor:
+                tensor.copy_(staged)
+        return tensor
+
+    def barrier(self) -> None:
+        comm.barrier(None)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """``src`` is a replica: its first stage sends."""
+        return comm.broadcast_object(obj, src * self.stages, None)
+
+    # ----- prepare: cut the model, keep this process's stages ---------------------------
+    def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
+        """This process's stages of ``model`` and an optimizer over their parameters.
+
+        An ``nn.Sequential`` is cut between its children now (``split="time"``: at the first
+        batch); any other model is traced at the first batch, by torch's tracer.
+        """
+        model, optimizer = super().prepare(model, optimizer)
+        optim = StageOptimizer(optimizer, [], [], self._gather_states)
+        module = PipelineModule(self, model, optim)
+        if not isinstance(model, nn.Sequential):
+            if self.split == "time":
+                split_points(model, (), 0, self.split)  # the one line, now rather than at the first batch
+            return module, optim
+        children = sequential_children(model)
+        chunks = self.stages * self.virtual_stages
+        if chunks > len(children):
+            names = ", ".join(n for n, _ in children)
+            raise UsageError(f"Expected at least {chunks} top-level children to cut into {chunks} stages. "
+                             f"Received: a model with {len(children)} ({names})")
+        if self.split != "time":
+            module._cut(plan_cuts(children, chunks, self.split))
+        return module, optim
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    # ----- one training step ------------------------------------------------------------
+    def train_step(self, model: nn.Module, optimizer: Optimizer, x: Any, y: Any,
+                   loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float = 1.0,
+                   update: bool = True, forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+                   before_update: Callable[[], bool] | None = None) -> tuple[Any, torch.Tensor]:
+        """One global batch through the pipeline on every stage (each stage calls this with the
+        same ``x`` and ``y``); see `Strategy.train_step` for the arguments. Returns the output
+        and per-sample losses on every stage (sent from the last)."""
+        module = _pipeline_module(model)
+        runtime = module._ensure_cut(x)
+        if not runtime.trimmed:  # by now the caller dropped the whole model it handed to prepare
+            gc.collect()
+            give_back_freed_memory()
+            runtime.trimmed = True
+        n = batch_size(y, x)
+        if n > 0:
+            out, per_sample = runtime.run(x, y, n, loss_fn, loss_scale, forward_fn)
+        else:  # a replica's share of the last global batch can be empty: it still all-reduces
+            out, per_sample = runtime.empty_output(), torch.zeros(0, dtype=torch.float64, device=self.device)
+        if update:
+            self._exchange_gradients(runtime)
+            if not self._agree(before_update):
+                optimizer.zero_grad(set_to_none=True)
+            self.optimizer_step(optimizer)
+        return out, per_sample
+
+    def _exchange_gradients(self, runtime: Runtime) -> None:
+        if self.replicas <= 1:
+            return
+        params = [p for p in runtime.parameters() if p.requires_grad]
+        if not params:
+            return
+        start = time.perf_counter()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = comm.flatten([p.grad for p in params])
+        self.comm_bytes += flat.numel() * flat.element_size()
+        comm.all_reduce_mean(flat, self.dp_group)
+        comm.unflatten_into(flat, [p.grad for p in params])
+        self.comm_seconds += time.perf_counter() - start
+
+    def grad_norm(self, params: Any) -> torch.Tensor:
+        """The whole model's gradient norm (2-norm over every stage's gradients; collective over
+        the pipeline: every stage calls it). For `fit`'s ``clip_grad`` / ``on_nan="skip"``, which
+        today take the norm of the parameters they hold (this stage's): see docs."""
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        local = (torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2 if grads
+                 else torch.zeros((), dtype=torch.float64, device=self.device))
+        total = local.reshape(1).to(self.device)
+        dist.all_reduce(total, group=self.pp_group)
+        return total[0].sqrt()
+
+    def clip_grad_norm_(self, params: Any, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` with the whole model's norm (collective, as `grad_norm`)."""
+        params = list(params)
+        norm = self.grad_norm(params)
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in params:
+            if p.grad is not None:
+                p.grad.detach().mul_(scale.to(p.grad.dtype))
+        return norm
+
+    def _agree(self, before_update: Callable[[], bool] | None) -> bool:
+        """``before_update`` on every stage; the step's gradient is kept only if every stage agrees
+        (a stage that raised makes the others raise too, naming it)."""
+        if before_update is None:
+            return True
+        code, error = 1, None
+        try:
+            code = 1 if before_update() else 0
+        except Exception as exc:  # re-raised below, after the others heard of it
+            code, error = -1, exc
+        if self.stages > 1:
+            flag = torch.tensor([code], dtype=torch.int64, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pp_group)
+            if error is None and int(flag) < 0:
+                # worded as an echo ("closed"): the launcher reports the stage that raised, not this one
+                raise RuntimeError(f"pipeline stage {self.pp_rank}: the step was closed by another stage's error")
+            code = min(code, int(flag))
+        if error is not None:
+            raise error
+        return code > 0
+
+    # ----- checkpoints --------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The whole model's parameters on the first stage of each replica (gathered from the
+        other stages; every stage must call this); the other stages get their own part."""
+        module = _pipeline_module(model)
+        if module.runtime is None:  # not cut yet (split="time" before the first batch)
+            return module.full_state_dict()
+        return module.runtime.gather_state()
+
+    def _gather_states(self, own: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Every stage's optimizer state on the first stage (None elsewhere)."""
+        if self.stages == 1:
+            return [own]
+        if self.pp_rank == 0:
+            return [own] + [recv_object(src, self.pp_group) for src in self.pp_ranks[1:]]
+        send_object(own, self.pp_ranks[0], self.pp_group)
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stages": self.stages, "schedule": self.schedule}
+
+    def metrics(self) -> dict[str, float]:
+        figures = {"bubble_seconds": self.bubble_seconds, "compute_seconds": self.compute_seconds}
+        if self.step_seconds > 0:
+            figures["utilisation"] = self.compute_seconds / self.step_seconds
+        return figures
+
+
+def _pipeline_module(model: nn.Module) -> PipelineModule:
+    if not isinstance(model, PipelineModule):
+        raise UsageError("Expected the model strategy.prepare returned for strategy 'pipeline'. "
+                         f"Received: {type(model).__name__}")
+    return model
+
+
+class PipelineModule(nn.Module):
+    """This process's stages of a model cut into a pipeline.
+
+    Its children are the original model's children that this process runs, under their
+    own names (so ``state_dict()`` keys are the whole model's); for a traced model, the
+    stage modules (``stage0``, ...; their own keys are the whole model's). Calling it runs
+    the whole pipeline forward: every stage must call it with the same input (evaluation).
+    """
+
+    def __init__(self, strategy: Pipeline, model: nn.Module, optimizer: StageOptimizer) -> None:
+        super().__init__()
+        object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "optimizer", optimizer)
+        object.__setattr__(self, "runtime", None)
+        object.__setattr__(self, "traced", not isinstance(model, nn.Sequential))
+        # until the cut (split="time" and traced models wait for a batch) the whole model stays here
+        if self.traced:
+            self.add_module("model", model)
+            object.__setattr__(self, "_children_list", None)
+        else:
+            children = list(model.named_children())
+            for name, child in children:
+                self.add_module(name, child)
+            object.__setattr__(self, "_children_list", children)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole model's state before the cut."""
+        return self._modules["model"].state_dict() if self.traced else self.state_dict()
+
+    def _cut(self, cuts: list[int]) -> Runtime:
+        """Cut a Sequential between its children."""
+        strategy: Pipeline = self.strategy
+        children = self._children_list
+        ranges = chunk_ranges(cuts, len(children))
+        owner = self._owner(len(ranges))
+        owned = [s for s in range(len(ranges)) if owner[s] == strategy.pp_rank]
+        keep_names = {children[i][0] for s in owned for i in ranges[s]}
+        # the whole model's state layout (names, shapes, dtypes, which stage), for gathering it
+        layout = []
+        for s, r in enumerate(ranges):
+            for i in r:
+                name, child = children[i]
+                for key, value in child.state_dict().items():
+                    layout.append((f"{name}.{key}", s, tuple(value.shape), value.dtype))
+        for name, _ in children:
+            if name not in keep_names:
+                delattr(self, name)
+        chunks = {s: nn.Sequential(OrderedDict((children[i][0], children[i][1]) for i in ranges[s]))
+                  for s in owned}
+        object.__setattr__(self, "_children_list", None)
+        return self._install(chunks, owner, layout, [[children[i][0] for i in r] for r in ranges])
+
+    def _cut_traced(self, x: Any) -> Runtime:
+        """Trace the model on the first micro-batch of ``x`` and keep this process's stages."""
+        strategy: Pipeline = self.strategy
+        model = self._modules["model"]
+        chunks = strategy.stages * strategy.virtual_stages
+        b = max(1, math.ceil(rows(x) / strategy.microbatches))
+        args = as_args(first_rows(x, b))
+        points = split_points(model, args, chunks, strategy.split)
+        was_training = model.training
+        stages = trace_stages(model, args, points, chunks)
+        owner = self._owner(chunks)
+        layout = [(key, s, tuple(v.shape), v.dtype) for s, stage in enumerate(stages)
+                  for key, v in stage.state_dict().items()]
+        owned = {s: stages[s] for s in range(chunks) if owner[s] == strategy.pp_rank}
+        delattr(self, "model")
+        for s, stage in owned.items():
+            self.add_module(f"stage{s}", stage.train(was_training))
+        return self._install(owned, owner, layout, [[n] for n in ["(input)", *points]])
+
+    def _owner(self, chunks: int) -> list[int]:
+        _, _, style = SCHEDULES[self.strategy.schedule]
+        return stage_ranks(chunks, self.strategy.stages, style)
+
+    def _install(self, chunks: dict[int, nn.Module], owner: list[int],
+                 layout: list[tuple[str, int, tuple[int, ...], torch.dtype]], names: list[list[str]]) -> Runtime:
+        keep = {id(p) for c in chunks.values() for p in c.parameters()}
+        kept, total = keep_stage_params(self.optimizer.inner, keep)
+        self.optimizer._kept, self.optimizer._total = kept, total
+        runtime = Runtime(self.strategy, chunks, owner, layout, names)
+        object.__setattr__(self, "runtime", runtime)
+        self.strategy.runtime = runtime
+        return runtime
+
+    def _ensure_cut(self, x: Any) -> Runtime:
+        if self.runtime is not None:
+            return self.runtime
+        if self.traced:
+            return self._cut_traced(x)
+        strategy: Pipeline = self.strategy
+        children = self._children_list
+        chunks = strategy.stages * strategy.virtual_stages
+        cuts = None
+        if strategy.env.rank == 0:  # one process measures; every process cuts alike
+            b = max(1, math.ceil(rows(x) / strategy.microbatches))
+            with torch.random.fork_rng(devices=[]):
+                cuts = plan_cuts(children, chunks, "time", example=lambda: first_rows(x, b))
+        cuts = comm.broadcast_object(cuts, 0, None)
+        return self._cut(cuts)
+
+    def forward(self, *args: Any) -> Any:
+        if torch.is_grad_enabled():
+            raise UsageError("Expected strategy.train_step(...) to train a pipeline (or model(x) under "
+                             "torch.no_grad() to evaluate). Received: model(x) with gradients enabled")
+        inputs = args[0] if len(args) == 1 else args
+        return self._ensure_cut(inputs).forward(inputs)
+
+
+__all__ = ["SCHEDULES", "Pipeline", "PipelineModule"]
