@@ -34,12 +34,14 @@ class MainGuardError(UsageError):
 class WorkerError(RuntimeError):
     """A worker process failed; carries its rank and traceback."""
 
-    def __init__(self, rank: int, summary: str, traceback: str = "", role: str = "worker"):
+    def __init__(self, rank: int, summary: str, traceback: str = "", role: str = "worker",
+                 who: str | None = None):
+        """``who`` names the process when its rank alone says too little (``stage 1 (rank 1)``)."""
         self.rank = rank
         self.role = role
         self.summary = summary
         self.traceback = traceback
-        super().__init__(f"{role} rank {rank} failed: {summary}")
+        super().__init__(f"{who or f'{role} rank {rank}'} failed: {summary}")
 
 
 class Interrupted(KeyboardInterrupt):

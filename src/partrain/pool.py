@@ -370,7 +370,8 @@ def _supervise(procs: dict[int, tuple[Any, Any]], job_id: int, roles: list[str],
                     # no rank failed: the others returned while this one still waited on them
                     summary += (" (every other rank had already returned: a collective this rank entered "
                                 "alone, e.g. code that takes another path on some ranks)")
-                raise WorkerError(root.rank, summary, root.traceback, role=roles[root.rank])
+                raise WorkerError(root.rank, summary, root.traceback, role=roles[root.rank],
+                                  who=strat.describe_rank(root.rank, len(roles)))
         elif all(settled(r) for r in procs):
             return values
 

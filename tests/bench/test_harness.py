@@ -136,4 +136,5 @@ def test_goal_names_are_the_issues():
         "serve": ("serve.batched_vs_unbatched", "serve.vs_litserve"),
         "population": ("population.auto_vs_best", "population.vs_pool"),
         "engines": ("engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"),
+        "pipeline": ("pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"),
     }

@@ -27,6 +27,7 @@ GOALS = {
     "serve": {"serve.batched_vs_unbatched", "serve.vs_litserve"},
     "population": {"population.auto_vs_best", "population.vs_pool"},
     "engines": {"engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"},
+    "pipeline": {"pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"},
 }
 # what each toy run must print besides its goals (a line of its main table)
 TABLE_LINE = {
@@ -36,6 +37,7 @@ TABLE_LINE = {
     "serve": "unbatched",
     "population": "auto chose",
     "engines": "torchrun standalone",
+    "pipeline": "1f1b m=8",
 }
 
 

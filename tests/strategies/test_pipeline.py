@@ -220,6 +220,16 @@ def test_fit_equals_a_hand_written_loop_figures_included():
     assert row["pipeline_compute_seconds"] > 0 and row["pipeline_bubble_seconds"] >= 0
 
 
+def test_fit_clips_by_the_whole_models_norm():
+    """``clip_grad`` under `fit`: every stage scales by the norm of the whole model's gradient
+    (a stage's own norm would clip the stages differently), as one process clips."""
+    want = fit(mlp64, digits64, sgd, strategy="single", workers=1, batch_size=GLOBAL_BATCH, quiet=True,
+               return_state=True, timeout=60, threads=1, epochs=1, clip_grad=0.05)
+    got = run(2, GLOBAL_BATCH, epochs=1, clip_grad=0.05, microbatches=4, schedule="1f1b")
+    assert_states_close(got.model_state, want.model_state)
+    assert_history_matches(got.history, want.history)
+
+
 def test_hybrid_two_replicas_of_two_stages_equal_one_process():
     """4 processes: replicas {0, 1} and {2, 3} each take half of every global batch of 96 and
     all-reduce gradients per stage; the last batch (93) splits 47 + 46, padded differently."""
@@ -277,7 +287,8 @@ def test_a_stage_killed_mid_step_fails_the_job_naming_it():
     with pytest.raises(WorkerError) as info:
         fit(_mortal_mlp, digits64, sgd, strategy="pipeline", workers=2, batch_size=GLOBAL_BATCH, epochs=1,
             quiet=True, timeout=20, threads=1)
-    assert info.value.rank == 1 and "SIGKILL" in str(info.value)  # rank 1 = stage 1 (rank % stages)
+    assert info.value.rank == 1  # rank 1 = stage 1 (rank % stages), named so
+    assert str(info.value).startswith("stage 1 (rank 1) failed: died with SIGKILL"), str(info.value)
 
 
 # ----- the split and bad input, in this process -------------------------------------------------
@@ -404,3 +415,9 @@ def test_partrain_train_runs_a_pipeline(tmp_path, capsys):
 def test_cli_options_reach_the_constructor():
     assert parse_options("pipeline", ["stages=2", "microbatches=8", "schedule=GPipe", "split=1,5"]) == {
         "stages": 2, "microbatches": 8, "schedule": "GPipe", "split": "1,5"}
+
+
+def test_errors_name_the_stage_and_replica():
+    strategy = get_strategy("pipeline", stages=2)
+    assert [strategy.describe_rank(r, 2) for r in range(2)] == ["stage 0 (rank 0)", "stage 1 (rank 1)"]
+    assert strategy.describe_rank(3, 4) == "stage 1 of replica 1 (rank 3)"

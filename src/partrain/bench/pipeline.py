@@ -44,11 +44,7 @@ from ..errors import UsageError
 from ..launch import launch
 from ..strategies.allreduce import AllReduce
 from ..strategies.pipeline import Pipeline
-from .harness import GOALS, Report, Spread, alternate, paired_ratio, pick_size, positive_int
-
-#: the goal names of issue 12; they belong in harness.GOALS (the table of every benchmark's
-#: goals), where `run` puts them until they are written there
-PIPELINE_GOALS = ("pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch")
+from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
                   "dualpipev")
@@ -237,7 +233,6 @@ def run(args: argparse.Namespace) -> Report:
     if size.batch % 32 and not smoke:
         raise UsageError(f"Expected --batch divisible by 32 (16 micro-batches of an even size). "
                          f"Received: {size.batch}")
-    GOALS.setdefault("pipeline", PIPELINE_GOALS)
     report = Report("pipeline", smoke=smoke)
     report.say(f"partrain bench pipeline: {size.layers} x Linear({size.width}, {size.width}) + ReLU + head, "
                f"global batch {size.batch}, {STAGES} processes x 1 thread, CPU, {size.rounds} alternating "

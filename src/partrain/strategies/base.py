@@ -83,6 +83,11 @@ class Strategy(ABC):
         """The role of each global rank."""
         return [WORKER] * world_size
 
+    def describe_rank(self, rank: int, world_size: int) -> str | None:
+        """How errors name global rank ``rank`` when its role and number say too little
+        (a pipeline's ``stage 1 (rank 1)``); None: ``<role> rank <rank>``."""
+        return None
+
     def run_role(self, role: str) -> Any:
         """Body of a non-worker rank (e.g. a parameter server's serving loop)."""
         raise NotImplementedError(f"strategy {self.name!r} has no role {role!r}")
@@ -214,6 +219,18 @@ class Strategy(ABC):
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """``src`` is a worker rank."""
         return comm.broadcast_object(obj, self.worker_ranks[src], self.group)
+
+    # ----- gradients between the exchange and the step -----------------------------------
+    def grad_norm(self, params: Any) -> torch.Tensor:
+        """The 2-norm of the model's gradient, for `fit`'s ``on_nan="skip"``. Here: of the
+        gradients this process holds, the whole model's once exchanged. A strategy whose
+        processes each hold a part (pipeline stages) combines the parts (a collective)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+
+    def clip_grad_norm_(self, params: Any, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` by the whole model's norm (see `grad_norm`)."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     # ----- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -117,6 +117,12 @@ class Pipeline(Strategy):
         self._check_world(workers)
         return 0
 
+    def describe_rank(self, rank: int, world_size: int) -> str | None:
+        """``stage 1 (rank 1)``; with replicas ``stage 1 of replica 0 (rank 1)``."""
+        stage, replica = rank % self.stages, rank // self.stages
+        of_replica = f" of replica {replica}" if world_size > self.stages else ""
+        return f"stage {stage}{of_replica} (rank {rank})"
+
     def _check_world(self, world: int) -> None:
         if world < self.stages or world % self.stages:
             raise UsageError(f"Expected a number of workers divisible by stages={self.stages} (one process per "

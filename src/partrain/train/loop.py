@@ -490,11 +490,10 @@ class _UpdateGuard:
         try:
             norm = torch.zeros(())
             if self.cfg.clip_grad is not None:
-                norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.clip_grad)
+                norm = self.strategy.clip_grad_norm_(self.params, self.cfg.clip_grad)
             elif self.cfg.on_nan == "skip":
                 # every worker must drop the same steps: the exchanged gradient, not this worker's loss
-                grads = [p.grad for p in self.params if p.grad is not None]
-                norm = torch.nn.utils.get_total_norm(grads) if grads else norm
+                norm = self.strategy.grad_norm(self.params)
             if self.cfg.on_nan == "off":
                 return True
             # "stop" looks at the loss (a NaN input, parameter or output makes it NaN): one scalar
