@@ -12,7 +12,8 @@ from .app import DEFAULT_MAX_BODY_BYTES
 from .batcher import make_policy
 from .loading import load_models, model_names, parse_shape
 from .protocol import DATATYPES
-from .replicas import run_server
+from .replicas import default_threads, run_server
+from .stages import stage_processes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,6 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="processes serving on the same port, each with its own model copy (default 1; "
                         "with --device cuda: one per GPU)")
+    p.add_argument("--stages", type=int, default=1,
+                   help="split the model (an nn.Sequential) over this many processes, balanced by parameters: "
+                        "for a model too big for one (default 1: not split). See docs/strategies/pipeline.md")
+    p.add_argument("--microbatches", type=int, default=4,
+                   help="with --stages: pieces each batch goes through the stages in, so that they overlap "
+                        "(default 4)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per replica (default: cores // replicas)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
@@ -65,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
     _positive("--max-body-bytes", args.max_body_bytes)
     _positive("--replicas", args.replicas)
     _positive("--threads", args.threads)
+    _positive("--stages", args.stages)
+    _positive("--microbatches", args.microbatches)
+    if args.stages > 1 and (args.replicas > 1 or args.device != "cpu" or len(args.models) != 1):
+        raise UsageError(f"Expected --stages with one MODEL, one replica and --device cpu. Received: "
+                         f"{len(args.models)} model(s), --replicas {args.replicas}, --device {args.device}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"Expected --port in 0..65535. Received: {args.port}")
     if args.device not in ("cpu", "cuda"):
@@ -90,9 +102,14 @@ def run(args: argparse.Namespace) -> int:
         for name in names:
             print(f"partrain serve: serving model {name!r} at {url}/v2/models/{name}/infer", flush=True)
 
-    return run_server(
-        make_models, host=args.host, port=args.port, replicas=args.replicas, device=args.device,
-        threads=args.threads,
+    server = functools.partial(
+        run_server, host=args.host, port=args.port, replicas=args.replicas, device=args.device,
+        threads=args.threads or (default_threads(args.stages) if args.stages > 1 else None),
         app_options={"token": args.token, "max_body_bytes": args.max_body_bytes},
         announce=announce,
     )
+    if args.stages == 1:
+        return server(make_models)
+    threads = args.threads or default_threads(args.stages)
+    with stage_processes(args.models[0], args.stages, microbatches=args.microbatches, threads=threads) as first:
+        return server(functools.partial(make_models, transform=first))

@@ -121,8 +121,12 @@ def _exported(path: str, device: torch.device | None) -> tuple[nn.Module, list[t
 
 
 def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None, input_dtype: str | None = None,
-                    device: torch.device | str | None = None, **settings: Any) -> ServedModel:
+                    device: torch.device | str | None = None,
+                    transform: Callable[[nn.Module], nn.Module] | None = None, **settings: Any) -> ServedModel:
     """Load one MODEL argument as a `ServedModel` (``settings``: batching options).
+
+    ``transform(module)``, when given, replaces the loaded ``nn.Module`` before it is
+    served (``--stages``: its first stage); only checkpoints and factories give one.
 
     ``input_dtype`` (an OIP datatype) defaults to what the source records, else the
     first layer's (`partrain.serve.shapes.infer_input`), else FP32. Raises
@@ -177,6 +181,12 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
     else:
         raise UsageError(f"Expected MODEL as [name=]PATH (checkpoint, TorchScript, .pt2) or module:factory. "
                          f"Received: {text!r} (no such file)")
+    if transform is not None:
+        if not isinstance(module, nn.Module) or isinstance(module, torch.jit.ScriptModule) \
+                or source.endswith(".pt2"):
+            raise UsageError(f"Expected a partrain checkpoint or a module:factory giving an nn.Module to split. "
+                             f"Received: {text!r}")
+        module = transform(module)
     if shapes is None:
         served = _served_with_inferred_shape(name, module, dtypes, dev, settings)
     else:
