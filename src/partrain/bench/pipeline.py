@@ -29,8 +29,12 @@ Goals: ``pipeline.utilisation_vs_ideal`` (1f1b at m = 8) >= 0.9; ``pipeline.memo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import os
+import re
 import resource
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +48,15 @@ from ..errors import UsageError
 from ..launch import launch
 from ..strategies.allreduce import AllReduce
 from ..strategies.pipeline import Pipeline
-from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
+from .harness import (
+    Report,
+    Spread,
+    alternate,
+    paired_ratio,
+    pick_size,
+    positive_int,
+    server_process,
+)
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble",
                   "dualpipev")
@@ -77,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive_int, default=None, help="global batch (default 128)")
     parser.add_argument("--steps", type=positive_int, default=None, help="timed steps per round (default 4)")
     parser.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 5)")
+
+
+def served_model() -> nn.Sequential:
+    """The model `partrain serve` loads for the serving rows (a factory takes no arguments:
+    its size comes from the environment the benchmark starts the servers with)."""
+    torch.manual_seed(0)
+    return block_model(int(os.environ["PARTRAIN_BENCH_WIDTH"]), int(os.environ["PARTRAIN_BENCH_LAYERS"])).eval()
 
 
 def block_model(width: int, layers: int) -> nn.Sequential:
@@ -287,7 +306,7 @@ def run(args: argparse.Namespace) -> Report:
     if getattr(args, "toy", False):  # the suite's smoke run: two more pairs of fresh processes cost seconds
         report.goal("pipeline.memory_per_stage", None, "<=", 0.6,
                     "the largest stage's peak RSS above its start / one process's (not at toy size)")
-        report.note("serving a split model (partrain serve --stages): not built yet, not measured")
+        report.note("serving a split model (partrain serve --stages): not measured at toy size")
         return report
     report.progress("memory jobs (fresh processes: whole model, then 2 stages)")
     whole = launch(_memory_worker, size, False, workers=2, strategy="allreduce", threads=1, timeout=600)
@@ -305,5 +324,83 @@ def run(args: argparse.Namespace) -> Report:
         report.figure(name, value)
     report.goal("pipeline.memory_per_stage", stage_net / whole_net, "<=", 0.6,
                 "the largest stage's peak RSS above its start / one process's")
-    report.note("serving a split model (partrain serve --stages): not built yet, not measured")
+    _serving(size, report, smoke)
     return report
+
+
+SERVED = "m=partrain.bench.pipeline:served_model"
+ANNOUNCE = re.compile(r"serving .* at (?P<url>https?://[^\s/]+)")
+
+
+def _vm_kib(pid: int, key: str) -> float:
+    """``VmHWM`` (peak RSS) or ``VmRSS`` of a process, in KiB (0 when it is gone)."""
+    with contextlib.suppress(OSError):
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith(key + ":"):
+                return float(line.split()[1])
+    return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    return []
+
+
+def _serving(size: Size, report: Report, smoke: bool) -> None:
+    """`partrain serve --stages 2` against the unsplit model on the same 2 cores: req/s, p50 and
+    peak RSS per process, 16 closed-loop clients, alternating rounds, answers checked."""
+    from ..serve.loadtest import (
+        AnswerChecker,
+        LoadConfig,
+        ModelInfo,
+        TensorSpec,
+        random_inputs,
+        run_load,
+    )
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PARTRAIN_BENCH_WIDTH=str(size.width),
+               PARTRAIN_BENCH_LAYERS=str(size.layers))
+    base = (sys.executable, "-m", "partrain", "serve", SERVED, "--port", "0", "--max-batch-size", "64")
+    variants = {"unsplit, 1 process x 2 threads": (*base, "--threads", "2"),
+                "--stages 2 --microbatches 4, 2 x 1 thread": (*base, "--stages", "2", "--microbatches", "4",
+                                                              "--threads", "1")}
+    info = ModelInfo("m", (TensorSpec("input", "FP32", (-1, size.width)),))
+    samples = random_inputs(info, 64, (1, size.width), seed=0)
+    os.environ["PARTRAIN_BENCH_WIDTH"], os.environ["PARTRAIN_BENCH_LAYERS"] = str(size.width), str(size.layers)
+    checker = AnswerChecker(served_model(), samples)
+    duration = 3.0 if smoke else 8.0
+    report.progress("serving: the unsplit model and --stages 2 (16 clients, alternating rounds)")
+    with contextlib.ExitStack() as stack:
+        servers = {name: stack.enter_context(server_process(name, cmd, ANNOUNCE, ready_path="/v2/health/ready",
+                                                            env=env, start_timeout=180))
+                   for name, cmd in variants.items()}
+
+        def load(name: str) -> Any:
+            cfg = LoadConfig(url=servers[name].url, model="m", concurrency=16, duration=duration, timeout=30.0)
+            return run_load(cfg, samples=samples, checker=checker)
+
+        for name in servers:
+            load(name)  # warm-up
+        runs = alternate({name: functools.partial(load, name) for name in servers}, max(2, size.rounds // 2),
+                         on_result=lambda r, name, res: report.progress(
+                             f"round {r + 1}: {name}: {res.throughput:,.0f} req/s"))
+        peaks = {}
+        for name, server in servers.items():
+            pids = [server.process.pid, *_children(server.process.pid)]
+            peaks[name] = [_vm_kib(pid, "VmHWM") / 1024 for pid in pids if _vm_kib(pid, "VmRSS") > 50 * 1024]
+    rows, rates = [], {}
+    for name in variants:
+        reports = runs[name]
+        rates[name] = Spread.of([r.throughput for r in reports])
+        latencies = sorted(x for r in reports for x in r.latencies)
+        p50 = latencies[len(latencies) // 2] * 1e3 if latencies else float("nan")
+        bad = sum(r.failed + r.lost + r.wrong for r in reports)
+        rows.append([name, rates[name].cell(), f"{p50:.1f}", ", ".join(f"{p:.0f}" for p in peaks[name]), str(bad)])
+        report.figure(f"serve_req_per_s[{name}]", rates[name])
+        report.figure(f"serve_p50_ms[{name}]", p50)
+    report.table(["server", "req/s median (min-max)", "p50 ms", "peak RSS MiB per process", "failed/lost/wrong"],
+                 rows, title=f"serving {size.layers} x Linear({size.width}) over HTTP: the unsplit model vs 2 stages")
+    split, whole = runs[list(variants)[1]], runs[list(variants)[0]]
+    report.figure("serve_stages_vs_unsplit", paired_ratio([r.throughput for r in split],
+                                                           [r.throughput for r in whole]))
