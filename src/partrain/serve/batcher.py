@@ -44,6 +44,14 @@ class BatcherClosed(RuntimeError):
     """The batcher is stopped or stopping and accepts no new requests."""
 
 
+class Evicted(QueueFull):
+    """The request waited in a full queue and was dropped to make room for a newer one.
+
+    Only with ``submit_threadsafe(..., evict_oldest=True)`` (a drop-oldest overflow
+    policy): the oldest request not yet dispatched gets this error and never runs.
+    """
+
+
 # --------------------------------------------------------------------------- requests
 
 
@@ -63,6 +71,7 @@ class Pending:
     key: tuple = ()
     dead: bool = False  # cancelled or timed out by its caller: drop, never run
     dispatched: bool = False
+    payload: Any = None  # what travels with the request unbatched (a label, a weight); see run_batch
 
 
 def as_inputs(x: Inputs) -> tuple[Tensor, ...]:
@@ -193,6 +202,25 @@ def split_outputs(
         start += p.rows
         results.append(mine[0] if isinstance(output, Tensor) else tuple(mine))
     return results
+
+
+def _settle(future: Any, *, result: Any = None, error: BaseException | None = None) -> bool:
+    """Answer ``future`` unless it is done; False if it was (a caller may cancel it any time).
+
+    A `concurrent.futures.Future` (`Batcher.submit_threadsafe`) can be cancelled from
+    another thread between a ``done()`` check and ``set_result``; that must never
+    break the dispatch loop.
+    """
+    if future.done():
+        return False
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- policies
@@ -384,17 +412,28 @@ class Batcher:
     dispatched. `QueueFull` is raised by ``submit`` when ``max_queue`` requests wait.
 
     ``on_batch(rows, requests, seconds)`` is called after each model run (metrics).
+
+    ``run_batch(batch) -> outputs`` replaces the default model call for users that
+    need more than ``fn`` on the stacked inputs (online training: the batch's labels
+    travel in each request's ``payload``, and the call needs autograd). It gets the
+    `Pending` requests of one batch, runs in the same worker thread, one batch at a
+    time, *without* ``inference_mode``, and returns one output per request (build it
+    with `stack_batch` and `split_outputs`, the code the default path uses).
     """
 
-    def __init__(self, fn: Callable[[Inputs], Outputs], *, max_batch_size: int = 64,
+    def __init__(self, fn: Callable[[Inputs], Outputs] | None, *, max_batch_size: int = 64,
                  policy: str | Policy = "adaptive", max_queue: int = 4096,
                  pad_value: float = 0.0, name: str = "model", pad: bool = False,
-                 on_batch: Callable[[int, int, float], None] | None = None):
+                 on_batch: Callable[[int, int, float], None] | None = None,
+                 run_batch: Callable[[list[Pending]], Sequence[Outputs]] | None = None):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"Expected max_batch_size >= 1. Received: max_batch_size={max_batch_size!r}")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"Expected max_queue >= 1. Received: max_queue={max_queue!r}")
+        if fn is None and run_batch is None:
+            raise ValueError("Expected a model function fn or a run_batch hook. Received: neither")
         self.fn = fn
+        self.run_batch = run_batch
         self.max_batch_size = max_batch_size
         self.policy = make_policy(policy)
         self.max_queue = max_queue
@@ -566,6 +605,58 @@ class Batcher:
         fut = asyncio.run_coroutine_threadsafe(self.submit(x, deadline=deadline), loop)
         return fut.result()
 
+    def submit_threadsafe(self, x: Inputs, *, payload: Any = None,
+                          evict_oldest: bool = False) -> concurrent.futures.Future:
+        """Queue ``x`` from any thread (the loop's own included) without waiting for the answer.
+
+        Returns a `concurrent.futures.Future` set exactly once, like `submit`'s
+        answer: the request's output, the batch's exception, `BatcherClosed` if the
+        batcher stopped before the request reached its queue, or `QueueFull` when
+        ``max_queue`` requests wait - unless ``evict_oldest``, which instead drops the
+        oldest waiting request (its future gets `Evicted`) to make room. Requests of
+        one thread reach the queue in the order of the calls. Cheaper than
+        `submit_blocking` (no task per request): a producer thread can hand over
+        thousands of items per second and collect the answers later.
+        """
+        loop = self._loop
+        if loop is None or not self._accepting:
+            raise BatcherClosed(f"Batcher {self.name!r} is not running")
+        inputs = as_inputs(x)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        item = Pending(inputs, inputs[0].shape[0], future, None, time.monotonic(),
+                       batch_key(inputs, self.pad), payload=payload)
+        try:
+            loop.call_soon_threadsafe(self._accept, item, evict_oldest)
+        except RuntimeError:  # the loop closed between the check and the call
+            raise BatcherClosed(f"Batcher {self.name!r} is not running") from None
+        return future
+
+    def _accept(self, item: Pending, evict_oldest: bool) -> None:
+        """On the loop: put a `submit_threadsafe` request in the queue (or answer why not)."""
+        if not self._accepting:
+            _settle(item.future, error=BatcherClosed(f"Batcher {self.name!r} is not accepting requests"))
+            return
+        if self._queued >= self.max_queue:
+            oldest = next((p for p in self._queue if not p.dead), None) if evict_oldest else None
+            if oldest is None:
+                self.stats.rejected += 1
+                _settle(item.future, error=QueueFull(
+                    f"Batcher {self.name!r} queue is full ({self.max_queue} requests waiting)"))
+                return
+            self._drop(oldest)
+            self.stats.rejected += 1
+            _settle(oldest.future, error=Evicted(
+                f"Dropped from the full queue of batcher {self.name!r} (drop-oldest policy)"))
+        now = time.monotonic()
+        self._queue.append(item)
+        self._queued += 1
+        self._queued_rows += item.rows
+        self.stats.submitted += 1
+        self.policy.observe_arrival(now)
+        self._last_arrival = now
+        assert self._wakeup is not None
+        self._wakeup.set()
+
     # ---------------------------------------------------------------- dispatcher
 
     def _drop(self, item: Pending) -> None:
@@ -610,8 +701,8 @@ class Batcher:
                         continue  # a new arrival (or stop): ask the policy again
             elif not self._draining:
                 for item in self._queue:
-                    if not item.dead and not item.future.done():
-                        item.future.set_exception(BatcherClosed(f"Batcher {self.name!r} stopped"))
+                    if not item.dead:
+                        _settle(item.future, error=BatcherClosed(f"Batcher {self.name!r} stopped"))
                 self._queue.clear()
                 self._queued = self._queued_rows = 0
                 break
@@ -634,8 +725,7 @@ class Batcher:
         except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
             self.stats.failed += len(batch)
             for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(exc)
+                _settle(item.future, error=exc)
             results = None
         finally:
             self._in_flight = 0
@@ -648,8 +738,7 @@ class Batcher:
         st.batch_sizes[rows] = st.batch_sizes.get(rows, 0) + 1
         if results is not None:
             for item, result in zip(batch, results):
-                if not item.future.done():
-                    item.future.set_result(result)
+                if _settle(item.future, result=result):
                     st.answered += 1
         if self.on_batch is not None:
             try:
@@ -658,7 +747,14 @@ class Batcher:
                 pass
 
     def _compute(self, batch: list[Pending]) -> list[Outputs]:
-        """Runs in the worker thread: stack, call the model, split."""
+        """Runs in the worker thread: stack, call the model, split (or the ``run_batch`` hook)."""
+        if self.run_batch is not None:
+            results = list(self.run_batch(batch))
+            if len(results) != len(batch):
+                raise RuntimeError(f"Expected run_batch to return {len(batch)} outputs (one per request). "
+                                   f"Received: {len(results)}")
+            return results
+        assert self.fn is not None
         padded = self.pad and len({tuple(tuple(t.shape[1:]) for t in p.inputs) for p in batch}) > 1
         inputs, own = stack_batch(batch, self.pad_value)
         with torch.inference_mode():
