@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -167,7 +168,8 @@ class OnlineTrainer:
       (`partrain.stream.options.parse_lr_schedule`);
     - ``checkpoint``, ``checkpoint_every``: a checkpoint every N updates and at
       close, written atomically, in the format ``partrain serve`` reads (give
-      ``model_spec`` to make it loadable by spec); ``resume=True`` continues from it
+      ``model_spec`` to make it loadable by spec, and ``checkpoint_module``, the part of
+      ``model`` the spec rebuilds, when ``model`` wraps it); ``resume=True`` continues from it
       exactly (weights, optimizer, schedule clock, replay buffer and its generator,
       trained ids);
     - ``dedup_window``: ids remembered to refuse a redelivered item (`DuplicateItem`);
@@ -191,7 +193,7 @@ class OnlineTrainer:
                  replay: int = 0, replay_capacity: int = 10_000, seed: int = 0,
                  lr_schedule: str | Callable[[int], float] | None = None,
                  checkpoint: str | None = None, checkpoint_every: int = 0, resume: bool = False,
-                 model_spec: dict[str, Any] | None = None,
+                 model_spec: dict[str, Any] | None = None, checkpoint_module: nn.Module | None = None,
                  dedup_window: int = 100_000, eval_predictions: bool = False,
                  pad: bool = False, pad_value: float = 0.0,
                  input_shape: Sequence[int] | None = None,
@@ -220,6 +222,7 @@ class OnlineTrainer:
         self.checkpoint_path = checkpoint
         self.checkpoint_every = checkpoint_every
         self.model_spec = model_spec
+        self.checkpoint_module = checkpoint_module if checkpoint_module is not None else model
         self.dedup_window = dedup_window
         self.eval_predictions = eval_predictions
         self.pad = pad
@@ -275,9 +278,10 @@ class OnlineTrainer:
             self._admit(id)
             self._waiting += 1
             self.stats.accepted += 1
+            item = _Item(target, float(weight), id)
             try:
                 future = self._batcher.submit_threadsafe(
-                    inputs, payload=_Item(target, float(weight), id),
+                    inputs, payload=item,
                     evict_oldest=self.overflow == "drop_oldest")
             except BatcherClosed:
                 self._waiting -= 1
@@ -287,7 +291,7 @@ class OnlineTrainer:
                 self._seen[id] = future
                 while len(self._seen) > self.dedup_window:
                     self._seen.popitem(last=False)
-        future.add_done_callback(self._answered)
+        future.add_done_callback(functools.partial(self._answered, item.submitted))
         return future
 
     async def asubmit(self, x: Inputs, y: Any = None, *, weight: float = 1.0,
@@ -339,9 +343,11 @@ class OnlineTrainer:
         if self._closed:
             raise TrainerClosed(f"Online trainer {self.name!r} is closed")
 
-    def _answered(self, future: concurrent.futures.Future) -> None:
+    def _answered(self, submitted: float, future: concurrent.futures.Future) -> None:
         """Done callback (the batcher's loop thread): count the outcome, record the latency."""
         exc = None if future.cancelled() else future.exception()
+        if exc is None:
+            self.metrics.record_latency(time.monotonic() - submitted)
         with self._cond:
             if future.cancelled() or exc is None:
                 self.stats.predicted += 1
@@ -529,6 +535,11 @@ class OnlineTrainer:
         """Items waiting for a step (not counting the running one)."""
         return self._batcher.queue_depth
 
+    def count_malformed(self) -> None:
+        """A source could not decode a message (it never became an item): counted here with the rest."""
+        with self._cond:
+            self.stats.malformed += 1
+
     def counts(self) -> dict[str, int]:
         with self._cond:
             return self.stats.as_dict()
@@ -536,7 +547,7 @@ class OnlineTrainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything exact resume needs (call from the worker thread, or once closed)."""
         return {
-            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "model": {k: v.detach().clone() for k, v in self.checkpoint_module.state_dict().items()},
             "model_spec": self.model_spec,
             "optimizer": self.optimizer.state_dict(),
             "task": {"loss": getattr(self.loss_fn, "__name__", "custom"), "stream": True},
@@ -565,7 +576,7 @@ class OnlineTrainer:
         if not isinstance(stream, dict):
             raise UsageError(f"Expected a checkpoint written by an online trainer in {path!r}. "
                              "Received: one without stream state")
-        fit_weights(self.model, state.get("model"), f"the online model from {path!r}")
+        fit_weights(self.checkpoint_module, state.get("model"), f"the online model from {path!r}")
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (KeyError, ValueError, TypeError) as exc:
