@@ -110,6 +110,7 @@ class MqttSource:
         self._lock = threading.Lock()
         self._replies: dict[int, Any] = {}  # mid -> MQTTMessageInfo, until published
         self._replies_pending = 0
+        self._early: set[int] = set()  # mids acknowledged before _reply registered them
         self._first_error: str | None = None
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=config.client_id,
                              protocol=mqtt.MQTTv5, manual_ack=True)
@@ -259,12 +260,15 @@ class MqttSource:
             return
         with self._lock:
             self._replies_pending -= 1
-            if not info.is_published():
-                self._replies[info.mid] = info
+            if info.mid in self._early:  # its acknowledgement came before this line
+                self._early.discard(info.mid)
+            else:
+                self._replies[info.mid] = info  # sent or queued (while disconnected): wait for its PUBACK
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, reason: Any, properties: Any) -> None:
         with self._lock:
-            self._replies.pop(mid, None)
+            if self._replies.pop(mid, None) is None:
+                self._early.add(mid)
 
 
 def _json_id(item_id: Any) -> bytes:
