@@ -53,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--qos", type=int, default=1, choices=(1, 2), help="subscription and reply QoS")
     src.add_argument("--client-id", default="partrain-stream",
                      help="MQTT client id: the broker keeps this session's messages across disconnects")
+    src.add_argument("--connect-timeout", type=float, default=10.0,
+                     help="seconds to wait for the broker at start (then: reconnect forever)")
     src.add_argument("--input", default=None, metavar="FILE",
                      help="instead of MQTT: JSON lines, one item per line ('-': standard input)")
     src.add_argument("--input-shape", default=None, help="one item's x shape, e.g. 16,8 (raw payloads need it)")
@@ -110,6 +112,8 @@ def check_args(args: argparse.Namespace) -> None:
     _positive("--replay", args.replay, 0)
     _positive("--checkpoint-every", args.checkpoint_every, 0)
     _positive("--max-wait-ms", args.max_wait_ms, 0)
+    if not args.connect_timeout > 0:
+        raise UsageError(f"Expected --connect-timeout > 0 seconds. Received: {args.connect_timeout}")
     if not args.metrics_interval > 0:
         raise UsageError(f"Expected --metrics-interval > 0 seconds. Received: {args.metrics_interval}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -188,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
             stats = trainer.close(drain=True, curves=os.path.join(args.out, "curves.png"))
         finally:
             unsent = source.stop() if source is not None else 0
-        print(_summary(stats, trainer, ckpt, unsent), file=sys.stderr, flush=True)
+        if source is not None:  # a source that never started has nothing to report
+            print(_summary(stats, trainer, ckpt, unsent), file=sys.stderr, flush=True)
     if stats.updates == 0:
         raise UsageError(f"Expected labelled items to train on. Received: {stats.accepted} items accepted, "
                          "no update taken (no labels, or every loss non-finite)")
@@ -258,7 +263,7 @@ def _start_source(args: argparse.Namespace, trainer: Any, codec: Any, done: thre
     host, port = parse_address(args.mqtt)
     config = MqttConfig(host, port, topics_of(args.topic), qos=args.qos, reply_topic=args.reply_topic,
                         client_id=args.client_id)
-    source = MqttSource(trainer, config, codec).start()
+    source = MqttSource(trainer, config, codec).start(timeout=args.connect_timeout)
     print(f"partrain stream: training on mqtt://{host}:{port} topics {', '.join(config.topics)}", flush=True)
     if args.max_items:
         def watch() -> None:
