@@ -18,4 +18,5 @@ BENCHMARKS = {
     "serve": "partrain.bench.serve",
     "population": "partrain.bench.population",
     "engines": "partrain.bench.engines",
+    "stream": "partrain.bench.stream",
 }

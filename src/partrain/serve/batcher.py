@@ -55,7 +55,7 @@ class Evicted(QueueFull):
 # --------------------------------------------------------------------------- requests
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: no dict per request (fewer objects for the collector)
 class Pending:
     """One accepted request waiting in the queue.
 
@@ -76,6 +76,8 @@ class Pending:
 
 def as_inputs(x: Inputs) -> tuple[Tensor, ...]:
     """Normalise a request to a tuple of tensors sharing their leading (row) dim."""
+    if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] >= 1:  # the common case, cheaply
+        return (x,)
     inputs = (x,) if isinstance(x, Tensor) else tuple(x)
     if not inputs or not all(isinstance(t, Tensor) for t in inputs):
         raise TypeError(
@@ -100,8 +102,8 @@ def batch_key(inputs: tuple[Tensor, ...], pad: bool) -> tuple:
     shape); with padding only the rank and dtype must agree, trailing sizes may differ.
     """
     if pad:
-        return tuple((t.dim(), t.dtype, t.device) for t in inputs)
-    return tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in inputs)
+        return tuple([(t.dim(), t.dtype, t.device) for t in inputs])
+    return tuple([(t.shape[1:], t.dtype, t.device) for t in inputs])  # torch.Size is a tuple
 
 
 def collect_batch(queue: deque[Pending], max_batch_size: int, now: float) -> tuple[list[Pending], list[Pending]]:
@@ -373,7 +375,8 @@ class BatcherStats:
 
     submitted: int = 0
     answered: int = 0
-    rejected: int = 0
+    rejected: int = 0  # QueueFull, and evictions (``evicted`` counts those)
+    evicted: int = 0
     expired: int = 0
     cancelled: int = 0
     failed: int = 0
@@ -419,13 +422,20 @@ class Batcher:
     `Pending` requests of one batch, runs in the same worker thread, one batch at a
     time, *without* ``inference_mode``, and returns one output per request (build it
     with `stack_batch` and `split_outputs`, the code the default path uses).
+
+    ``overlap_answers=True`` answers a finished batch's callers only once the next
+    batch has been handed to the worker thread (or the loop has nothing to run):
+    setting hundreds of futures then overlaps the next model call instead of
+    delaying it. For throughput-bound users (online training); `in_flight` counts
+    those requests until they are answered.
     """
 
     def __init__(self, fn: Callable[[Inputs], Outputs] | None, *, max_batch_size: int = 64,
                  policy: str | Policy = "adaptive", max_queue: int = 4096,
                  pad_value: float = 0.0, name: str = "model", pad: bool = False,
                  on_batch: Callable[[int, int, float], None] | None = None,
-                 run_batch: Callable[[list[Pending]], Sequence[Outputs]] | None = None):
+                 run_batch: Callable[[list[Pending]], Sequence[Outputs]] | None = None,
+                 overlap_answers: bool = False):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"Expected max_batch_size >= 1. Received: max_batch_size={max_batch_size!r}")
         if not isinstance(max_queue, int) or max_queue < 1:
@@ -434,6 +444,8 @@ class Batcher:
             raise ValueError("Expected a model function fn or a run_batch hook. Received: neither")
         self.fn = fn
         self.run_batch = run_batch
+        self.overlap_answers = overlap_answers
+        self._deferred: list[tuple[list[Pending], list[Outputs]]] = []  # finished, not yet answered
         self.max_batch_size = max_batch_size
         self.policy = make_policy(policy)
         self.max_queue = max_queue
@@ -452,8 +464,11 @@ class Batcher:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._accepting = False
         self._draining = True
-        self._in_flight = 0  # requests in the batch the model is running now
+        self._in_flight = 0  # requests dispatched and not answered yet
         self._thread: threading.Thread | None = None
+        self._inbox: deque[tuple[Pending, bool]] = deque()  # submit_threadsafe -> the loop
+        self._inbox_scheduled = False
+        self._loop_waiting = False  # the dispatch loop waits for an arrival: wake it
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -468,7 +483,7 @@ class Batcher:
 
     @property
     def in_flight(self) -> int:
-        """Requests in the batch the model is running now (0 while it is idle).
+        """Requests dispatched and not answered yet: the batch the model runs (0 while idle).
 
         With `queue_depth` it tells where every accepted, unanswered request is:
         an operator (or a test) waits on these instead of guessing a time.
@@ -489,6 +504,7 @@ class Batcher:
         """Stop accepting; answer every queued request (run it if ``drain``), then end."""
         if self._task is None:
             return
+        self._take_inbox()  # requests handed over before the stop are accepted, then drained or answered
         self._accepting = False
         self._draining = drain
         assert self._wakeup is not None
@@ -625,11 +641,28 @@ class Batcher:
         future: concurrent.futures.Future = concurrent.futures.Future()
         item = Pending(inputs, inputs[0].shape[0], future, None, time.monotonic(),
                        batch_key(inputs, self.pad), payload=payload)
-        try:
-            loop.call_soon_threadsafe(self._accept, item, evict_oldest)
-        except RuntimeError:  # the loop closed between the check and the call
-            raise BatcherClosed(f"Batcher {self.name!r} is not running") from None
+        # The loop is woken only when it waits for arrivals; while a batch runs it takes
+        # the inbox itself before collecting the next one. One wake-up per request (a
+        # socket write, a thread switch) would keep the loop thread and the GIL busy
+        # while a producer hands over thousands of items, slowing the batch itself.
+        # Order matters (no lost wake-up): append, then read the flags; the loop sets
+        # _loop_waiting, then looks at the inbox, then waits.
+        self._inbox.append((item, evict_oldest))
+        if self._loop_waiting and not self._inbox_scheduled:
+            self._inbox_scheduled = True
+            try:
+                loop.call_soon_threadsafe(self._take_inbox)
+            except RuntimeError:  # the loop closed between the check and the call
+                self._inbox_scheduled = False
+                raise BatcherClosed(f"Batcher {self.name!r} is not running") from None
         return future
+
+    def _take_inbox(self) -> None:
+        """On the loop: accept every request `submit_threadsafe` left in the inbox, in order."""
+        self._inbox_scheduled = False  # first: a request appended from now on schedules another call
+        while self._inbox:
+            item, evict_oldest = self._inbox.popleft()
+            self._accept(item, evict_oldest)
 
     def _accept(self, item: Pending, evict_oldest: bool) -> None:
         """On the loop: put a `submit_threadsafe` request in the queue (or answer why not)."""
@@ -645,6 +678,7 @@ class Batcher:
                 return
             self._drop(oldest)
             self.stats.rejected += 1
+            self.stats.evicted += 1
             _settle(oldest.future, error=Evicted(
                 f"Dropped from the full queue of batcher {self.name!r} (drop-oldest policy)"))
         now = time.monotonic()
@@ -675,12 +709,14 @@ class Batcher:
     async def _dispatch_loop(self) -> None:
         assert self._wakeup is not None
         while True:
+            self._take_inbox()
             if not self._queued:
                 self._queue.clear()  # only dead (cancelled / timed-out) requests are left
                 if not self._accepting:
+                    self._flush_answers()
                     break
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._wait_for_arrival(None)
                 continue
             if self._accepting:
                 now = time.monotonic()
@@ -693,13 +729,11 @@ class Batcher:
                 )
                 if wait > 0:
                     self._wakeup.clear()
-                    try:
-                        await asyncio.wait_for(self._wakeup.wait(), wait)
-                    except asyncio.TimeoutError:
-                        pass  # window over: dispatch what is queued
-                    else:
+                    if await self._wait_for_arrival(wait):
                         continue  # a new arrival (or stop): ask the policy again
+                    # window over: dispatch what is queued
             elif not self._draining:
+                self._flush_answers()
                 for item in self._queue:
                     if not item.dead:
                         _settle(item.future, error=BatcherClosed(f"Batcher {self.name!r} stopped"))
@@ -711,6 +745,26 @@ class Batcher:
             if batch:
                 await self._run(batch)
 
+    async def _wait_for_arrival(self, timeout: float | None) -> bool:
+        """Wait for a wake-up (an arrival, a stop) at most ``timeout`` s; True if one came."""
+        assert self._wakeup is not None
+        self._flush_answers()  # nobody waits for answers while the loop waits for arrivals
+        self._loop_waiting = True  # first: a producer appending from now on wakes the loop
+        try:
+            self._take_inbox()  # then look: what was appended before is taken here
+            if self._wakeup.is_set():
+                return True
+            if timeout is None:
+                await self._wakeup.wait()
+                return True
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except asyncio.TimeoutError:
+                return False
+            return True
+        finally:
+            self._loop_waiting = False
+
     async def _run(self, batch: list[Pending]) -> None:
         for item in batch:
             item.dispatched = True
@@ -719,16 +773,17 @@ class Batcher:
         rows = sum(p.rows for p in batch)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        self._in_flight = len(batch)
+        self._in_flight += len(batch)
+        work = loop.run_in_executor(self._executor, self._compute, batch)
+        self._flush_answers()  # the previous batch's callers (overlap_answers), while this one runs
         try:
-            results = await loop.run_in_executor(self._executor, self._compute, batch)
+            results = await work
         except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
             self.stats.failed += len(batch)
             for item in batch:
                 _settle(item.future, error=exc)
             results = None
-        finally:
-            self._in_flight = 0
+            self._in_flight -= len(batch)
         seconds = time.perf_counter() - t0
         self.policy.observe_batch(rows, seconds)
         st = self.stats
@@ -737,14 +792,23 @@ class Batcher:
         st.model_seconds += seconds
         st.batch_sizes[rows] = st.batch_sizes.get(rows, 0) + 1
         if results is not None:
-            for item, result in zip(batch, results):
-                if _settle(item.future, result=result):
-                    st.answered += 1
+            self._deferred.append((batch, results))
+            if not self.overlap_answers:
+                self._flush_answers()
         if self.on_batch is not None:
             try:
                 self.on_batch(rows, len(batch), seconds)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 pass
+
+    def _flush_answers(self) -> None:
+        """Answer the callers of the finished batch whose answers wait (see ``overlap_answers``)."""
+        while self._deferred:
+            batch, results = self._deferred.pop(0)
+            for item, result in zip(batch, results):
+                if _settle(item.future, result=result):
+                    self.stats.answered += 1
+            self._in_flight -= len(batch)
 
     def _compute(self, batch: list[Pending]) -> list[Outputs]:
         """Runs in the worker thread: stack, call the model, split (or the ``run_batch`` hook)."""

@@ -14,6 +14,7 @@ curves are written, and the run ends with one summary line and status 130/143.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -175,6 +176,10 @@ def run(args: argparse.Namespace) -> int:
         checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=args.resume, model_spec=spec,
         checkpoint_module=inner, input_shape=shape,
         metrics_csv=os.path.join(args.out, "metrics.csv"), metrics_interval=args.metrics_interval)
+    # torch, the model and the optimizer are here to stay: move their objects out of the cyclic
+    # collector's way. Its full collections scan every object while holding the GIL; with
+    # thousands of items per second they come every few seconds and stall steps and sources.
+    gc.freeze()
     done = threading.Event()  # the source ended (--input read whole) or --max-items were accepted
     source: Any = None
     try:

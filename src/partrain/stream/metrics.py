@@ -71,11 +71,13 @@ class StreamMetrics:
             self.batch_sum += items
             self.last = {"version": version, "items_trained": items_trained, "lr": lr, "loss": loss}
 
-    def record_latency(self, seconds: float) -> None:
+    def record_latencies(self, seconds: list[float]) -> None:
+        """Submit-to-prediction times of one step's items."""
         with self._lock:
-            self._latencies.append(seconds)
-            self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-            self.latency_sum += seconds
+            self._latencies.extend(seconds)
+            for s in seconds:
+                self.latency_counts[bisect.bisect_left(LATENCY_BUCKETS, s)] += 1
+            self.latency_sum += sum(seconds)
 
     def due(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) - self._row_start >= self.interval
