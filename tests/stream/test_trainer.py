@@ -219,9 +219,9 @@ def test_overflow_drop_oldest_evicts_the_oldest_waiting_item():
     first = trainer.submit(x2(), y1())
     wait_until(model.entered.is_set, "the first step to start")
     oldest, second, third = (trainer.submit(x2(i), y1()) for i in range(3))
+    model.gate.set()  # the batcher takes the three when the step ends: the third evicts the oldest
     with pytest.raises(Evicted):
-        oldest.result(5)
-    model.gate.set()
+        oldest.result(30)
     stats = trainer.close()
     assert [f.result(5).version for f in (first, second, third)] == [0, 1, 1]
     assert stats.dropped == 1 and stats.predicted == 3 and stats.accepted == 4 and stats.unresolved == 0
