@@ -27,6 +27,7 @@ GOALS = {
     "serve": {"serve.batched_vs_unbatched", "serve.vs_litserve"},
     "population": {"population.auto_vs_best", "population.vs_pool"},
     "engines": {"engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"},
+    "stream": {"stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"},
 }
 # what each toy run must print besides its goals (a line of its main table)
 TABLE_LINE = {
@@ -36,6 +37,7 @@ TABLE_LINE = {
     "serve": "unbatched",
     "population": "auto chose",
     "engines": "torchrun standalone",
+    "stream": "hand queue",
 }
 
 

@@ -56,6 +56,7 @@ GOALS: dict[str, tuple[str, ...]] = {
     "serve": ("serve.batched_vs_unbatched", "serve.vs_litserve"),
     "population": ("population.auto_vs_best", "population.vs_pool"),
     "engines": ("engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"),
+    "stream": ("stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"),
 }
 
 SMOKE_NOTE = "smoke run: figures are noise"
