@@ -279,7 +279,16 @@ def run(args: argparse.Namespace) -> Report:
                     LstmRegressor(FEATURES, size.hidden))
     # as partrain stream does: the long-lived objects (torch, the items) leave the cyclic collector's
     # full collections, which would otherwise stall whichever variant runs (every variant alike)
+    gc.collect()
     gc.freeze()
+    try:
+        _measure(report, work, size, rounds, args)
+    finally:
+        gc.unfreeze()  # the benchmark may run inside another program (a test): give its objects back
+    return report
+
+
+def _measure(report: Report, work: Workload, size: Size, rounds: int, args: argparse.Namespace) -> None:
     report.say(f"model: LSTM({FEATURES} -> {size.hidden}) over {SEQ} steps + linear head, SGD, MSE; "
                f"{args.threads} torch thread(s); max batch {args.max_batch}; {rounds} alternating round(s)")
     with torch_threads(args.threads):
@@ -299,7 +308,6 @@ def run(args: argparse.Namespace) -> Report:
         }, rounds, on_result=lambda r, name, res: report.progress(
             f"round {r + 1} {name} at {rate:.0f} items/s: p99 {res.p99_ms:.1f} ms"))
     _report(report, saturation, at_rate, rate, args.max_batch)
-    return report
 
 
 def _pooled(runs: list[Run]) -> Run:

@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     # torch, the model and the optimizer are here to stay: move their objects out of the cyclic
     # collector's way. Its full collections scan every object while holding the GIL; with
     # thousands of items per second they come every few seconds and stall steps and sources.
+    gc.collect()
     gc.freeze()
     done = threading.Event()  # the source ended (--input read whole) or --max-items were accepted
     source: Any = None
@@ -197,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
             stats = trainer.close(drain=True, curves=os.path.join(args.out, "curves.png"))
         finally:
             unsent = source.stop() if source is not None else 0
+            gc.unfreeze()  # main() may run inside another program (a test)
         if source is not None:  # a source that never started has nothing to report
             print(_summary(stats, trainer, ckpt, unsent), file=sys.stderr, flush=True)
     if stats.updates == 0:
