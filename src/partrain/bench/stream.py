@@ -84,7 +84,7 @@ class Size:
     hidden: int = HIDDEN
 
 
-FULL = Size(6000, 600, 4.0, 5)
+FULL = Size(10000, 1000, 6.0, 5)
 QUICK = Size(1500, 150, 1.5, 2)
 TOY = Size(120, 12, 0.3, 1, hidden=16)
 
