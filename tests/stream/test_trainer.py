@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import csv
+import re
 import shutil
 import threading
 
@@ -364,6 +365,8 @@ def test_metrics_rows_go_to_csv_and_prometheus(tmp_path):
     assert 'partrain_stream_items_total{outcome="accepted"} 20.0' in text
     assert "partrain_stream_prediction_latency_seconds_count 20.0" in text
     assert "partrain_stream_batch_size_bucket" in text and "partrain_stream_queue_depth" in text
+    steps = re.search(r'partrain_stream_steps_total\{kind="all"\} (\S+)', text)
+    assert steps and float(steps.group(1)) == trainer.stats.steps
     trainer.close()
     with open(path) as f:
         rows = list(csv.DictReader(f))

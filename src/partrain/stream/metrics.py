@@ -22,6 +22,8 @@ from typing import Any
 COLUMNS = ("time_s", "version", "items_trained", "items_per_s", "steps", "mean_batch", "max_batch",
            "queue_depth", "loss", "lr", "latency_p50_ms", "latency_p99_ms", "accepted", "dropped",
            "rejected", "duplicates", "failed", "malformed")
+#: counts of steps, not items: exposed as partrain_stream_steps_total{kind=...}
+STEP_COUNTS = {"steps": "all", "updates": "updated", "skipped_updates": "skipped_non_finite"}
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 
@@ -161,9 +163,14 @@ def prometheus_collector(metrics: StreamMetrics, counts: Callable[[], dict[str, 
     class Collector:
         def collect(self) -> Iterator[Any]:
             items = CounterMetricFamily("partrain_stream_items", "Stream items by outcome", labels=["outcome"])
-            for outcome, n in counts().items():
-                items.add_metric([outcome], n)
+            steps = CounterMetricFamily("partrain_stream_steps", "Steps by kind", labels=["kind"])
+            for name, n in counts().items():
+                if name in STEP_COUNTS:
+                    steps.add_metric([STEP_COUNTS[name]], n)
+                else:
+                    items.add_metric([name], n)
             yield items
+            yield steps
             for name, value in gauges().items():
                 yield GaugeMetricFamily(f"partrain_stream_{name}", name.replace("_", " "), value=value)
             with metrics._lock:
