@@ -144,17 +144,23 @@ def collect_batch(queue: deque[Pending], max_batch_size: int, now: float) -> tup
     return batch, expired
 
 
-def stack_batch(batch: Sequence[Pending], pad_value: float = 0.0) -> tuple[tuple[Tensor, ...], list[list[tuple[int, ...]]]]:
+def stack_batch(batch: Sequence[Pending], pad_value: float = 0.0, *,
+                same_shapes: bool = False) -> tuple[tuple[Tensor, ...], list[list[tuple[int, ...]]]]:
     """Concatenate the requests' rows per input, padding trailing dims to the largest.
 
     Returns the batched inputs and, per request, each input's own trailing shape
-    (used to cut padded outputs back).
+    (used to cut padded outputs back). ``same_shapes=True`` says the caller knows the
+    requests share their trailing shapes (a batch `collect_batch` took without
+    padding): nothing to pad, so the per-request shape checks are skipped.
     """
     n_inputs = len(batch[0].inputs)
     own = [[tuple(p.inputs[i].shape[1:]) for i in range(n_inputs)] for p in batch]
     stacked = []
     for i in range(n_inputs):
         parts = [p.inputs[i] for p in batch]
+        if same_shapes:
+            stacked.append(parts[0] if len(parts) == 1 else torch.cat(parts, 0))
+            continue
         target = [max(s) for s in zip(*(t.shape[1:] for t in parts))] if parts[0].dim() > 1 else []
         padded = []
         for t in parts:
@@ -660,11 +666,14 @@ class Batcher:
     def _take_inbox(self) -> None:
         """On the loop: accept every request `submit_threadsafe` left in the inbox, in order."""
         self._inbox_scheduled = False  # first: a request appended from now on schedules another call
+        if not self._inbox:
+            return
+        now = time.monotonic()
         while self._inbox:
             item, evict_oldest = self._inbox.popleft()
-            self._accept(item, evict_oldest)
+            self._accept(item, evict_oldest, now)
 
-    def _accept(self, item: Pending, evict_oldest: bool) -> None:
+    def _accept(self, item: Pending, evict_oldest: bool, now: float) -> None:
         """On the loop: put a `submit_threadsafe` request in the queue (or answer why not)."""
         if not self._accepting:
             _settle(item.future, error=BatcherClosed(f"Batcher {self.name!r} is not accepting requests"))
@@ -681,7 +690,6 @@ class Batcher:
             self.stats.evicted += 1
             _settle(oldest.future, error=Evicted(
                 f"Dropped from the full queue of batcher {self.name!r} (drop-oldest policy)"))
-        now = time.monotonic()
         self._queue.append(item)
         self._queued += 1
         self._queued_rows += item.rows
@@ -820,7 +828,7 @@ class Batcher:
             return results
         assert self.fn is not None
         padded = self.pad and len({tuple(tuple(t.shape[1:]) for t in p.inputs) for p in batch}) > 1
-        inputs, own = stack_batch(batch, self.pad_value)
+        inputs, own = stack_batch(batch, self.pad_value, same_shapes=not self.pad)
         with torch.inference_mode():
             output = self.fn(inputs[0] if len(inputs) == 1 else inputs)
         return split_outputs(output, batch, inputs, own, padded)

@@ -232,7 +232,6 @@ class OnlineTrainer:
         self.name = name
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._stats = StreamStats()
-        self._record: StepRecord | None = None
         self.metrics = StreamMetrics(metrics_csv, metrics_interval, max_batch)
         self.version = 0  # optimizer updates applied
         self.items_trained = 0  # labelled items the updates trained on (the schedule's clock)
@@ -426,7 +425,7 @@ class OnlineTrainer:
             self._waiting -= len(batch)
             self._cond.notify_all()
         try:
-            predictions = self._step(batch)
+            predictions, record = self._step(batch)
         except BaseException:
             with self._cond:
                 self._stats.failed += len(batch)
@@ -435,10 +434,10 @@ class OnlineTrainer:
         self.metrics.record_latencies([now - p.payload.submitted for p in batch])
         with self._cond:
             self._stats.predicted += len(batch)
-        self._after_step()
+        self._after_step(record)
         return predictions
 
-    def _step(self, batch: list[Pending]) -> list[Prediction]:
+    def _step(self, batch: list[Pending]) -> tuple[list[Prediction], StepRecord]:
         """Forward, predictions, update: what a failure turns into an error for every item of the batch."""
         t0 = time.perf_counter()
         version = self.version
@@ -450,7 +449,7 @@ class OnlineTrainer:
         rows = list(batch) + [r.as_pending(self.pad) for r in replayed]
         n_replayed = len(replayed)
         padded = self.pad and len({tuple(tuple(t.shape[1:]) for t in p.inputs) for p in rows}) > 1
-        stacked, own = stack_batch(rows, self.pad_value)
+        stacked, own = stack_batch(rows, self.pad_value, same_shapes=not self.pad)
         stacked = tuple(t.to(self.device) for t in stacked)
         n = sum(p.rows for p in batch)
         model = self.model
@@ -487,7 +486,8 @@ class OnlineTrainer:
             target = torch.stack([p.payload.target for p in labelled] + [r.target for r in replayed]).to(self.device)
             weights = torch.tensor([p.payload.weight for p in labelled] + [r.weight for r in replayed],
                                    dtype=torch.float64, device=self.device)
-            picked = _rows_at(output, torch.tensor(index, device=self.device))
+            # every row labelled (the common case): the output as it is, no gather
+            picked = output if len(index) == len(rows) else _rows_at(output, torch.tensor(index, device=self.device))
             loss = weighted_loss(self.loss_fn, picked, target, weights)
             loss_value = float(loss.detach())
             if math.isfinite(loss_value) and float(weights.sum()) > 0:
@@ -510,13 +510,12 @@ class OnlineTrainer:
         seconds = time.perf_counter() - t0
         self.metrics.record_step(items=len(batch), loss=loss_value, lr=lr, version=self.version,
                                  items_trained=self.items_trained)
-        self._record = StepRecord(version, tuple(p.payload.item_id for p in batch), len(batch), len(labelled),
-                                  n_replayed, loss_value, lr, update, seconds)
-        return predictions
+        record = StepRecord(version, tuple(p.payload.item_id for p in batch), len(batch), len(labelled),
+                            n_replayed, loss_value, lr, update, seconds)
+        return predictions, record
 
-    def _after_step(self) -> None:
+    def _after_step(self, record: StepRecord) -> None:
         """Checkpoint, metrics row, hook: the items are trained on, so a failure here is not theirs."""
-        record = self._record
         try:
             if record.updated and self.checkpoint_every and self.version % self.checkpoint_every == 0:
                 self.checkpoint_now()
