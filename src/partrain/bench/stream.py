@@ -277,10 +277,6 @@ def run(args: argparse.Namespace) -> Report:
     torch.manual_seed(0)
     work = Workload([(torch.randn(SEQ, FEATURES), torch.randn(1)) for _ in range(size.saturation_items)],
                     LstmRegressor(FEATURES, size.hidden))
-    # as partrain stream does: the long-lived objects (torch, the items) leave the cyclic collector's
-    # full collections, which would otherwise stall whichever variant runs (every variant alike)
-    gc.collect()
-    gc.freeze()
     try:
         _measure(report, work, size, rounds, args)
     finally:
@@ -292,7 +288,15 @@ def _measure(report: Report, work: Workload, size: Size, rounds: int, args: argp
     report.say(f"model: LSTM({FEATURES} -> {size.hidden}) over {SEQ} steps + linear head, SGD, MSE; "
                f"{args.threads} torch thread(s); max batch {args.max_batch}; {rounds} alternating round(s)")
     with torch_threads(args.threads):
-        run_online(work, min(200, size.saturation_items), args.max_batch)  # warm-up: first calls, allocator
+        warm = min(200, size.saturation_items)  # first calls: allocator, lazy imports of torch.optim
+        run_per_item(work, min(20, warm))
+        run_hand_queue(work, warm, args.max_batch)
+        run_online(work, warm, args.max_batch)
+        # as partrain stream does: the long-lived objects (torch and what it imported lazily, the
+        # items) leave the cyclic collector's full collections, which would otherwise stall whichever
+        # variant runs for tens of milliseconds (every variant alike)
+        gc.collect()
+        gc.freeze()
         saturation = alternate({
             "per-item": lambda: run_per_item(work, size.per_item_items),
             "hand queue": lambda: run_hand_queue(work, size.saturation_items, args.max_batch),

@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
         replay=args.replay, replay_capacity=args.replay_capacity, seed=args.seed, lr_schedule=args.lr_schedule,
         checkpoint=ckpt, checkpoint_every=args.checkpoint_every, resume=args.resume, model_spec=spec,
         checkpoint_module=inner, input_shape=shape,
-        metrics_csv=os.path.join(args.out, "metrics.csv"), metrics_interval=args.metrics_interval)
+        metrics_csv=os.path.join(args.out, "metrics.csv"), metrics_interval=args.metrics_interval,
+        on_step=_freeze_after_first_update())
     # torch, the model and the optimizer are here to stay: move their objects out of the cyclic
     # collector's way. Its full collections scan every object while holding the GIL; with
     # thousands of items per second they come every few seconds and stall steps and sources.
@@ -205,6 +206,19 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"Expected labelled items to train on. Received: {stats.accepted} items accepted, "
                          "no update taken (no labels, or every loss non-finite)")
     return 0
+
+
+def _freeze_after_first_update() -> Any:
+    """An ``on_step`` hook: freeze once more after the first update (the optimizer's first step
+    imports parts of torch lazily: thousands of objects that would stay in the collector's way)."""
+    done = []
+
+    def hook(record: Any) -> None:
+        if record.updated and not done:
+            done.append(True)
+            gc.freeze()
+
+    return hook
 
 
 def _summary(stats: Any, trainer: Any, ckpt: str, unsent: int) -> str:
