@@ -75,16 +75,11 @@ class TrainerClosed(BatcherClosed):
 
 
 class DuplicateItem(RuntimeError):
-    """An item with this id was accepted already (within ``dedup_window`` ids): not trained twice.
+    """An item with this id was accepted already (within ``dedup_window`` ids): not trained twice."""
 
-    ``future`` is the first copy's future while that copy is still in flight or
-    recent, else None.
-    """
-
-    def __init__(self, item_id: Hashable, future: concurrent.futures.Future | None):
+    def __init__(self, item_id: Hashable):
         super().__init__(f"Item id {item_id!r} was accepted already: not trained on twice")
         self.item_id = item_id
-        self.future = future
 
 
 @dataclass
@@ -238,8 +233,7 @@ class OnlineTrainer:
         self._base_lr = [g["lr"] for g in optimizer.param_groups]
         self._buffer = ReplayBuffer(replay_capacity, seed)
         self._target_spec: tuple[tuple[int, ...], torch.dtype] | None = None
-        # ids of accepted items -> their future (None once answered): refuses redeliveries
-        self._seen: OrderedDict[Hashable, concurrent.futures.Future | None] = OrderedDict()
+        self._seen: OrderedDict[Hashable, None] = OrderedDict()  # ids accepted (the last dedup_window)
         self._trained_ids: OrderedDict[Hashable, None] = OrderedDict()  # what a checkpoint keeps
         self._cond = threading.Condition()  # guards accepting, waiting count, ids and stats
         self._waiting = 0  # accepted items not yet taken into a step
@@ -280,7 +274,7 @@ class OnlineTrainer:
             self._waiting += 1
             self._stats.accepted += 1
             if id is not None:
-                self._seen[id] = None  # the future, once there is one
+                self._seen[id] = None
                 while len(self._seen) > self.dedup_window:
                     self._seen.popitem(last=False)
         # outside the lock: a step starting now must not wait for this hand-over
@@ -293,8 +287,6 @@ class OnlineTrainer:
                 self._stats.accepted -= 1
                 self._seen.pop(id, None)
             raise TrainerClosed(f"Online trainer {self.name!r} is closed") from None
-        if id is not None and id in self._seen:
-            self._seen[id] = future
         return future
 
     async def asubmit(self, x: Inputs, y: Any = None, *, weight: float = 1.0,
@@ -326,8 +318,7 @@ class OnlineTrainer:
             raise TrainerClosed(f"Online trainer {self.name!r} is closed")
         if item_id is not None and item_id in self._seen:
             self._stats.duplicates += 1
-            first = self._seen[item_id]
-            raise DuplicateItem(item_id, first)
+            raise DuplicateItem(item_id)
         if self._waiting < self.max_queue or self.overflow == "drop_oldest":
             return
         if self.overflow == "reject":
