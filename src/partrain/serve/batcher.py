@@ -475,6 +475,7 @@ class Batcher:
         self._inbox: deque[tuple[Pending, bool]] = deque()  # submit_threadsafe -> the loop
         self._inbox_scheduled = False
         self._loop_waiting = False  # the dispatch loop waits for an arrival: wake it
+        self._handover = threading.RLock()  # submit_threadsafe's append vs stop's last look at the inbox
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -510,8 +511,9 @@ class Batcher:
         """Stop accepting; answer every queued request (run it if ``drain``), then end."""
         if self._task is None:
             return
-        self._take_inbox()  # requests handed over before the stop are accepted, then drained or answered
-        self._accepting = False
+        with self._handover:  # requests handed over before the stop are accepted, then drained or answered
+            self._take_inbox()
+            self._accepting = False
         self._draining = drain
         assert self._wakeup is not None
         self._wakeup.set()
@@ -647,13 +649,16 @@ class Batcher:
         future: concurrent.futures.Future = concurrent.futures.Future()
         item = Pending(inputs, inputs[0].shape[0], future, None, time.monotonic(),
                        batch_key(inputs, self.pad), payload=payload)
+        with self._handover:  # either in the inbox before `stop` takes it for the last time, or refused
+            if not self._accepting:
+                raise BatcherClosed(f"Batcher {self.name!r} is not running")
+            self._inbox.append((item, evict_oldest))
         # The loop is woken only when it waits for arrivals; while a batch runs it takes
         # the inbox itself before collecting the next one. One wake-up per request (a
         # socket write, a thread switch) would keep the loop thread and the GIL busy
         # while a producer hands over thousands of items, slowing the batch itself.
         # Order matters (no lost wake-up): append, then read the flags; the loop sets
         # _loop_waiting, then looks at the inbox, then waits.
-        self._inbox.append((item, evict_oldest))
         if self._loop_waiting and not self._inbox_scheduled:
             self._inbox_scheduled = True
             try:

@@ -70,6 +70,10 @@ class Prediction(NamedTuple):
     version: int
 
 
+class _WouldBlock(Exception):
+    """`submit` from an event loop found the queue full under overflow "block": wait off the loop."""
+
+
 class TrainerClosed(BatcherClosed):
     """The trainer is closed or closing and accepts no new items."""
 
@@ -262,6 +266,10 @@ class OnlineTrainer:
         for an item that does not fit (one line). From a coroutine, use `asubmit`
         (``"block"`` would block the event loop).
         """
+        return self._submit(x, y, weight, id, wait=True)
+
+    def _submit(self, x: Inputs, y: Any, weight: float, id: Hashable | None,  # noqa: A002
+                wait: bool) -> concurrent.futures.Future:
         inputs = self._check_inputs(x)
         target = self._check_target(y)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
@@ -270,7 +278,7 @@ class OnlineTrainer:
         if id is not None and not isinstance(id, (str, int)):
             raise UsageError(f"Expected an item id as a str or int. Received: {type(id).__name__}")
         with self._cond:
-            self._admit(id)
+            self._admit(id, wait)
             self._waiting += 1
             self._stats.accepted += 1
             if id is not None:
@@ -294,25 +302,20 @@ class OnlineTrainer:
         """`submit` and await the prediction from a coroutine; a full queue is waited on off the loop."""
         try:
             future = self._submit_now(x, y, weight, id)
-        except QueueFull:
-            if self.overflow != "block":
-                raise
+        except _WouldBlock:
             future = await asyncio.to_thread(self.submit, x, y, weight=weight, id=id)
         return await asyncio.wrap_future(future)
 
     def _submit_now(self, x: Inputs, y: Any, weight: float, item_id: Hashable | None) -> concurrent.futures.Future:
-        """`submit` that never blocks: `QueueFull` when it would."""
-        with self._cond:
-            if self.overflow == "block" and self._waiting >= self.max_queue:
-                raise QueueFull(f"Online trainer {self.name!r} queue is full ({self.max_queue} items waiting)")
-        return self.submit(x, y, weight=weight, id=item_id)
+        """`submit` that never blocks (an event loop calls it): `WouldBlock` when it would."""
+        return self._submit(x, y, weight, item_id, wait=False)
 
     def predict(self, x: Inputs, y: Any = None, *, weight: float = 1.0, id: Hashable | None = None,  # noqa: A002
                 timeout: float | None = 60.0) -> Prediction:
         """`submit` and wait for the prediction (a blocking call, e.g. in an ``on_message`` callback)."""
         return self.submit(x, y, weight=weight, id=id).result(timeout)
 
-    def _admit(self, item_id: Hashable | None) -> None:
+    def _admit(self, item_id: Hashable | None, wait: bool) -> None:
         """Under the lock: refuse a closed trainer, a duplicate, or (by the overflow policy) a full queue."""
         if self._closed:
             raise TrainerClosed(f"Online trainer {self.name!r} is closed")
@@ -325,6 +328,8 @@ class OnlineTrainer:
             self._stats.rejected += 1
             raise QueueFull(f"Online trainer {self.name!r} queue is full ({self.max_queue} items waiting); "
                             f"{self._stats.rejected} rejected so far")
+        if not wait:
+            raise _WouldBlock()
         deadline = time.monotonic() + self.block_timeout
         while self._waiting >= self.max_queue:
             left = deadline - time.monotonic()
@@ -387,9 +392,7 @@ class OnlineTrainer:
             try:
                 try:
                     self._submit_now(x, y, weight, item_id)
-                except QueueFull:
-                    if self.overflow != "block":
-                        raise
+                except _WouldBlock:
                     await asyncio.to_thread(self.submit, x, y, weight=weight, id=item_id)
             except (DuplicateItem, QueueFull):
                 continue
