@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -138,3 +139,36 @@ def test_sigterm_drains_every_accepted_item(workdir):
     assert "stopped by SIGTERM" in err
     state = load_checkpoint(str(workdir / "run" / "checkpoint.pt"))
     assert state["stream"]["items_trained"] == 40 and sorted(state["stream"]["trained_ids"]) == list(range(40))
+
+
+def test_mqtt_end_to_end_with_a_session_kept_by_the_broker(workdir, capsys, broker):
+    """The docs' example: messages published while ``partrain stream`` is not running wait in its
+    persistent session (same client id) and are trained on, answered, and checkpointed."""
+    pytest.importorskip("paho.mqtt.client")
+    from .test_mqtt import Replies, client, close
+
+    session = client(broker, "cli-stream")  # the session the command will resume: subscribed, then away
+    subscribed = threading.Event()
+    session.on_subscribe = lambda *args: subscribed.set()
+    session.subscribe("sensors/#", qos=1)
+    assert subscribed.wait(20), "no SUBACK"
+    close(session)
+    replies = Replies(broker)
+    publisher = client(broker, "cli-publisher")
+    g = torch.Generator().manual_seed(0)
+    sent = [publisher.publish("sensors/a", b"not an item", qos=1)]  # first: counted before the 50th item
+    for i in range(50):
+        x = torch.rand(3, generator=g).tolist()
+        sent.append(publisher.publish("sensors/a", json.dumps({"id": i, "x": x, "y": [sum(x)]}), qos=1))
+    for info in sent:
+        info.wait_for_publish(20)  # the broker has them (PUBACK): queued for the absent session
+    close(publisher)
+    assert main(["stream", "stream_cli_model:build", "--mqtt", broker.address, "--topic", "sensors/#",
+                 "--client-id", "cli-stream", "--reply-topic", "replies/{topic}", "--input-shape", "3",
+                 "--max-items", "50", "--out", "run", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert "50 items accepted: 50 answered (50 trained on in" in err and "1 malformed" in err, err
+    wait_until(lambda: replies.count() == 50, "50 replies")
+    close(replies.client)
+    assert all(r[0]["version"] >= 0 and len(r[0]["prediction"]) == 1 for r in replies.by_id.values())
+    assert load_checkpoint(str(workdir / "run" / "checkpoint.pt"))["stream"]["items_trained"] == 50
