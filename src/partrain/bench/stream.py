@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import copy
+import functools
 import gc
 import queue
 import statistics
@@ -219,7 +220,7 @@ def run_hand_queue(work: Workload, n: int, max_batch: int, rate: float | None = 
 
     def hand_over(i: int) -> None:
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.add_done_callback(lambda f, i=i: answered(i, f))
+        future.add_done_callback(functools.partial(answered, i))
         futures.append(future)
         q.put((work.items[i][0], work.items[i][1], future))
 
@@ -254,7 +255,7 @@ def run_online(work: Workload, n: int, max_batch: int, rate: float | None = None
 
     def hand_over(i: int) -> None:
         future = trainer.submit(work.items[i][0], work.items[i][1])
-        future.add_done_callback(lambda f, i=i: answered(i, f))
+        future.add_done_callback(functools.partial(answered, i))
         futures.append(future)
 
     try:

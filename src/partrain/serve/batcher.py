@@ -440,7 +440,7 @@ class Batcher:
                  policy: str | Policy = "adaptive", max_queue: int = 4096,
                  pad_value: float = 0.0, name: str = "model", pad: bool = False,
                  on_batch: Callable[[int, int, float], None] | None = None,
-                 run_batch: Callable[[list[Pending]], Sequence[Outputs]] | None = None,
+                 run_batch: Callable[[list[Pending]], Sequence[Any]] | None = None,
                  overlap_answers: bool = False):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"Expected max_batch_size >= 1. Received: max_batch_size={max_batch_size!r}")
@@ -451,7 +451,7 @@ class Batcher:
         self.fn = fn
         self.run_batch = run_batch
         self.overlap_answers = overlap_answers
-        self._deferred: list[tuple[list[Pending], list[Outputs]]] = []  # finished, not yet answered
+        self._deferred: list[tuple[list[Pending], list[Any]]] = []  # finished, not yet answered
         self.max_batch_size = max_batch_size
         self.policy = make_policy(policy)
         self.max_queue = max_queue
@@ -823,7 +823,7 @@ class Batcher:
                     self.stats.answered += 1
             self._in_flight -= len(batch)
 
-    def _compute(self, batch: list[Pending]) -> list[Outputs]:
+    def _compute(self, batch: list[Pending]) -> list[Any]:
         """Runs in the worker thread: stack, call the model, split (or the ``run_batch`` hook)."""
         if self.run_batch is not None:
             results = list(self.run_batch(batch))

@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
 def _freeze_after_first_update() -> Any:
     """An ``on_step`` hook: freeze once more after the first update (the optimizer's first step
     imports parts of torch lazily: thousands of objects that would stay in the collector's way)."""
-    done = []
+    done: list[bool] = []
 
     def hook(record: Any) -> None:
         if record.updated and not done:

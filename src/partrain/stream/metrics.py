@@ -191,4 +191,4 @@ def serve_prometheus(collector: Any, host: str = "127.0.0.1", port: int = 0) -> 
     registry.register(collector)
     server, _thread = start_http_server(port, addr=host, registry=registry)
     bound_host, bound_port = server.server_address[:2]
-    return server, f"http://{bound_host}:{bound_port}/metrics"
+    return server, f"http://{bound_host!s}:{bound_port}/metrics"
