@@ -104,7 +104,7 @@ def test_bad_model_unreachable_broker_and_no_labels_are_one_line(workdir, capsys
     write_items(workdir / "u.jsonl", list(range(5)), labelled=False)
     assert main(["stream", "stream_cli_model:build", "--input", "u.jsonl", "--quiet", "--out", "run"]) == 2
     err = capsys.readouterr().err
-    assert "error: Expected labelled items to train on. Received: 5 items accepted, no update taken" in err
+    assert "error: Expected labelled items to train on. Received: 5 items accepted, 0 failed, no update taken" in err
 
 
 def test_sigterm_drains_every_accepted_item(workdir):

@@ -204,7 +204,12 @@ def run(args: argparse.Namespace) -> int:
             print(_summary(stats, trainer, ckpt, unsent), file=sys.stderr, flush=True)
     if stats.updates == 0:
         raise UsageError(f"Expected labelled items to train on. Received: {stats.accepted} items accepted, "
-                         "no update taken (no labels, or every loss non-finite)")
+                         f"{stats.failed} failed, no update taken (no labels, or every loss non-finite)")
+    if stats.skipped_updates or stats.failed:
+        # a run that skipped updates (non-finite loss) or failed steps is not a clean run: say so in the status
+        print(f"partrain stream: error: {stats.skipped_updates} updates skipped (non-finite loss), "
+              f"{stats.failed} items failed (their step raised)", file=sys.stderr)
+        return 1
     return 0
 
 
