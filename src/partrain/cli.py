@@ -32,6 +32,7 @@ SUBCOMMANDS = {
     "train": "partrain.train.cli",
     "population": "partrain.population.cli",
     "serve": "partrain.serve.cli",
+    "stream": "partrain.stream.cli",
     "loadtest": "partrain.serve.loadtest_cli",
     "bench": "partrain.bench.cli",
 }

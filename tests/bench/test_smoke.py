@@ -28,6 +28,7 @@ GOALS = {
     "population": {"population.auto_vs_best", "population.vs_pool"},
     "engines": {"engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"},
     "pipeline": {"pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"},
+    "stream": {"stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"},
 }
 # what each toy run must print besides its goals (a line of its main table)
 TABLE_LINE = {
@@ -38,6 +39,7 @@ TABLE_LINE = {
     "population": "auto chose",
     "engines": "torchrun standalone",
     "pipeline": "1f1b m=8",
+    "stream": "hand queue",
 }
 
 

@@ -19,4 +19,5 @@ BENCHMARKS = {
     "population": "partrain.bench.population",
     "engines": "partrain.bench.engines",
     "pipeline": "partrain.bench.pipeline",
+    "stream": "partrain.bench.stream",
 }

@@ -57,6 +57,7 @@ GOALS: dict[str, tuple[str, ...]] = {
     "population": ("population.auto_vs_best", "population.vs_pool"),
     "engines": ("engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"),
     "pipeline": ("pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"),
+    "stream": ("stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"),
 }
 
 SMOKE_NOTE = "smoke run: figures are noise"

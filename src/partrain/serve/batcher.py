@@ -44,10 +44,18 @@ class BatcherClosed(RuntimeError):
     """The batcher is stopped or stopping and accepts no new requests."""
 
 
+class Evicted(QueueFull):
+    """The request waited in a full queue and was dropped to make room for a newer one.
+
+    Only with ``submit_threadsafe(..., evict_oldest=True)`` (a drop-oldest overflow
+    policy): the oldest request not yet dispatched gets this error and never runs.
+    """
+
+
 # --------------------------------------------------------------------------- requests
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: no dict per request (fewer objects for the collector)
 class Pending:
     """One accepted request waiting in the queue.
 
@@ -63,10 +71,13 @@ class Pending:
     key: tuple = ()
     dead: bool = False  # cancelled or timed out by its caller: drop, never run
     dispatched: bool = False
+    payload: Any = None  # what travels with the request unbatched (a label, a weight); see run_batch
 
 
 def as_inputs(x: Inputs) -> tuple[Tensor, ...]:
     """Normalise a request to a tuple of tensors sharing their leading (row) dim."""
+    if isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] >= 1:  # the common case, cheaply
+        return (x,)
     inputs = (x,) if isinstance(x, Tensor) else tuple(x)
     if not inputs or not all(isinstance(t, Tensor) for t in inputs):
         raise TypeError(
@@ -91,8 +102,8 @@ def batch_key(inputs: tuple[Tensor, ...], pad: bool) -> tuple:
     shape); with padding only the rank and dtype must agree, trailing sizes may differ.
     """
     if pad:
-        return tuple((t.dim(), t.dtype, t.device) for t in inputs)
-    return tuple((tuple(t.shape[1:]), t.dtype, t.device) for t in inputs)
+        return tuple([(t.dim(), t.dtype, t.device) for t in inputs])
+    return tuple([(t.shape[1:], t.dtype, t.device) for t in inputs])  # torch.Size is a tuple
 
 
 def collect_batch(queue: deque[Pending], max_batch_size: int, now: float) -> tuple[list[Pending], list[Pending]]:
@@ -133,17 +144,23 @@ def collect_batch(queue: deque[Pending], max_batch_size: int, now: float) -> tup
     return batch, expired
 
 
-def stack_batch(batch: Sequence[Pending], pad_value: float = 0.0) -> tuple[tuple[Tensor, ...], list[list[tuple[int, ...]]]]:
+def stack_batch(batch: Sequence[Pending], pad_value: float = 0.0, *,
+                same_shapes: bool = False) -> tuple[tuple[Tensor, ...], list[list[tuple[int, ...]]]]:
     """Concatenate the requests' rows per input, padding trailing dims to the largest.
 
     Returns the batched inputs and, per request, each input's own trailing shape
-    (used to cut padded outputs back).
+    (used to cut padded outputs back). ``same_shapes=True`` says the caller knows the
+    requests share their trailing shapes (a batch `collect_batch` took without
+    padding): nothing to pad, so the per-request shape checks are skipped.
     """
     n_inputs = len(batch[0].inputs)
     own = [[tuple(p.inputs[i].shape[1:]) for i in range(n_inputs)] for p in batch]
     stacked = []
     for i in range(n_inputs):
         parts = [p.inputs[i] for p in batch]
+        if same_shapes:
+            stacked.append(parts[0] if len(parts) == 1 else torch.cat(parts, 0))
+            continue
         target = [max(s) for s in zip(*(t.shape[1:] for t in parts))] if parts[0].dim() > 1 else []
         padded = []
         for t in parts:
@@ -193,6 +210,25 @@ def split_outputs(
         start += p.rows
         results.append(mine[0] if isinstance(output, Tensor) else tuple(mine))
     return results
+
+
+def _settle(future: Any, *, result: Any = None, error: BaseException | None = None) -> bool:
+    """Answer ``future`` unless it is done; False if it was (a caller may cancel it any time).
+
+    A `concurrent.futures.Future` (`Batcher.submit_threadsafe`) can be cancelled from
+    another thread between a ``done()`` check and ``set_result``; that must never
+    break the dispatch loop.
+    """
+    if future.done():
+        return False
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except (asyncio.InvalidStateError, concurrent.futures.InvalidStateError):
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------- policies
@@ -345,7 +381,8 @@ class BatcherStats:
 
     submitted: int = 0
     answered: int = 0
-    rejected: int = 0
+    rejected: int = 0  # QueueFull, and evictions (``evicted`` counts those)
+    evicted: int = 0
     expired: int = 0
     cancelled: int = 0
     failed: int = 0
@@ -384,17 +421,37 @@ class Batcher:
     dispatched. `QueueFull` is raised by ``submit`` when ``max_queue`` requests wait.
 
     ``on_batch(rows, requests, seconds)`` is called after each model run (metrics).
+
+    ``run_batch(batch) -> outputs`` replaces the default model call for users that
+    need more than ``fn`` on the stacked inputs (online training: the batch's labels
+    travel in each request's ``payload``, and the call needs autograd). It gets the
+    `Pending` requests of one batch, runs in the same worker thread, one batch at a
+    time, *without* ``inference_mode``, and returns one output per request (build it
+    with `stack_batch` and `split_outputs`, the code the default path uses).
+
+    ``overlap_answers=True`` answers a finished batch's callers only once the next
+    batch has been handed to the worker thread (or the loop has nothing to run):
+    setting hundreds of futures then overlaps the next model call instead of
+    delaying it. For throughput-bound users (online training); `in_flight` counts
+    those requests until they are answered.
     """
 
-    def __init__(self, fn: Callable[[Inputs], Outputs], *, max_batch_size: int = 64,
+    def __init__(self, fn: Callable[[Inputs], Outputs] | None, *, max_batch_size: int = 64,
                  policy: str | Policy = "adaptive", max_queue: int = 4096,
                  pad_value: float = 0.0, name: str = "model", pad: bool = False,
-                 on_batch: Callable[[int, int, float], None] | None = None):
+                 on_batch: Callable[[int, int, float], None] | None = None,
+                 run_batch: Callable[[list[Pending]], Sequence[Any]] | None = None,
+                 overlap_answers: bool = False):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"Expected max_batch_size >= 1. Received: max_batch_size={max_batch_size!r}")
         if not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"Expected max_queue >= 1. Received: max_queue={max_queue!r}")
+        if fn is None and run_batch is None:
+            raise ValueError("Expected a model function fn or a run_batch hook. Received: neither")
         self.fn = fn
+        self.run_batch = run_batch
+        self.overlap_answers = overlap_answers
+        self._deferred: list[tuple[list[Pending], list[Any]]] = []  # finished, not yet answered
         self.max_batch_size = max_batch_size
         self.policy = make_policy(policy)
         self.max_queue = max_queue
@@ -413,8 +470,12 @@ class Batcher:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._accepting = False
         self._draining = True
-        self._in_flight = 0  # requests in the batch the model is running now
+        self._in_flight = 0  # requests dispatched and not answered yet
         self._thread: threading.Thread | None = None
+        self._inbox: deque[tuple[Pending, bool]] = deque()  # submit_threadsafe -> the loop
+        self._inbox_scheduled = False
+        self._loop_waiting = False  # the dispatch loop waits for an arrival: wake it
+        self._handover = threading.RLock()  # submit_threadsafe's append vs stop's last look at the inbox
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -429,7 +490,7 @@ class Batcher:
 
     @property
     def in_flight(self) -> int:
-        """Requests in the batch the model is running now (0 while it is idle).
+        """Requests dispatched and not answered yet: the batch the model runs (0 while idle).
 
         With `queue_depth` it tells where every accepted, unanswered request is:
         an operator (or a test) waits on these instead of guessing a time.
@@ -450,7 +511,9 @@ class Batcher:
         """Stop accepting; answer every queued request (run it if ``drain``), then end."""
         if self._task is None:
             return
-        self._accepting = False
+        with self._handover:  # requests handed over before the stop are accepted, then drained or answered
+            self._take_inbox()
+            self._accepting = False
         self._draining = drain
         assert self._wakeup is not None
         self._wakeup.set()
@@ -566,6 +629,81 @@ class Batcher:
         fut = asyncio.run_coroutine_threadsafe(self.submit(x, deadline=deadline), loop)
         return fut.result()
 
+    def submit_threadsafe(self, x: Inputs, *, payload: Any = None,
+                          evict_oldest: bool = False) -> concurrent.futures.Future:
+        """Queue ``x`` from any thread (the loop's own included) without waiting for the answer.
+
+        Returns a `concurrent.futures.Future` set exactly once, like `submit`'s
+        answer: the request's output, the batch's exception, `BatcherClosed` if the
+        batcher stopped before the request reached its queue, or `QueueFull` when
+        ``max_queue`` requests wait - unless ``evict_oldest``, which instead drops the
+        oldest waiting request (its future gets `Evicted`) to make room. Requests of
+        one thread reach the queue in the order of the calls. Cheaper than
+        `submit_blocking` (no task per request): a producer thread can hand over
+        thousands of items per second and collect the answers later.
+        """
+        loop = self._loop
+        if loop is None or not self._accepting:
+            raise BatcherClosed(f"Batcher {self.name!r} is not running")
+        inputs = as_inputs(x)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        item = Pending(inputs, inputs[0].shape[0], future, None, time.monotonic(),
+                       batch_key(inputs, self.pad), payload=payload)
+        with self._handover:  # either in the inbox before `stop` takes it for the last time, or refused
+            if not self._accepting:
+                raise BatcherClosed(f"Batcher {self.name!r} is not running")
+            self._inbox.append((item, evict_oldest))
+        # The loop is woken only when it waits for arrivals; while a batch runs it takes
+        # the inbox itself before collecting the next one. One wake-up per request (a
+        # socket write, a thread switch) would keep the loop thread and the GIL busy
+        # while a producer hands over thousands of items, slowing the batch itself.
+        # Order matters (no lost wake-up): append, then read the flags; the loop sets
+        # _loop_waiting, then looks at the inbox, then waits.
+        if self._loop_waiting and not self._inbox_scheduled:
+            self._inbox_scheduled = True
+            try:
+                loop.call_soon_threadsafe(self._take_inbox)
+            except RuntimeError:  # the loop closed between the check and the call
+                self._inbox_scheduled = False
+                raise BatcherClosed(f"Batcher {self.name!r} is not running") from None
+        return future
+
+    def _take_inbox(self) -> None:
+        """On the loop: accept every request `submit_threadsafe` left in the inbox, in order."""
+        self._inbox_scheduled = False  # first: a request appended from now on schedules another call
+        if not self._inbox:
+            return
+        now = time.monotonic()
+        while self._inbox:
+            item, evict_oldest = self._inbox.popleft()
+            self._accept(item, evict_oldest, now)
+
+    def _accept(self, item: Pending, evict_oldest: bool, now: float) -> None:
+        """On the loop: put a `submit_threadsafe` request in the queue (or answer why not)."""
+        if not self._accepting:
+            _settle(item.future, error=BatcherClosed(f"Batcher {self.name!r} is not accepting requests"))
+            return
+        if self._queued >= self.max_queue:
+            oldest = next((p for p in self._queue if not p.dead), None) if evict_oldest else None
+            if oldest is None:
+                self.stats.rejected += 1
+                _settle(item.future, error=QueueFull(
+                    f"Batcher {self.name!r} queue is full ({self.max_queue} requests waiting)"))
+                return
+            self._drop(oldest)
+            self.stats.rejected += 1
+            self.stats.evicted += 1
+            _settle(oldest.future, error=Evicted(
+                f"Dropped from the full queue of batcher {self.name!r} (drop-oldest policy)"))
+        self._queue.append(item)
+        self._queued += 1
+        self._queued_rows += item.rows
+        self.stats.submitted += 1
+        self.policy.observe_arrival(now)
+        self._last_arrival = now
+        assert self._wakeup is not None
+        self._wakeup.set()
+
     # ---------------------------------------------------------------- dispatcher
 
     def _drop(self, item: Pending) -> None:
@@ -584,12 +722,14 @@ class Batcher:
     async def _dispatch_loop(self) -> None:
         assert self._wakeup is not None
         while True:
+            self._take_inbox()
             if not self._queued:
                 self._queue.clear()  # only dead (cancelled / timed-out) requests are left
                 if not self._accepting:
+                    self._flush_answers()
                     break
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                await self._wait_for_arrival(None)
                 continue
             if self._accepting:
                 now = time.monotonic()
@@ -602,16 +742,14 @@ class Batcher:
                 )
                 if wait > 0:
                     self._wakeup.clear()
-                    try:
-                        await asyncio.wait_for(self._wakeup.wait(), wait)
-                    except asyncio.TimeoutError:
-                        pass  # window over: dispatch what is queued
-                    else:
+                    if await self._wait_for_arrival(wait):
                         continue  # a new arrival (or stop): ask the policy again
+                    # window over: dispatch what is queued
             elif not self._draining:
+                self._flush_answers()
                 for item in self._queue:
-                    if not item.dead and not item.future.done():
-                        item.future.set_exception(BatcherClosed(f"Batcher {self.name!r} stopped"))
+                    if not item.dead:
+                        _settle(item.future, error=BatcherClosed(f"Batcher {self.name!r} stopped"))
                 self._queue.clear()
                 self._queued = self._queued_rows = 0
                 break
@@ -619,6 +757,26 @@ class Batcher:
             self._answer_expired(expired)
             if batch:
                 await self._run(batch)
+
+    async def _wait_for_arrival(self, timeout: float | None) -> bool:
+        """Wait for a wake-up (an arrival, a stop) at most ``timeout`` s; True if one came."""
+        assert self._wakeup is not None
+        self._flush_answers()  # nobody waits for answers while the loop waits for arrivals
+        self._loop_waiting = True  # first: a producer appending from now on wakes the loop
+        try:
+            self._take_inbox()  # then look: what was appended before is taken here
+            if self._wakeup.is_set():
+                return True
+            if timeout is None:
+                await self._wakeup.wait()
+                return True
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            except asyncio.TimeoutError:
+                return False
+            return True
+        finally:
+            self._loop_waiting = False
 
     async def _run(self, batch: list[Pending]) -> None:
         for item in batch:
@@ -628,17 +786,17 @@ class Batcher:
         rows = sum(p.rows for p in batch)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        self._in_flight = len(batch)
+        self._in_flight += len(batch)
+        work = loop.run_in_executor(self._executor, self._compute, batch)
+        self._flush_answers()  # the previous batch's callers (overlap_answers), while this one runs
         try:
-            results = await loop.run_in_executor(self._executor, self._compute, batch)
+            results = await work
         except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
             self.stats.failed += len(batch)
             for item in batch:
-                if not item.future.done():
-                    item.future.set_exception(exc)
+                _settle(item.future, error=exc)
             results = None
-        finally:
-            self._in_flight = 0
+            self._in_flight -= len(batch)
         seconds = time.perf_counter() - t0
         self.policy.observe_batch(rows, seconds)
         st = self.stats
@@ -647,20 +805,35 @@ class Batcher:
         st.model_seconds += seconds
         st.batch_sizes[rows] = st.batch_sizes.get(rows, 0) + 1
         if results is not None:
-            for item, result in zip(batch, results):
-                if not item.future.done():
-                    item.future.set_result(result)
-                    st.answered += 1
+            self._deferred.append((batch, results))
+            if not self.overlap_answers:
+                self._flush_answers()
         if self.on_batch is not None:
             try:
                 self.on_batch(rows, len(batch), seconds)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 pass
 
-    def _compute(self, batch: list[Pending]) -> list[Outputs]:
-        """Runs in the worker thread: stack, call the model, split."""
+    def _flush_answers(self) -> None:
+        """Answer the callers of the finished batch whose answers wait (see ``overlap_answers``)."""
+        while self._deferred:
+            batch, results = self._deferred.pop(0)
+            for item, result in zip(batch, results):
+                if _settle(item.future, result=result):
+                    self.stats.answered += 1
+            self._in_flight -= len(batch)
+
+    def _compute(self, batch: list[Pending]) -> list[Any]:
+        """Runs in the worker thread: stack, call the model, split (or the ``run_batch`` hook)."""
+        if self.run_batch is not None:
+            results = list(self.run_batch(batch))
+            if len(results) != len(batch):
+                raise RuntimeError(f"Expected run_batch to return {len(batch)} outputs (one per request). "
+                                   f"Received: {len(results)}")
+            return results
+        assert self.fn is not None
         padded = self.pad and len({tuple(tuple(t.shape[1:]) for t in p.inputs) for p in batch}) > 1
-        inputs, own = stack_batch(batch, self.pad_value)
+        inputs, own = stack_batch(batch, self.pad_value, same_shapes=not self.pad)
         with torch.inference_mode():
             output = self.fn(inputs[0] if len(inputs) == 1 else inputs)
         return split_outputs(output, batch, inputs, own, padded)

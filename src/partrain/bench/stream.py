@@ -1,0 +1,379 @@
+"""Online training on a stream: OnlineTrainer vs the per-item loop vs a hand-written queue + thread.
+
+The model is LSTM-sized (an LSTM over sequences of 16 steps of 32 features,
+hidden size 128, and a linear head; MSE on one target), trained with SGD, with
+the same torch thread count for every variant. The variants, as a user would
+write them:
+
+- ``per-item``: for each message, one forward pass (its output is the
+  prediction) and one optimizer step on that item (the loop of the issue);
+- ``hand queue``: a producer puts items into a ``queue.Queue``; a consumer
+  thread takes everything queued (``get`` then ``get_nowait`` until empty, at
+  most ``max_batch``), runs one forward and one step, and sets each item's
+  future (dequeue-all by hand);
+- ``online``: `partrain.stream.OnlineTrainer.submit` (the Batcher, dequeue-all).
+
+Load, open loop (producers never wait for answers): at saturation a producer
+hands all items over as fast as the variant takes them (a full queue blocks
+it: both queues hold at most ``4 * max_batch`` items); at a fixed rate items
+are due at ``i / rate`` and a latency runs from that due time to the answer, so
+a variant that falls behind shows it. The fixed rate is half of the online
+trainer's saturation throughput (measured first, median over rounds). Every
+variant runs in alternating rounds (`harness.alternate`), each on a fresh copy
+of the same initial weights.
+
+Goals (issue 15): stream.vs_per_item (online / per-item items/s at saturation)
+>= 10; stream.vs_hand_queue (online / hand queue items/s at saturation) >= 1.0;
+stream.p99_vs_step (online p99 latency at half of saturation, over the median
+time of one of its steps at that rate) <= 3. The p99 over the per-item loop's
+step time is printed too. Check: every item answered exactly once, in every
+variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import copy
+import functools
+import gc
+import queue
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..stream import OnlineTrainer
+from ..stream.metrics import percentile
+from .harness import (
+    Report,
+    Spread,
+    alternate,
+    divide,
+    paired_ratio,
+    pick_size,
+    positive_int,
+    torch_threads,
+)
+
+SEQ, FEATURES, HIDDEN = 16, 32, 128
+
+
+class LstmRegressor(nn.Module):
+    """An LSTM over a sequence and a linear head on its last output: one number per sequence."""
+
+    def __init__(self, features: int = FEATURES, hidden: int = HIDDEN):
+        super().__init__()
+        self.lstm = nn.LSTM(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+@dataclass(frozen=True)
+class Size:
+    saturation_items: int  # items per saturation run (online, hand queue)
+    per_item_items: int  # items per saturation run of the per-item loop (it is ~10x slower)
+    rate_seconds: float  # length of each fixed-rate run
+    rounds: int
+    hidden: int = HIDDEN
+
+
+FULL = Size(10000, 1000, 6.0, 5)
+QUICK = Size(1500, 150, 1.5, 2)
+TOY = Size(120, 12, 0.3, 1, hidden=16)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 5; --quick 2)")
+    parser.add_argument("--max-batch", type=positive_int, default=256, help="most items per step (default 256)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
+
+
+# --------------------------------------------------------------------------- one run
+
+
+@dataclass
+class Run:
+    """One variant's run: items/s, latencies (s), step times (s), answers per item."""
+
+    items_per_s: float
+    latencies: list[float]
+    steps: list[float] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)
+    lost: int = 0  # items without exactly one answer
+
+    @property
+    def p50_ms(self) -> float:
+        return 1000 * percentile(self.latencies, 0.50)
+
+    @property
+    def p99_ms(self) -> float:
+        return 1000 * percentile(self.latencies, 0.99)
+
+    @property
+    def step_ms(self) -> float:
+        return 1000 * statistics.median(self.steps) if self.steps else float("nan")
+
+
+@dataclass
+class Workload:
+    """Items as they arrive (one tensor each, not slices of a batch) and the initial weights."""
+
+    items: list[tuple[torch.Tensor, torch.Tensor]]
+    model: nn.Module  # the initial weights every run copies
+
+    def fresh(self) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = copy.deepcopy(self.model)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def _schedule(n: int, rate: float | None) -> list[float]:
+    """Due times (s after start) of ``n`` items at ``rate`` items/s; all 0 at saturation."""
+    return [0.0] * n if rate is None else [i / rate for i in range(n)]
+
+
+def _produce(n: int, rate: float | None, hand_over: Callable[[int], None]) -> float:
+    """Hand items 0..n-1 over at their due times (open loop); returns the start time."""
+    due = _schedule(n, rate)
+    start = time.perf_counter()
+    for i in range(n):
+        wait = start + due[i] - time.perf_counter()
+        if wait > 0.0005:  # pacing the producer to the schedule, not a synchronisation
+            time.sleep(wait)
+        hand_over(i)
+    return start
+
+
+def _finish(start: float, due: list[float], done: list[float], answers: list[int]) -> Run:
+    end = max(done)
+    latencies = [d - (start + t) for d, t in zip(done, due)]
+    return Run(len(done) / (end - start), latencies, lost=sum(a != 1 for a in answers))
+
+
+def run_per_item(work: Workload, n: int) -> Run:
+    """For each item: forward (the prediction), loss, backward, step; nothing waits."""
+    model, opt = work.fresh()
+    done, steps = [0.0] * n, []
+    start = time.perf_counter()
+    for i in range(n):
+        t = time.perf_counter()
+        x, y = work.items[i]
+        out = model(x.unsqueeze(0))
+        loss = ((out - y.unsqueeze(0)) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.detach()
+        done[i] = time.perf_counter()
+        steps.append(done[i] - t)
+    run = _finish(start, [0.0] * n, done, [1] * n)
+    run.steps = steps
+    return run
+
+
+def run_hand_queue(work: Workload, n: int, max_batch: int, rate: float | None = None) -> Run:
+    """The loop a user writes by hand: (x, y, future) into a queue.Queue; a thread takes everything queued."""
+    model, opt = work.fresh()
+    q: queue.Queue[tuple[torch.Tensor, torch.Tensor, concurrent.futures.Future] | None] = \
+        queue.Queue(maxsize=4 * max_batch)
+    futures: list[concurrent.futures.Future] = []
+    done, answers, steps, batches = [0.0] * n, [0] * n, [], []
+
+    def consume() -> None:
+        ended = False
+        while not ended:
+            first = q.get()
+            if first is None:
+                break
+            batch = [first]
+            while len(batch) < max_batch:
+                try:
+                    nxt = q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    ended = True
+                    break
+                batch.append(nxt)
+            t = time.perf_counter()
+            out = model(torch.stack([x for x, _, _ in batch]))
+            loss = ((out - torch.stack([y for _, y, _ in batch])) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            predictions = out.detach()
+            steps.append(time.perf_counter() - t)
+            batches.append(len(batch))
+            for row, (_, _, future) in enumerate(batch):
+                future.set_result(predictions[row])
+
+    def answered(i: int, future: concurrent.futures.Future) -> None:
+        done[i] = time.perf_counter()
+        answers[i] += 1
+
+    def hand_over(i: int) -> None:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.add_done_callback(functools.partial(answered, i))
+        futures.append(future)
+        q.put((work.items[i][0], work.items[i][1], future))
+
+    consumer = threading.Thread(target=consume, name="bench-hand-queue")
+    consumer.start()
+    start = _produce(n, rate, hand_over)
+    concurrent.futures.wait(futures, timeout=600)
+    q.put(None)
+    consumer.join(60)
+    run = _finish(start, _schedule(n, rate), done, answers)
+    run.steps, run.batches = steps, batches
+    return run
+
+
+def run_online(work: Workload, n: int, max_batch: int, rate: float | None = None) -> Run:
+    """`OnlineTrainer.submit` for each item (overflow "block", the same queue bound as the hand queue)."""
+    model, opt = work.fresh()
+    steps, batches = [], []
+    done, answers = [0.0] * n, [0] * n
+
+    def on_step(record) -> None:
+        steps.append(record.seconds)
+        batches.append(record.items)
+
+    trainer = OnlineTrainer(model, opt, "mse", max_batch=max_batch, max_queue=4 * max_batch, on_step=on_step,
+                            dedup_window=0)
+    futures: list[concurrent.futures.Future] = []
+
+    def answered(i: int, future: concurrent.futures.Future) -> None:
+        done[i] = time.perf_counter()
+        answers[i] += 1
+
+    def hand_over(i: int) -> None:
+        future = trainer.submit(work.items[i][0], work.items[i][1])
+        future.add_done_callback(functools.partial(answered, i))
+        futures.append(future)
+
+    try:
+        start = _produce(n, rate, hand_over)
+        concurrent.futures.wait(futures, timeout=600)
+    finally:
+        trainer.close()
+    run = _finish(start, _schedule(n, rate), done, answers)
+    run.steps, run.batches = steps, batches
+    return run
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def run(args: argparse.Namespace) -> Report:
+    size, smoke = pick_size(args, FULL, QUICK, TOY)
+    rounds = args.rounds or size.rounds
+    report = Report("stream", smoke=smoke)
+    torch.manual_seed(0)
+    work = Workload([(torch.randn(SEQ, FEATURES), torch.randn(1)) for _ in range(size.saturation_items)],
+                    LstmRegressor(FEATURES, size.hidden))
+    try:
+        _measure(report, work, size, rounds, args)
+    finally:
+        gc.unfreeze()  # the benchmark may run inside another program (a test): give its objects back
+    return report
+
+
+def _measure(report: Report, work: Workload, size: Size, rounds: int, args: argparse.Namespace) -> None:
+    report.say(f"model: LSTM({FEATURES} -> {size.hidden}) over {SEQ} steps + linear head, SGD, MSE; "
+               f"{args.threads} torch thread(s); max batch {args.max_batch}; {rounds} alternating round(s)")
+    with torch_threads(args.threads):
+        warm = min(200, size.saturation_items)  # first calls: allocator, lazy imports of torch.optim
+        run_per_item(work, min(20, warm))
+        run_hand_queue(work, warm, args.max_batch)
+        run_online(work, warm, args.max_batch)
+        # as partrain stream does: the long-lived objects (torch and what it imported lazily, the
+        # items) leave the cyclic collector's full collections, which would otherwise stall whichever
+        # variant runs for tens of milliseconds (every variant alike)
+        gc.collect()
+        gc.freeze()
+        saturation = alternate({
+            "per-item": lambda: run_per_item(work, size.per_item_items),
+            "hand queue": lambda: run_hand_queue(work, size.saturation_items, args.max_batch),
+            "online": lambda: run_online(work, size.saturation_items, args.max_batch),
+        }, rounds, on_result=lambda r, name, res: report.progress(
+            f"round {r + 1} {name}: {res.items_per_s:.0f} items/s"))
+        online_rate = Spread.of([r.items_per_s for r in saturation["online"]]).median
+        rate = online_rate / 2
+        n_rate = max(10, min(size.saturation_items, int(rate * size.rate_seconds)))
+        at_rate = alternate({
+            "hand queue": lambda: run_hand_queue(work, n_rate, args.max_batch, rate),
+            "online": lambda: run_online(work, n_rate, args.max_batch, rate),
+        }, rounds, on_result=lambda r, name, res: report.progress(
+            f"round {r + 1} {name} at {rate:.0f} items/s: p99 {res.p99_ms:.1f} ms"))
+    _report(report, saturation, at_rate, rate, args.max_batch)
+
+
+def _pooled(runs: list[Run]) -> Run:
+    """All rounds' latencies, steps and batches together (items/s stays per round)."""
+    return Run(statistics.median(r.items_per_s for r in runs), [v for r in runs for v in r.latencies],
+               [v for r in runs for v in r.steps], [v for r in runs for v in r.batches], sum(r.lost for r in runs))
+
+
+def _report(report: Report, saturation: dict[str, list[Run]], at_rate: dict[str, list[Run]], rate: float,
+            max_batch: int) -> None:
+    rows = []
+    for name, runs in saturation.items():
+        pooled = _pooled(runs)
+        speed = Spread.of([r.items_per_s for r in runs])
+        mean_batch = statistics.mean(pooled.batches) if pooled.batches else 1.0
+        rows.append([name, speed.cell(), f"{mean_batch:.1f}", f"{pooled.step_ms:.2f}", f"{pooled.p50_ms:.1f}",
+                     f"{pooled.p99_ms:.1f}", pooled.lost])
+        key = f"saturation.{name.replace(' ', '_').replace('-', '_')}"
+        report.figure(f"{key}.items_per_s", speed)
+        report.figure(f"{key}.mean_batch", mean_batch)
+        report.figure(f"{key}.step_ms", pooled.step_ms)
+        report.figure(f"{key}.p50_ms", pooled.p50_ms)
+        report.figure(f"{key}.p99_ms", pooled.p99_ms)
+    report.table(["variant", "items/s median (min-max)", "mean batch", "step ms", "p50 ms", "p99 ms", "lost"],
+                 rows, title=f"saturation (items handed over as fast as taken; max batch {max_batch})")
+
+    per_item_step = _pooled(saturation["per-item"]).step_ms
+    rows = []
+    for name, runs in at_rate.items():
+        pooled = _pooled(runs)
+        mean_batch = statistics.mean(pooled.batches) if pooled.batches else 1.0
+        rows.append([name, f"{rate:.0f}", Spread.of([r.items_per_s for r in runs]).cell(), f"{mean_batch:.1f}",
+                     f"{pooled.step_ms:.2f}", f"{pooled.p50_ms:.1f}", f"{pooled.p99_ms:.1f}",
+                     f"{divide(pooled.p99_ms, pooled.step_ms):.2f}", f"{divide(pooled.p99_ms, per_item_step):.2f}",
+                     pooled.lost])
+        key = f"half_rate.{name.replace(' ', '_')}"
+        report.figure(f"{key}.p50_ms", pooled.p50_ms)
+        report.figure(f"{key}.p99_ms", pooled.p99_ms)
+        report.figure(f"{key}.step_ms", pooled.step_ms)
+        report.figure(f"{key}.mean_batch", mean_batch)
+    report.figure("half_rate.items_per_s", rate)
+    report.table(["variant", "rate items/s", "achieved items/s", "mean batch", "step ms", "p50 ms", "p99 ms",
+                  "p99 / its step", "p99 / per-item step", "lost"], rows,
+                 title="open loop at half of the online trainer's saturation rate (latency from each item's due time)")
+
+    online = saturation["online"]
+    vs_per_item = paired_ratio([r.items_per_s for r in online], [r.items_per_s for r in saturation["per-item"]])
+    vs_hand = paired_ratio([r.items_per_s for r in online], [r.items_per_s for r in saturation["hand queue"]])
+    half = _pooled(at_rate["online"])
+    report.figure("ratio.online_over_per_item", vs_per_item)
+    report.figure("ratio.online_over_hand_queue", vs_hand)
+    report.table(["ratio", "median (min-max)"], [
+        ["online / per-item items/s at saturation", vs_per_item.cell()],
+        ["online / hand queue items/s at saturation", vs_hand.cell()],
+    ], title="ratios, round by round")
+    report.goal("stream.vs_per_item", vs_per_item.median, ">=", 10.0,
+                "online / per-item loop items/s at saturation")
+    report.goal("stream.vs_hand_queue", vs_hand.median, ">=", 1.0,
+                "online / hand-written queue+thread items/s at saturation")
+    report.goal("stream.p99_vs_step", divide(half.p99_ms, half.step_ms), "<=", 3.0,
+                "online p99 latency at half saturation / its median step time")
+    report.figure("half_rate.online.p99_over_per_item_step", divide(half.p99_ms, per_item_step))
+    lost = sum(r.lost for runs in (*saturation.values(), *at_rate.values()) for r in runs)
+    report.check("stream.lost", float(lost), "<=", 0.0, "items without exactly one answer, all variants")

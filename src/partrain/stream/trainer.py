@@ -1,0 +1,715 @@
+"""`OnlineTrainer`: predict on, and train on, whatever arrived while the previous step ran.
+
+Vocabulary: an *item* is one sample from the stream: its input ``x`` (one
+sample, no batch dim; a tuple for a model with several inputs), optionally a
+label ``y`` (an unlabelled item is only predicted on), a weight, an id. A
+*step* is one model call on a batch of items followed, when any item of the
+batch is labelled, by one optimizer update. The *version* of the weights is the
+number of updates applied to them.
+
+The queue, the batching and the padding are the project's one dynamic batcher
+(`partrain.serve.batcher.Batcher`): producers hand items over with
+`Batcher.submit_threadsafe`, the batcher's worker thread runs one step at a
+time, and items arriving during a step accumulate for the next one
+(dequeue-all, bounded by ``max_batch``). The step itself is this module's
+`OnlineTrainer._run_batch`, given to the batcher as its ``run_batch`` hook.
+
+The prediction each item gets comes from the batch's forward pass, that is,
+from the weights *before* the update that trains on it: an item's prediction
+never saw its own label. `Prediction.version` says which weights (the update
+that trains on the item is ``version + 1``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import math
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterable, Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UsageError, error_line
+from ..serve.batcher import (
+    Batcher,
+    BatcherClosed,
+    Inputs,
+    Outputs,
+    Pending,
+    QueueFull,
+    batch_key,
+    split_outputs,
+    stack_batch,
+)
+from ..train.checkpoint import fit_weights, load_checkpoint, save_checkpoint
+from .metrics import StreamMetrics, plot_curves, prometheus_collector, serve_prometheus
+from .options import MinBatchPolicy, check_overflow, parse_lr_schedule, resolve_loss, weighted_loss
+from .replay import Remembered, ReplayBuffer
+
+log = logging.getLogger("partrain.stream")
+
+
+class Prediction(NamedTuple):
+    """One item's prediction: the model's output for it (no batch dim), and the weights' version.
+
+    ``version`` is the number of optimizer updates applied to the weights that
+    produced ``output``; the update that trains on this item (if labelled) is
+    update ``version + 1``.
+    """
+
+    output: Outputs
+    version: int
+
+
+class _WouldBlock(Exception):
+    """`submit` from an event loop found the queue full under overflow "block": wait off the loop."""
+
+
+class TrainerClosed(BatcherClosed):
+    """The trainer is closed or closing and accepts no new items."""
+
+
+class DuplicateItem(RuntimeError):
+    """An item with this id was accepted already (within ``dedup_window`` ids): not trained twice."""
+
+    def __init__(self, item_id: Hashable):
+        super().__init__(f"Item id {item_id!r} was accepted already: not trained on twice")
+        self.item_id = item_id
+
+
+@dataclass
+class StreamStats:
+    """Counts since start. Every accepted item ends as exactly one of: ``predicted`` (answered:
+    trained on when labelled, ``trained`` counts those), ``dropped`` (evicted by drop-oldest),
+    ``failed`` (its step raised; the error is its answer) or ``abandoned`` (closed without drain)."""
+
+    accepted: int = 0
+    predicted: int = 0
+    trained: int = 0
+    replayed: int = 0
+    steps: int = 0
+    updates: int = 0
+    skipped_updates: int = 0  # non-finite loss: the step predicted but did not update
+    rejected: int = 0
+    dropped: int = 0
+    duplicates: int = 0
+    failed: int = 0
+    abandoned: int = 0
+    malformed: int = 0  # counted by sources (undecodable messages), never reached the trainer
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+    @property
+    def unresolved(self) -> int:
+        """Accepted items without an outcome yet (queued or in the running step)."""
+        return self.accepted - self.predicted - self.dropped - self.failed - self.abandoned
+
+
+@dataclass
+class StepRecord:
+    """What one step did (``on_step`` gets it, in the worker thread, after the update)."""
+
+    version: int  # the weights the batch was predicted with; the update made version + 1
+    ids: tuple[Hashable | None, ...]  # the items' ids in batch order
+    items: int
+    labelled: int
+    replayed: int
+    loss: float  # the weighted mean loss of the update; NaN when nothing was labelled
+    lr: float
+    updated: bool
+    seconds: float
+
+
+class _Item:
+    """What travels with an item through the batcher, unbatched (the `Pending` payload)."""
+
+    __slots__ = ("target", "weight", "item_id", "submitted")
+
+    def __init__(self, target: Tensor | None, weight: float, item_id: Hashable | None) -> None:
+        self.target = target
+        self.weight = weight
+        self.item_id = item_id
+        self.submitted = time.monotonic()
+
+
+class OnlineTrainer:
+    """Train ``model`` online on items submitted from any thread or event loop.
+
+    ``submit(x, y=None)`` returns a future of the item's `Prediction`. One
+    worker thread takes every item queued while the previous step ran as the
+    next batch (at most ``max_batch``), runs the model on it once, answers each
+    item with its rows of the output, and takes one ``optimizer`` step on the
+    labelled items' weighted mean loss (``loss_fn``: a name among
+    `partrain.stream.options.LOSSES` or ``callable(output, target)``).
+
+    Options:
+
+    - ``min_batch``, ``max_wait``: wait for ``min_batch`` items, at most ``max_wait``
+      seconds after the oldest, before a step (default: never wait, dequeue-all);
+    - ``max_queue`` and ``overflow``: at most ``max_queue`` items wait; beyond that
+      ``"block"`` makes `submit` wait (up to ``block_timeout`` seconds, then
+      `QueueFull`), ``"drop_oldest"`` evicts the oldest waiting item (its future
+      gets `Evicted`, ``stats.dropped`` counts it), ``"reject"`` raises `QueueFull`
+      (``stats.rejected`` counts it);
+    - ``replay``: items of recent history (the last ``replay_capacity`` labelled
+      ones) drawn into each update, seeded by ``seed``;
+    - ``lr_schedule``: the learning-rate multiplier by labelled items trained on
+      (`partrain.stream.options.parse_lr_schedule`);
+    - ``checkpoint``, ``checkpoint_every``: a checkpoint every N updates and at
+      close, written atomically, in the format ``partrain serve`` reads (give
+      ``model_spec`` to make it loadable by spec, and ``checkpoint_module``, the part of
+      ``model`` the spec rebuilds, when ``model`` wraps it); ``resume=True`` continues from it
+      exactly (weights, optimizer, schedule clock, replay buffer and its generator,
+      trained ids);
+    - ``dedup_window``: ids remembered to refuse a redelivered item (`DuplicateItem`);
+    - ``eval_predictions``: predict with a separate forward pass in eval mode (for
+      Dropout, BatchNorm) instead of the training pass's output;
+    - ``pad``, ``pad_value``: batch items of different trailing sizes by padding
+      (else each batch holds one shape);
+    - ``input_shape``: refuse items of another shape at `submit` (one line);
+    - ``metrics_csv``, ``metrics_interval``: a row of figures every interval
+      (`partrain.stream.metrics`); ``on_step(StepRecord)``: a hook per step.
+
+    The model must live on one device; items are moved to it. The trainer owns
+    the model and optimizer while it runs: read them after `close` (or take a
+    `checkpoint_now`).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: str | Callable[[Any, Tensor], Tensor] = "mse", *,
+                 max_batch: int = 256, min_batch: int = 1, max_wait: float = 0.0,
+                 max_queue: int = 10_000, overflow: str = "block", block_timeout: float = 30.0,
+                 replay: int = 0, replay_capacity: int = 10_000, seed: int = 0,
+                 lr_schedule: str | Callable[[int], float] | None = None,
+                 checkpoint: str | None = None, checkpoint_every: int = 0, resume: bool = False,
+                 model_spec: dict[str, Any] | None = None, checkpoint_module: nn.Module | None = None,
+                 dedup_window: int = 100_000, eval_predictions: bool = False,
+                 pad: bool = False, pad_value: float = 0.0,
+                 input_shape: Sequence[int] | None = None,
+                 metrics_csv: str | None = None, metrics_interval: float = 1.0,
+                 on_step: Callable[[StepRecord], None] | None = None, name: str = "stream"):
+        for label, value, least in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
+                                    ("replay", replay, 0), ("replay_capacity", replay_capacity, 1),
+                                    ("checkpoint_every", checkpoint_every, 0), ("dedup_window", dedup_window, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise UsageError(f"Expected {label} >= {least} (an integer). Received: {label}={value!r}")
+        if not (block_timeout > 0 and math.isfinite(block_timeout)):
+            raise UsageError(f"Expected block_timeout > 0 seconds. Received: block_timeout={block_timeout!r}")
+        if resume and not checkpoint:
+            raise UsageError("Expected a checkpoint path to resume from. Received: resume=True, checkpoint=None")
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"Expected model to be a torch.nn.Module. Received: {type(model).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = resolve_loss(loss_fn)
+        self.max_batch = max_batch
+        self.overflow = check_overflow(overflow)
+        self.max_queue = max_queue
+        self.block_timeout = float(block_timeout)
+        self.replay = replay
+        self.lr_factor = parse_lr_schedule(lr_schedule)
+        self.checkpoint_path = checkpoint
+        self.checkpoint_every = checkpoint_every
+        self.model_spec = model_spec
+        self.checkpoint_module = checkpoint_module if checkpoint_module is not None else model
+        self.dedup_window = dedup_window
+        self.eval_predictions = eval_predictions
+        self.pad = pad
+        self.pad_value = pad_value
+        self.input_shape = tuple(int(d) for d in input_shape) if input_shape is not None else None
+        self.on_step = on_step
+        self.name = name
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._stats = StreamStats()
+        self.metrics = StreamMetrics(metrics_csv, metrics_interval, max_batch)
+        self.version = 0  # optimizer updates applied
+        self.items_trained = 0  # labelled items the updates trained on (the schedule's clock)
+        self._base_lr = [g["lr"] for g in optimizer.param_groups]
+        self._buffer = ReplayBuffer(replay_capacity, seed)
+        self._target_spec: tuple[tuple[int, ...], torch.dtype] | None = None
+        self._seen: OrderedDict[Hashable, None] = OrderedDict()  # ids accepted (the last dedup_window)
+        self._trained_ids: OrderedDict[Hashable, None] = OrderedDict()  # what a checkpoint keeps
+        self._cond = threading.Condition()  # guards accepting, waiting count, ids and stats
+        self._waiting = 0  # accepted items not yet taken into a step
+        self._closed = False
+        self._prometheus: Any = None
+        self.error: Exception | None = None  # the first failure after an update (checkpoint, hook)
+        if resume and checkpoint is not None:
+            if os.path.exists(checkpoint):
+                self._restore(load_checkpoint(checkpoint), checkpoint)
+        policy = MinBatchPolicy(min_batch, max_wait)
+        self._batcher = Batcher(None, max_batch_size=max_batch, policy=policy, max_queue=max_queue,
+                                pad=pad, pad_value=pad_value, name=name, run_batch=self._run_batch,
+                                overlap_answers=True)
+        self._batcher.start_background()
+
+    # ---------------------------------------------------------------- producers
+
+    def submit(self, x: Inputs, y: Tensor | float | int | Sequence[float] | None = None, *,
+               weight: float = 1.0, id: Hashable | None = None) -> concurrent.futures.Future:  # noqa: A002
+        """Hand one item over from any thread; returns a future of its `Prediction`.
+
+        The item is *accepted* when this returns: from then on it is trained on
+        (or answered with the reason it was not: `Evicted`, the step's error,
+        `TrainerClosed`). Raises `QueueFull` (overflow ``"reject"``, or ``"block"``
+        past ``block_timeout``), `DuplicateItem`, `TrainerClosed`, or `UsageError`
+        for an item that does not fit (one line). From a coroutine, use `asubmit`
+        (``"block"`` would block the event loop).
+        """
+        return self._submit(x, y, weight, id, wait=True)
+
+    def _submit(self, x: Inputs, y: Any, weight: float, id: Hashable | None,  # noqa: A002
+                wait: bool) -> concurrent.futures.Future:
+        inputs = self._check_inputs(x)
+        target = self._check_target(y)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                math.isfinite(weight) and weight >= 0):
+            raise UsageError(f"Expected an item weight >= 0. Received: weight={weight!r}")
+        if id is not None and not isinstance(id, (str, int)):
+            raise UsageError(f"Expected an item id as a str or int. Received: {type(id).__name__}")
+        with self._cond:
+            self._admit(id, wait)
+            self._waiting += 1
+            self._stats.accepted += 1
+            if id is not None:
+                self._seen[id] = None
+                while len(self._seen) > self.dedup_window:
+                    self._seen.popitem(last=False)
+        # outside the lock: a step starting now must not wait for this hand-over
+        try:
+            future = self._batcher.submit_threadsafe(inputs, payload=_Item(target, float(weight), id),
+                                                     evict_oldest=self.overflow == "drop_oldest")
+        except BatcherClosed:
+            with self._cond:
+                self._waiting -= 1
+                self._stats.accepted -= 1
+                self._seen.pop(id, None)
+            raise TrainerClosed(f"Online trainer {self.name!r} is closed") from None
+        return future
+
+    async def asubmit(self, x: Inputs, y: Any = None, *, weight: float = 1.0,
+                      id: Hashable | None = None) -> Prediction:  # noqa: A002
+        """`submit` and await the prediction from a coroutine; a full queue is waited on off the loop."""
+        try:
+            future = self._submit_now(x, y, weight, id)
+        except _WouldBlock:
+            future = await asyncio.to_thread(self.submit, x, y, weight=weight, id=id)
+        return await asyncio.wrap_future(future)
+
+    def _submit_now(self, x: Inputs, y: Any, weight: float, item_id: Hashable | None) -> concurrent.futures.Future:
+        """`submit` that never blocks (an event loop calls it): `WouldBlock` when it would."""
+        return self._submit(x, y, weight, item_id, wait=False)
+
+    def predict(self, x: Inputs, y: Any = None, *, weight: float = 1.0, id: Hashable | None = None,  # noqa: A002
+                timeout: float | None = 60.0) -> Prediction:
+        """`submit` and wait for the prediction (a blocking call, e.g. in an ``on_message`` callback)."""
+        return self.submit(x, y, weight=weight, id=id).result(timeout)
+
+    def _admit(self, item_id: Hashable | None, wait: bool) -> None:
+        """Under the lock: refuse a closed trainer, a duplicate, or (by the overflow policy) a full queue."""
+        if self._closed:
+            raise TrainerClosed(f"Online trainer {self.name!r} is closed")
+        if item_id is not None and item_id in self._seen:
+            self._stats.duplicates += 1
+            raise DuplicateItem(item_id)
+        if self._waiting < self.max_queue or self.overflow == "drop_oldest":
+            return
+        if self.overflow == "reject":
+            self._stats.rejected += 1
+            raise QueueFull(f"Online trainer {self.name!r} queue is full ({self.max_queue} items waiting); "
+                            f"{self._stats.rejected} rejected so far")
+        if not wait:
+            raise _WouldBlock()
+        deadline = time.monotonic() + self.block_timeout
+        while self._waiting >= self.max_queue:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._closed:
+                self._stats.rejected += 1
+                raise QueueFull(f"Online trainer {self.name!r} queue stayed full ({self.max_queue} items) for "
+                                f"{self.block_timeout:g} s" if not self._closed else
+                                f"Online trainer {self.name!r} closed while the queue was full")
+            self._cond.wait(left)
+        if self._closed:
+            raise TrainerClosed(f"Online trainer {self.name!r} is closed")
+
+    def _check_inputs(self, x: Inputs) -> tuple[Tensor, ...] | Tensor:
+        if isinstance(x, Tensor) and self.input_shape is None:  # the common case, cheaply
+            return x.unsqueeze(0)
+        parts = (x,) if isinstance(x, Tensor) else tuple(x) if isinstance(x, (tuple, list)) else None
+        if not parts or not all(isinstance(t, Tensor) for t in parts):
+            raise UsageError(f"Expected an item's x as a Tensor or a tuple of Tensors (one sample, no batch "
+                             f"dim). Received: {type(x).__name__}")
+        if self.input_shape is not None and tuple(parts[0].shape) != self.input_shape:
+            raise UsageError(f"Expected an input of shape {list(self.input_shape)}. "
+                             f"Received: {list(parts[0].shape)}")
+        return tuple(t.unsqueeze(0) for t in parts)
+
+    def _check_target(self, y: Any) -> Tensor | None:
+        if y is None:
+            return None
+        target = y if isinstance(y, Tensor) else torch.as_tensor(y)
+        spec = (tuple(target.shape), target.dtype)
+        if self._target_spec is None:  # the first label sets the contract (set once, under the lock)
+            with self._cond:
+                if self._target_spec is None:
+                    self._target_spec = spec
+        if spec != self._target_spec:
+            shape, dtype = self._target_spec
+            raise UsageError(f"Expected a label of shape {list(shape)} and dtype {dtype} like the first one. "
+                             f"Received: shape {list(target.shape)}, dtype {target.dtype}")
+        return target
+
+    # ---------------------------------------------------------------- sources
+
+    def consume(self, items: Iterable[Any]) -> int:
+        """Submit every item of an iterable (``x``, ``(x, y)`` or a dict with x, y, weight, id).
+
+        Waits for none of the predictions (the futures are dropped; outcomes are
+        counted in `stats`); duplicates are counted and skipped. Returns how many
+        were accepted. A full queue blocks the iteration (overflow ``"block"``).
+        """
+        accepted = 0
+        for item in items:
+            if self._submit_item(item) is not None:
+                accepted += 1
+        return accepted
+
+    async def aconsume(self, items: AsyncIterable[Any]) -> int:
+        """`consume` for an async iterator; a full queue is waited on without blocking the loop."""
+        accepted = 0
+        async for item in items:
+            x, y, weight, item_id = unpack_item(item)
+            try:
+                try:
+                    self._submit_now(x, y, weight, item_id)
+                except _WouldBlock:
+                    await asyncio.to_thread(self.submit, x, y, weight=weight, id=item_id)
+            except (DuplicateItem, QueueFull):
+                continue
+            accepted += 1
+        return accepted
+
+    def _submit_item(self, item: Any) -> concurrent.futures.Future | None:
+        x, y, weight, item_id = unpack_item(item)
+        try:
+            return self.submit(x, y, weight=weight, id=item_id)
+        except (DuplicateItem, QueueFull):
+            return None
+
+    # ---------------------------------------------------------------- the step
+
+    def _run_batch(self, batch: list[Pending]) -> list[Prediction]:
+        """One step, in the batcher's worker thread; outcomes are counted here, not per answer.
+
+        (A done-callback per item would cost the loop thread, and the GIL, a few
+        microseconds per item between two steps: at thousands of items per second
+        that is the difference to a hand-written loop.)
+        """
+        with self._cond:
+            self._waiting -= len(batch)
+            self._cond.notify_all()
+        try:
+            predictions, record = self._step(batch)
+        except BaseException:
+            with self._cond:
+                self._stats.failed += len(batch)
+            raise
+        now = time.monotonic()
+        self.metrics.record_latencies([now - p.payload.submitted for p in batch])
+        with self._cond:
+            self._stats.predicted += len(batch)
+        self._after_step(record)
+        return predictions
+
+    def _step(self, batch: list[Pending]) -> tuple[list[Prediction], StepRecord]:
+        """Forward, predictions, update: what a failure turns into an error for every item of the batch."""
+        t0 = time.perf_counter()
+        version = self.version
+        labelled = [p for p in batch if p.payload.target is not None]
+        replayed = self._buffer.sample(self.replay) if labelled and self.replay else []
+        key = batch[0].key
+        if not self.pad:  # without padding a batch holds one shape: replay only items of this one
+            replayed = [r for r in replayed if batch_key(r.inputs, False) == key]
+        rows = list(batch) + [r.as_pending(self.pad) for r in replayed]
+        n_replayed = len(replayed)
+        padded = self.pad and len({tuple(tuple(t.shape[1:]) for t in p.inputs) for p in rows}) > 1
+        stacked, own = stack_batch(rows, self.pad_value, same_shapes=not self.pad)
+        stacked = tuple(t.to(self.device) for t in stacked)
+        n = sum(p.rows for p in batch)
+        model = self.model
+
+        if self.eval_predictions:
+            model.eval()
+            with torch.no_grad():
+                shown = model(*(t[:n] for t in stacked))
+            model.train()
+        update = bool(labelled)
+        if update:
+            model.train()
+            output = model(*stacked)
+        else:
+            with torch.no_grad():
+                output = model(*stacked)
+        if not self.eval_predictions:
+            shown = _rows(output, 0, n)
+        if isinstance(shown, Tensor) and not padded and n == len(batch):
+            # one row per item, nothing to cut back: one view per item in a single call (splitting
+            # item by item costs two tensor calls, and two GIL hand-offs, per item)
+            if shown.dim() == 0 or shown.shape[0] != n:
+                split_outputs(shown, batch, stacked, own, padded)  # raises its one-line error
+            predictions = [Prediction(row, version) for row in shown.detach().unbind(0)]
+        else:
+            answers = split_outputs(_detached(shown), batch, tuple(t[:n] for t in stacked), own[:len(batch)],
+                                    padded)
+            predictions = [Prediction(_drop_batch_dim(a), version) for a in answers]
+
+        loss_value, lr = math.nan, self._current_lr()
+        if update:
+            index = [i for i, p in enumerate(batch) if p.payload.target is not None]
+            index += list(range(len(batch), len(rows)))
+            target = torch.stack([p.payload.target for p in labelled] + [r.target for r in replayed]).to(self.device)
+            weights = torch.tensor([p.payload.weight for p in labelled] + [r.weight for r in replayed],
+                                   dtype=torch.float64, device=self.device)
+            # every row labelled (the common case): the output as it is, no gather
+            picked = output if len(index) == len(rows) else _rows_at(output, torch.tensor(index, device=self.device))
+            loss = weighted_loss(self.loss_fn, picked, target, weights)
+            loss_value = float(loss.detach())
+            if math.isfinite(loss_value) and float(weights.sum()) > 0:
+                factor = self.lr_factor(self.items_trained)
+                for group, base in zip(self.optimizer.param_groups, self._base_lr):
+                    group["lr"] = base * factor
+                lr = self._current_lr()
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                self.version += 1
+                self.items_trained += len(labelled)
+                if self.replay:
+                    for p in labelled:
+                        self._buffer.add(Remembered(p.inputs, p.payload.target, p.payload.weight))
+            else:
+                update = False
+                log.warning("stream: non-finite loss %s at version %d: update skipped", loss_value, version)
+        self._count_step(batch, labelled, n_replayed, update)
+        seconds = time.perf_counter() - t0
+        self.metrics.record_step(items=len(batch), loss=loss_value, lr=lr, version=self.version,
+                                 items_trained=self.items_trained)
+        record = StepRecord(version, tuple(p.payload.item_id for p in batch), len(batch), len(labelled),
+                            n_replayed, loss_value, lr, update, seconds)
+        return predictions, record
+
+    def _after_step(self, record: StepRecord) -> None:
+        """Checkpoint, metrics row, hook: the items are trained on, so a failure here is not theirs."""
+        try:
+            if record.updated and self.checkpoint_every and self.version % self.checkpoint_every == 0:
+                self.checkpoint_now()
+            if self.metrics.due():
+                self.metrics.row(self.counts(), self._batcher.queue_depth)
+            if self.on_step is not None:
+                self.on_step(record)
+        except Exception as exc:  # noqa: BLE001 - kept, logged once, raised again by close()
+            if self.error is None:
+                log.error("stream: after update %d: %s", self.version, error_line(exc))
+                self.error = exc
+
+    def _count_step(self, batch: list[Pending], labelled: list[Pending], n_replayed: int, updated: bool) -> None:
+        with self._cond:
+            st = self._stats
+            st.steps += 1
+            if updated:
+                st.updates += 1
+                st.trained += len(labelled)
+                st.replayed += n_replayed
+            elif labelled:
+                st.skipped_updates += 1
+            if updated:
+                for p in labelled:
+                    if p.payload.item_id is not None:
+                        self._trained_ids[p.payload.item_id] = None
+                while len(self._trained_ids) > self.dedup_window:
+                    self._trained_ids.popitem(last=False)
+
+    def _current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer.param_groups else math.nan
+
+    # ---------------------------------------------------------------- state
+
+    @property
+    def stats(self) -> StreamStats:
+        """The counts so far (`StreamStats`); ``dropped`` is the batcher's evictions."""
+        with self._cond:
+            self._stats.dropped = self._batcher.stats.evicted if hasattr(self, "_batcher") else 0
+            return self._stats
+
+    @property
+    def queue_depth(self) -> int:
+        """Items waiting for a step (not counting the running one)."""
+        return self._batcher.queue_depth
+
+    def count_malformed(self) -> None:
+        """A source could not decode a message (it never became an item): counted here with the rest."""
+        with self._cond:
+            self._stats.malformed += 1
+
+    def counts(self) -> dict[str, int]:
+        return dict(self.stats.as_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything exact resume needs (call from the worker thread, or once closed)."""
+        return {
+            "model": {k: v.detach().clone() for k, v in self.checkpoint_module.state_dict().items()},
+            "model_spec": self.model_spec,
+            "optimizer": self.optimizer.state_dict(),
+            "task": {"loss": getattr(self.loss_fn, "__name__", "custom"), "stream": True},
+            "step": self.version,
+            "stream": {
+                "version": self.version,
+                "items_trained": self.items_trained,
+                "base_lr": list(self._base_lr),
+                "replay": self._buffer.state_dict(),
+                "trained_ids": list(self._trained_ids),
+                "target_spec": None if self._target_spec is None else
+                [list(self._target_spec[0]), str(self._target_spec[1]).removeprefix("torch.")],
+            },
+        }
+
+    def checkpoint_now(self, path: str | None = None) -> str:
+        """Write a checkpoint (atomically) now; from the worker thread (``on_step``) or once closed."""
+        path = path or self.checkpoint_path
+        if not path:
+            raise UsageError("Expected a checkpoint path. Received: none (pass checkpoint= to the trainer)")
+        save_checkpoint(path, self.state_dict())
+        return path
+
+    def _restore(self, state: dict[str, Any], path: str) -> None:
+        stream = state.get("stream")
+        if not isinstance(stream, dict):
+            raise UsageError(f"Expected a checkpoint written by an online trainer in {path!r}. "
+                             "Received: one without stream state")
+        fit_weights(self.checkpoint_module, state.get("model"), f"the online model from {path!r}")
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, TypeError) as exc:
+            raise UsageError(f"Expected the optimizer state in {path!r} to fit the optimizer. "
+                             f"Received: {error_line(exc)}") from None
+        self.version = int(stream["version"])
+        self.items_trained = int(stream["items_trained"])
+        self._base_lr = [float(v) for v in stream["base_lr"]]
+        self._buffer.load_state_dict(stream["replay"])
+        for item_id in stream["trained_ids"]:
+            self._trained_ids[item_id] = None
+            self._seen[item_id] = None
+        if stream.get("target_spec"):
+            shape, dtype = stream["target_spec"]
+            self._target_spec = (tuple(shape), getattr(torch, dtype))
+
+    # ---------------------------------------------------------------- metrics endpoint
+
+    def serve_metrics(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Prometheus ``/metrics`` on a thread (prometheus-client); returns its URL."""
+        try:
+            collector = prometheus_collector(self.metrics, self.counts, lambda: {
+                "queue_depth": float(self.queue_depth), "version": float(self.version),
+                "items_trained": float(self.items_trained), "loss": float(self.metrics.last["loss"]),
+            })
+        except ImportError:
+            raise UsageError("Expected prometheus-client for /metrics (pip install 'partrain[stream]'). "
+                             "Received: not installed") from None
+        self._prometheus, url = serve_prometheus(collector, host, port)
+        return url
+
+    # ---------------------------------------------------------------- closing
+
+    def close(self, drain: bool = True, timeout: float = 120.0, curves: str | None = None) -> StreamStats:
+        """Stop accepting; train on every waiting item (``drain``) or answer it `BatcherClosed`; then stop.
+
+        Afterwards every accepted item has an outcome (`StreamStats`). With a
+        checkpoint path, a final checkpoint is written; ``curves`` names a PNG of
+        the metrics rows. Idempotent. Raises the first error a checkpoint or the
+        ``on_step`` hook raised during the run (after everything is closed).
+        """
+        with self._cond:
+            already = self._closed
+            self._closed = True
+            self._cond.notify_all()
+        if not already:
+            self._batcher.stop_background(drain=drain, timeout=timeout)
+            with self._cond:  # what is still without an outcome was answered BatcherClosed
+                st = self._stats
+                st.dropped = self._batcher.stats.evicted
+                st.abandoned = st.accepted - st.predicted - st.failed - st.dropped
+            if self.checkpoint_path:
+                self.checkpoint_now()
+            self.metrics.row(self.counts(), 0)
+            if curves and self.metrics.history:
+                with contextlib.suppress(ImportError):
+                    plot_curves(self.metrics.history, curves)
+            if self._prometheus is not None:
+                self._prometheus.shutdown()
+                self._prometheus.server_close()
+                self._prometheus = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+        return self.stats
+
+    def __enter__(self) -> OnlineTrainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(drain=True)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def unpack_item(item: Any) -> tuple[Any, Any, float, Hashable | None]:
+    """An iterator's item as ``(x, y, weight, id)``.
+
+    The contract: a Tensor is ``x`` (unlabelled); a 2-tuple is ``(x, y)``; a dict
+    has ``x`` and optionally ``y``, ``weight``, ``id`` (the only way to pass a
+    multi-input ``x``, as a tuple under ``"x"``).
+    """
+    if isinstance(item, dict):
+        if "x" not in item:
+            raise UsageError(f"Expected an item dict with an 'x' entry. Received keys {sorted(item)}")
+        return item["x"], item.get("y"), float(item.get("weight", 1.0)), item.get("id")
+    if isinstance(item, tuple):
+        if len(item) != 2:
+            raise UsageError(f"Expected an item as x, (x, y) or a dict. Received: a tuple of {len(item)}")
+        return item[0], item[1], 1.0, None
+    return item, None, 1.0, None
+
+
+def _rows(output: Outputs, start: int, stop: int) -> Outputs:
+    if isinstance(output, Tensor):
+        return output[start:stop]
+    return tuple(o[start:stop] for o in output)
+
+
+def _rows_at(output: Outputs, index: Tensor) -> Outputs:
+    if isinstance(output, Tensor):
+        return output.index_select(0, index)
+    return tuple(o.index_select(0, index) for o in output)
+
+
+def _detached(output: Outputs) -> Outputs:
+    if isinstance(output, Tensor):
+        return output.detach()
+    return tuple(o.detach() for o in output)
+
+
+def _drop_batch_dim(answer: Outputs) -> Outputs:
+    if isinstance(answer, Tensor):
+        return answer[0].clone()
+    return tuple(a[0].clone() for a in answer)

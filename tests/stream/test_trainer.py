@@ -1,0 +1,410 @@
+"""OnlineTrainer: dequeue-all training is plain training on the same batches, and no item is lost.
+
+The reference is a hand-written float64 loop: for each batch the trainer
+reports (`StepRecord`, in order), the model's output on the batch's items, then
+one optimizer step on the labelled items' weighted mean loss. Each item's
+prediction must equal that output *before* the step (the documented version),
+and the final weights must equal the reference's. Start with
+`test_dequeue_all_equals_a_plain_loop_on_the_same_batches`; the rest pin the
+options (replay, schedule, exact resume), the overflow policies and the drain,
+with a model gated by an Event so that "the step is running" is a condition,
+not a sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import csv
+import re
+import shutil
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from partrain.errors import UsageError
+from partrain.serve.batcher import BatcherClosed, Evicted, QueueFull
+from partrain.stream import DuplicateItem, OnlineTrainer, Prediction, TrainerClosed
+from partrain.stream.metrics import COLUMNS
+
+from ..waiting import wait_until
+
+
+def mlp64(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+
+
+def items(n: int, seed: int = 1, unlabelled_every: int = 5) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x = torch.randn(6, generator=g, dtype=torch.float64)
+        y = None if unlabelled_every and i % unlabelled_every == 3 else torch.randn(2, generator=g, dtype=torch.float64)
+        out.append({"x": x, "y": y, "weight": 0.5 + (i % 3) / 2, "id": f"item-{i}"})
+    return out
+
+
+def reference_step(model: nn.Module, opt: torch.optim.Optimizer, batch: list[dict]) -> torch.Tensor:
+    """The hand-written loop's step: forward all, weighted MSE on the labelled rows, one update."""
+    out = model(torch.stack([it["x"] for it in batch]))
+    rows = [i for i, it in enumerate(batch) if it["y"] is not None]
+    if rows:
+        y = torch.stack([batch[i]["y"] for i in rows])
+        w = torch.tensor([batch[i]["weight"] for i in rows], dtype=torch.float64)
+        per_row = ((out[rows] - y) ** 2).mean(1)
+        loss = (w * per_row).sum() / w.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return out.detach()
+
+
+class HoldFirst(nn.Module):
+    """``inner``, except that the first forward waits for ``gate``: the queue fills behind it."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.gate = threading.Event()
+
+    def forward(self, x):
+        assert self.gate.wait(30), "the test never opened the gate"
+        return self.inner(x)
+
+
+def test_dequeue_all_equals_a_plain_loop_on_the_same_batches():
+    model, ref = HoldFirst(mlp64()), mlp64()
+    records = []
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "mse",
+                            max_batch=16, on_step=records.append)
+    stream = items(240)
+    futures: dict[str, object] = {}
+
+    def produce(part: list[dict]) -> None:
+        for it in part:
+            futures[it["id"]] = trainer.submit(it["x"], it["y"], weight=it["weight"], id=it["id"])
+
+    producers = [threading.Thread(target=produce, args=(stream[k::3],)) for k in range(3)]
+    for t in producers:
+        t.start()
+    for t in producers:
+        t.join()
+    model.gate.set()  # everything is queued behind the first step: the next ones take 16 at a time
+    stats = trainer.close()
+    assert stats.accepted == stats.predicted == 240 and stats.unresolved == 0
+    assert stats.trained == sum(it["y"] is not None for it in stream)
+    assert sum(r.items for r in records) == 240 and all(r.items == 16 for r in records[1:-1])
+
+    by_id = {it["id"]: it for it in stream}
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for version, record in enumerate(records):
+        batch = [by_id[i] for i in record.ids]
+        expected = reference_step(ref, ref_opt, batch)
+        assert record.version == version  # one update per batch, all batches labelled or not in order
+        for row, item_id in enumerate(record.ids):
+            got = futures[item_id].result(0)
+            assert isinstance(got, Prediction) and got.version == record.version
+            assert torch.equal(got.output, expected[row]), item_id
+    for a, b in zip(model.inner.parameters(), ref.parameters()):
+        assert torch.equal(a.detach(), b.detach())
+
+
+def test_an_unlabelled_batch_predicts_without_an_update():
+    model = mlp64()
+    before = copy.deepcopy(model)
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse")
+    x = torch.randn(6, dtype=torch.float64)
+    got = trainer.predict(x)
+    trainer.close()
+    assert got.version == 0 and trainer.version == 0 and trainer.stats.updates == 0
+    assert torch.equal(got.output, before(x.unsqueeze(0))[0].detach())
+
+
+def ordered_trainer(model: nn.Module, path, on_step=None, resume=False) -> OnlineTrainer:
+    """Batches of exactly 8 items in submission order (min_batch = max_batch), Adam, replay, schedule."""
+    return OnlineTrainer(model, torch.optim.Adam(model.parameters(), lr=0.01), "mse", max_batch=8, min_batch=8,
+                         max_wait=60.0, replay=4, replay_capacity=20, seed=3, lr_schedule="warmup:20",
+                         checkpoint=str(path), checkpoint_every=3, resume=resume, on_step=on_step)
+
+
+def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
+    stream = items(48, unlabelled_every=0)
+    snapshot = tmp_path / "after-3.pt"
+
+    def keep_third(record):
+        if record.version + 1 == 3:  # the checkpoint of update 3 was written before the hook
+            shutil.copy(tmp_path / "a.pt", snapshot)
+
+    whole = mlp64()
+    a = ordered_trainer(whole, tmp_path / "a.pt", keep_third)
+    a.consume(stream)
+    a.close()
+    assert a.version == 6 and a.stats.replayed == 5 * 4  # the first update has no history yet
+
+    resumed = mlp64(seed=7)  # other initial weights: everything must come from the checkpoint
+    b = ordered_trainer(resumed, snapshot, resume=True)
+    assert b.version == 3 and b.items_trained == 24
+    with pytest.raises(DuplicateItem):
+        b.submit(stream[0]["x"], stream[0]["y"], id=stream[0]["id"])  # trained before the checkpoint
+    b.consume(stream[24:])
+    b.close()
+    assert b.version == 6
+    for p, q in zip(whole.parameters(), resumed.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+
+
+def test_lr_schedule_counts_items_and_replay_mixes_history(tmp_path):
+    lrs, replayed = [], []
+    model = mlp64()
+
+    def seen(record):
+        lrs.append(record.lr)
+        replayed.append(record.replayed)
+
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse", max_batch=4, min_batch=4,
+                            max_wait=60.0, replay=3, lr_schedule="warmup:8", on_step=seen)
+    trainer.consume(items(12, unlabelled_every=0))
+    trainer.close()
+    # warmup:8 by items trained before the update: 0, 4, 8 items -> (n+1)/8 capped at 1
+    assert lrs == pytest.approx([0.1 * 1 / 8, 0.1 * 5 / 8, 0.1])
+    assert replayed == [0, 3, 3]
+
+
+class Gated(nn.Module):
+    """A linear model whose forward waits for ``gate``: the test decides when a step may finish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 1).double()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def forward(self, x):
+        self.entered.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return self.lin(x)
+
+
+def gated_trainer(**options) -> tuple[OnlineTrainer, Gated]:
+    model = Gated()
+    return OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse", **options), model
+
+
+def x2(v: float = 1.0) -> torch.Tensor:
+    return torch.tensor([v, -v], dtype=torch.float64)
+
+
+def y1(v: float = 0.0) -> torch.Tensor:
+    return torch.tensor([v], dtype=torch.float64)
+
+
+def test_overflow_reject_counts_and_raises():
+    trainer, model = gated_trainer(max_queue=3, overflow="reject")
+    first = trainer.submit(x2(), y1())
+    wait_until(model.entered.is_set, "the first step to start")
+    queued = [trainer.submit(x2(i), y1()) for i in range(3)]
+    with pytest.raises(QueueFull, match="queue is full"):
+        trainer.submit(x2(), y1())
+    assert trainer.stats.rejected == 1 and trainer.stats.accepted == 4
+    model.gate.set()
+    stats = trainer.close()
+    assert all(isinstance(f.result(5), Prediction) for f in [first, *queued])
+    assert stats.predicted == 4 and stats.trained == 4
+
+
+def test_overflow_drop_oldest_evicts_the_oldest_waiting_item():
+    trainer, model = gated_trainer(max_queue=2, overflow="drop_oldest")
+    first = trainer.submit(x2(), y1())
+    wait_until(model.entered.is_set, "the first step to start")
+    oldest, second, third = (trainer.submit(x2(i), y1()) for i in range(3))
+    model.gate.set()  # the batcher takes the three when the step ends: the third evicts the oldest
+    with pytest.raises(Evicted):
+        oldest.result(30)
+    stats = trainer.close()
+    assert [f.result(5).version for f in (first, second, third)] == [0, 1, 1]
+    assert stats.dropped == 1 and stats.predicted == 3 and stats.accepted == 4 and stats.unresolved == 0
+
+
+def test_overflow_block_waits_for_room_then_times_out():
+    trainer, model = gated_trainer(max_queue=1, overflow="block", block_timeout=0.05)
+    trainer.submit(x2(), y1())
+    wait_until(model.entered.is_set, "the first step to start")
+    trainer.submit(x2(), y1())
+    with pytest.raises(QueueFull, match="stayed full"):  # block_timeout is the bound under test
+        trainer.submit(x2(), y1())
+    trainer.block_timeout = 30.0
+    landed = threading.Event()
+    blocked = threading.Thread(target=lambda: (trainer.submit(x2(), y1()), landed.set()))
+    blocked.start()
+    assert not landed.is_set()
+    model.gate.set()  # the queued item enters a step: room for the blocked one
+    blocked.join(30)
+    assert landed.is_set()
+    stats = trainer.close()
+    assert stats.accepted == stats.predicted == 3 and stats.rejected == 1
+
+
+def test_close_drains_every_accepted_item_or_reports_it():
+    trainer, model = gated_trainer()
+    running = trainer.submit(x2(), y1())
+    wait_until(model.entered.is_set, "the first step to start")
+    waiting = [trainer.submit(x2(i), y1()) for i in range(5)]
+    closer = threading.Thread(target=trainer.close)
+    closer.start()
+    wait_until(lambda: trainer._closed, "close() to stop accepting")
+    with pytest.raises(TrainerClosed):
+        trainer.submit(x2(), y1())
+    model.gate.set()
+    closer.join(30)
+    assert running.result(0).version == 0 and all(f.result(0).version == 1 for f in waiting)
+    assert trainer.stats.trained == 6 and trainer.stats.unresolved == 0
+
+    trainer, model = gated_trainer()
+    trainer.submit(x2(), y1())
+    wait_until(model.entered.is_set, "the first step to start")
+    waiting = [trainer.submit(x2(i), y1()) for i in range(3)]
+    closer = threading.Thread(target=trainer.close, kwargs={"drain": False})
+    closer.start()
+    wait_until(lambda: not trainer._batcher.running, "the batcher to stop accepting")
+    model.gate.set()  # the running step ends; the waiting items are answered, never run
+    closer.join(30)
+    for f in waiting:
+        with pytest.raises(BatcherClosed):
+            f.result(0)
+    assert trainer.stats.abandoned == 3 and trainer.stats.trained == 1 and trainer.stats.unresolved == 0
+
+
+def test_a_failing_step_answers_its_items_with_the_error_and_the_loop_goes_on():
+    model = mlp64()
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse")
+    bad = trainer.submit(torch.zeros(5, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))  # 5 features: its own batch (shape group)
+    with pytest.raises(RuntimeError):
+        bad.result(10)
+    good = trainer.predict(torch.zeros(6, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+    stats = trainer.close()
+    assert good.version == 0 and stats.failed == 1 and stats.trained == 1
+
+
+def test_a_non_finite_loss_skips_the_update():
+    model = mlp64()
+    before = copy.deepcopy(model.state_dict())
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse")
+    trainer.predict(torch.zeros(6, dtype=torch.float64), torch.tensor([float("nan"), 0.0], dtype=torch.float64))
+    stats = trainer.close()
+    assert stats.skipped_updates == 1 and stats.updates == 0 and trainer.version == 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_eval_predictions_come_from_eval_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 2)).double()
+    reference = copy.deepcopy(model).eval()
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse", eval_predictions=True)
+    x = torch.randn(6, dtype=torch.float64)
+    got = trainer.predict(x, torch.zeros(2, dtype=torch.float64))
+    trainer.close()
+    assert torch.equal(got.output, reference(x.unsqueeze(0))[0].detach())
+
+
+class SumOverTime(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1).double()
+
+    def forward(self, x):  # [batch, time, 3] -> [batch, time, 1]: a padded time step adds its own row
+        return self.lin(x)
+
+
+def test_padding_batches_items_of_different_lengths_and_cuts_each_answer_back():
+    model = SumOverTime()
+    ref = copy.deepcopy(model)
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse", pad=True,
+                            max_batch=8, min_batch=3, max_wait=60.0)
+    xs = [torch.randn(n, 3, dtype=torch.float64) for n in (2, 5, 3)]
+    futures = [trainer.submit(x) for x in xs]
+    trainer.close()
+    for x, f in zip(xs, futures):
+        assert torch.equal(f.result(0).output, ref(x.unsqueeze(0))[0].detach())
+
+
+def test_async_producers_and_iterators():
+    model = mlp64()
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), "mse", max_queue=4)
+    stream = items(30, unlabelled_every=0)
+
+    async def main() -> tuple[Prediction, int]:
+        first = await trainer.asubmit(stream[0]["x"], stream[0]["y"], id="async-0")
+
+        async def agen():
+            for it in stream[1:]:
+                yield it
+
+        return first, await trainer.aconsume(agen())
+
+    first, accepted = asyncio.run(main())
+    assert first.version == 0 and accepted == 29
+    assert trainer.consume([(stream[0]["x"], stream[0]["y"])]) == 1  # a plain (x, y) iterator
+    stats = trainer.close()
+    assert stats.accepted == stats.predicted == 31 and stats.trained == 31
+
+
+def test_metrics_rows_go_to_csv_and_prometheus(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("prometheus_client")
+    model = mlp64()
+    path = tmp_path / "metrics.csv"
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05), "mse", metrics_csv=str(path),
+                            metrics_interval=3600)
+    url = trainer.serve_metrics()
+    trainer.consume(items(20))
+    wait_until(lambda: trainer.stats.unresolved == 0, "every item answered")
+    text = httpx.get(url, timeout=10, trust_env=False).text
+    assert 'partrain_stream_items_total{outcome="accepted"} 20.0' in text
+    assert "partrain_stream_prediction_latency_seconds_count 20.0" in text
+    assert "partrain_stream_batch_size_bucket" in text and "partrain_stream_queue_depth" in text
+    steps = re.search(r'partrain_stream_steps_total\{kind="all"\} (\S+)', text)
+    assert steps and float(steps.group(1)) == trainer.stats.steps
+    trainer.close()
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == COLUMNS and len(rows) == 1  # the closing row (the interval never passed)
+    assert int(rows[0]["accepted"]) == 20 and int(rows[0]["items_trained"]) == 16
+    assert float(rows[0]["latency_p99_ms"]) >= float(rows[0]["latency_p50_ms"]) > 0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda t: t.submit([1.0, 2.0]), "Expected an item's x as a Tensor or a tuple of Tensors"),
+    (lambda t: t.submit(torch.zeros(6), weight=-1), "Expected an item weight >= 0. Received: weight=-1"),
+    (lambda t: t.submit(torch.zeros(6), id=1.5), "Expected an item id as a str or int. Received: float"),
+    (lambda t: (t.submit(torch.zeros(6), torch.zeros(2)), t.submit(torch.zeros(6), torch.zeros(3))),
+     r"Expected a label of shape \[2\] and dtype torch.float32 like the first one. Received: shape \[3\]"),
+    (lambda t: (t.submit(torch.zeros(6), id="a"), t.submit(torch.zeros(6), id="a")),
+     "Item id 'a' was accepted already"),
+])
+def test_bad_items_are_refused_in_one_line(call, message):
+    model = nn.Linear(6, 2)
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse")
+    try:
+        with pytest.raises((UsageError, DuplicateItem), match=message):
+            call(trainer)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_batch": 0}, "Expected max_batch >= 1 (an integer). Received: max_batch=0"),
+    ({"overflow": "spill"}, "Expected an overflow policy among ['block', 'drop_oldest', 'reject']"),
+    ({"min_batch": 4}, "Expected max_wait > 0 seconds with min_batch > 1"),
+    ({"lr_schedule": "cosine"}, "Expected an lr schedule among"),
+    ({"resume": True}, "Expected a checkpoint path to resume from"),
+    ({"loss_fn": "hinge"}, "Expected a loss among"),
+])
+def test_bad_options_are_refused_in_one_line(options, message):
+    model = nn.Linear(6, 2)
+    loss = options.pop("loss_fn", "mse")
+    with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                       .replace(")", r"\)")):
+        OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss, **options)
