@@ -352,3 +352,22 @@ def test_a_signal_that_lands_in_a_callback_still_stops_the_command(monkeypatch, 
     assert main(["train"]) == 143
     assert capsys.readouterr().err.splitlines() == ["partrain train: stopped by SIGTERM"]
     assert sys.unraisablehook is hook
+
+
+def test_after_a_signal_the_resource_sharers_tracebacks_are_not_shown() -> None:
+    """A child stopped mid-way through receiving a shared tensor's file descriptor makes
+    multiprocessing's resource-sharer thread print a traceback (seen once under SIGTERM to
+    `partrain population`); once the command stops its children, that one is expected."""
+    from partrain.cli import _quiet_resource_sharer
+
+    seen = []
+    hook = _quiet_resource_sharer(lambda *exc: seen.append(exc[1]))
+    sharer = os.path.join(os.path.dirname(os.__file__), "multiprocessing", "resource_sharer.py")
+    namespace: dict = {}
+    exec(compile("def serve():\n    raise EOFError('child gone')\n", sharer, "exec"), namespace)
+    for fn in (namespace["serve"], lambda: 1 / 0):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            hook(type(exc), exc, exc.__traceback__)
+    assert [type(e) for e in seen] == [ZeroDivisionError]  # the sharer's is dropped, any other one shown

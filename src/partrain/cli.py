@@ -19,7 +19,9 @@ import argparse
 import copy
 import importlib
 import multiprocessing
+import os
 import sys
+import traceback
 from collections import Counter
 from typing import Any
 
@@ -145,6 +147,21 @@ def main(argv: list[str] | None = None) -> int:
             return 130
 
 
+def _quiet_resource_sharer(hook: Any) -> Any:
+    """``hook``, minus the tracebacks of multiprocessing's resource-sharer thread.
+
+    That thread hands file descriptors (torch's shared tensors) to child processes and
+    reports any failure through ``sys.excepthook``; a child stopped by the signal in the
+    middle of a hand-over is such a failure, expected, and not the user's to read.
+    """
+    def quiet(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        frames = traceback.extract_tb(tb)
+        if any(f.filename.endswith(os.path.join("multiprocessing", "resource_sharer.py")) for f in frames):
+            return
+        hook(kind, value, tb)
+    return quiet
+
+
 class _Children:
     """The child processes a command started, as the signal found them.
 
@@ -159,6 +176,7 @@ class _Children:
 
     def stop_now(self, signum: int) -> None:
         self.signalled = multiprocessing.active_children()
+        sys.excepthook = _quiet_resource_sharer(sys.excepthook)
         for p in self.signalled:
             try:
                 p.terminate()
