@@ -33,6 +33,7 @@ no orphan goes on training and writing files.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import datetime
@@ -232,7 +233,7 @@ def _process_main(conn: Any, one_shot: bool) -> None:
             except EOFError:  # the caller is gone
                 return
             if job is None:
-                return
+                _exit_now()
             rendezvous[:] = _launch_directory(job)
             if not _run_job(job, conn):
                 # after a failure the process may hold a broken group or threads stuck in gloo:
@@ -240,9 +241,20 @@ def _process_main(conn: Any, one_shot: bool) -> None:
                 conn.close()
                 os._exit(1)
             if one_shot:
-                return
+                _exit_now()
     except KeyboardInterrupt:  # SIGTERM (`Interrupted`) while idle: the caller is stopping us
         return
+
+
+def _exit_now() -> None:
+    """End a process whose work is done: the ``atexit`` handlers (the user's, multiprocessing's
+    finalizers) and a flush, as at any exit, then no interpreter teardown, which takes a
+    second or so with torch loaded (the caller waits for it at every launch and pool close)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 def _launch_directory(job: Job) -> list[str]:
