@@ -6,11 +6,13 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 # uv installs in seconds what pip takes a minute and a half for. It reads neither pip's
 # configuration nor its find-links, where this machine keeps the torch 2.13.0 CPU wheel:
 # uv takes that wheel from there when it is there, and pip installs torch otherwise (uv
-# would fetch a CUDA build of several GB from the index). --compile-bytecode: as pip does;
-# without .pyc files (and with PYTHONDONTWRITEBYTECODE set, as on CI) every new process
-# compiles torch's Python sources again, which doubled the suite's time.
+# would fetch a CUDA build of several GB from the index). uv writes no .pyc files (pip
+# compiles all ~15,000 of torch's): the first process to import a module writes its cache,
+# so PYTHONDONTWRITEBYTECODE (set on CI) must not reach the commands below, or every new
+# process compiles torch's sources again (that doubled the suite's time).
+unexport PYTHONDONTWRITEBYTECODE
 WHEELS ?= $(or $(firstword $(PIP_FIND_LINKS)),/opt/wheels)
-UV := $(VENV)/bin/uv pip install --python $(PY) --quiet --compile-bytecode --constraint constraints.txt
+UV := $(VENV)/bin/uv pip install --python $(PY) --quiet --constraint constraints.txt
 
 .PHONY: run test lint bench clean
 

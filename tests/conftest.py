@@ -1,11 +1,11 @@
 """Suite-wide fixtures.
 
-Worker processes are started once per test module and reused: every module runs
-inside a `partrain.WorkerPool`, so each `launch` / `fit` of its tests gets a fresh
-process group on a fresh store but not a fresh interpreter (importing torch in a
-new process costs seconds; a suite with a hundred launches would spend minutes
-on it). The pool starts its processes at the first launch only, so modules that
-launch nothing pay nothing. A test that needs brand-new processes marks itself
+Worker processes are started once per test session and reused: the whole suite runs
+inside one `partrain.WorkerPool`, so each `launch` / `fit` gets a fresh process
+group on a fresh store but not a fresh interpreter (importing torch in a new process
+costs seconds; a suite with a hundred launches would spend minutes on it; one pool
+per module cost about 45 s of the suite's 8 minutes). The pool starts its processes
+at the first launch only, and replaces a process whose job failed. A test that needs brand-new processes marks itself
 ``@pytest.mark.fresh_processes``.
 """
 
@@ -25,9 +25,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fresh_processes: run launches of this test in new processes, no pool")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def module_pool() -> Iterator[partrain.WorkerPool]:
-    """The module's pool (every launch of the module runs on it; request it to inspect it)."""
+@pytest.fixture(scope="session", autouse=True)
+def suite_pool() -> Iterator[partrain.WorkerPool]:
+    """The session's pool (every launch runs on it; request it to inspect it)."""
     with partrain.WorkerPool(POOL_PROCESSES) as pool:
         yield pool
 

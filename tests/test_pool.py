@@ -37,10 +37,10 @@ def signal_self_on_rank_1(strategy, signum):
     return t.item()
 
 
-def test_processes_are_reused_and_each_launch_is_a_fresh_job(module_pool, monkeypatch):
+def test_processes_are_reused_and_each_launch_is_a_fresh_job(suite_pool, monkeypatch):
     first = partrain.launch(pid_and_sum, 1, workers=2, timeout=30)
     monkeypatch.setenv("PARTRAIN_TEST_MARK", "now")  # set after the processes started
-    second = partrain.launch(pid_and_sum, 2, workers=2, timeout=30, pool=module_pool)
+    second = partrain.launch(pid_and_sum, 2, workers=2, timeout=30, pool=suite_pool)
     assert [o[1] for o in first] == [2.0, 2.0] and [o[1] for o in second] == [4.0, 4.0]
     assert [o[0] for o in first] == [o[0] for o in second]  # the same two processes
     assert len({o[0] for o in first}) == 2 and os.getpid() not in {o[0] for o in first}
@@ -58,12 +58,12 @@ def test_a_failed_job_is_reported_and_the_pool_recovers(how):
     assert after[1][0] != before[1][0]  # the failed rank's process was replaced
 
 
-def test_outside_the_pool_and_limits(module_pool):
+def test_outside_the_pool_and_limits(suite_pool):
     pooled = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
     with no_pool():
         fresh = partrain.launch(pid_and_sum, 0, workers=2, timeout=30)
     assert {o[0] for o in pooled}.isdisjoint(o[0] for o in fresh)
-    n = module_pool.processes
+    n = suite_pool.processes
     with pytest.raises(UsageError, match=f"at most {n} processes on this pool. Received: {n + 1}"):
         partrain.launch(pid_and_sum, 0, workers=n + 1, timeout=30)
     closed = partrain.WorkerPool(2)
