@@ -564,6 +564,17 @@ class Batcher:
 
     # ---------------------------------------------------------------- callers
 
+    def _enqueue(self, item: Pending, now: float) -> None:
+        """Queue ``item`` (in the loop's thread), count it, and wake the loop."""
+        self._queue.append(item)
+        self._queued += 1
+        self._queued_rows += item.rows
+        self.stats.submitted += 1
+        self.policy.observe_arrival(now)
+        self._last_arrival = now
+        assert self._wakeup is not None
+        self._wakeup.set()
+
     async def submit(self, x: Inputs, *, deadline: float | None = None) -> Outputs:
         """Queue ``x`` (n >= 1 rows) and return its rows of the model's output.
 
@@ -586,13 +597,7 @@ class Batcher:
         assert self._loop is not None and self._wakeup is not None
         item = Pending(inputs, inputs[0].shape[0], self._loop.create_future(), deadline, now,
                        batch_key(inputs, self.pad))
-        self._queue.append(item)
-        self._queued += 1
-        self._queued_rows += item.rows
-        self.stats.submitted += 1
-        self.policy.observe_arrival(now)
-        self._last_arrival = now
-        self._wakeup.set()
+        self._enqueue(item, now)
         try:
             if deadline is None:
                 return await asyncio.shield(item.future)
@@ -695,14 +700,7 @@ class Batcher:
             self.stats.evicted += 1
             _settle(oldest.future, error=Evicted(
                 f"Dropped from the full queue of batcher {self.name!r} (drop-oldest policy)"))
-        self._queue.append(item)
-        self._queued += 1
-        self._queued_rows += item.rows
-        self.stats.submitted += 1
-        self.policy.observe_arrival(now)
-        self._last_arrival = now
-        assert self._wakeup is not None
-        self._wakeup.set()
+        self._enqueue(item, now)
 
     # ---------------------------------------------------------------- dispatcher
 

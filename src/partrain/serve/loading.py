@@ -230,6 +230,28 @@ def import_callable(text: str, what: str, path: str | None = None) -> Callable[.
     return resolve_callable(text, what, path)
 
 
+def module_from_source(source: str) -> tuple[nn.Module, dict[str, Any]]:
+    """The ``nn.Module`` a partrain checkpoint or a ``module:factory`` gives, and its model spec
+    (the checkpoint's; for a factory, its name and the current directory). One line otherwise.
+
+    For the commands that need the module itself, not a served callable: ``partrain stream``
+    (it trains it) and ``partrain serve --stages`` (it cuts it).
+    """
+    if os.path.isfile(source):
+        return model_from_checkpoint(source)
+    if ":" in source and not os.path.exists(source):
+        factory = import_callable(source, "model factory")
+        try:
+            module = factory()
+        except TypeError as exc:
+            raise UsageError(f"Expected model factory {source!r} to be callable without arguments. "
+                             f"Received: {exc}") from None
+        if not isinstance(module, nn.Module):
+            raise UsageError(f"Expected {source!r} to return an nn.Module. Received: {type(module).__name__}")
+        return module, {"name": source, "kwargs": {}, "path": os.getcwd()}
+    raise UsageError(f"Expected MODEL as a checkpoint path or module:factory. Received: {source!r} (no such file)")
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

@@ -58,21 +58,10 @@ IDLE = datetime.timedelta(days=3650)
 # ----- the model's stages ------------------------------------------------------------------------
 
 def module_of(source: str) -> nn.Module:
-    """The ``nn.Module`` a MODEL source gives (a ``partrain train`` checkpoint or module:factory)."""
-    from .loading import import_callable, model_from_checkpoint, parse_model_arg
+    """The ``nn.Module`` a MODEL argument gives (a ``partrain train`` checkpoint or module:factory)."""
+    from .loading import module_from_source, parse_model_arg
 
-    _, path = parse_model_arg(source)
-    if os.path.isfile(path):
-        module, _ = model_from_checkpoint(path)
-    elif ":" in path:
-        module = import_callable(path, "model factory")()
-    else:
-        raise UsageError(f"Expected MODEL for --stages as a partrain checkpoint or module:factory. "
-                         f"Received: {source!r}")
-    if not isinstance(module, nn.Module):
-        raise UsageError(f"Expected {source!r} to give an nn.Module to split into stages. "
-                         f"Received: {type(module).__name__}")
-    return module.eval()
+    return module_from_source(parse_model_arg(source)[1])[0].eval()
 
 
 def cut(module: nn.Module, stages: int) -> tuple[list[nn.Sequential], nn.Module | None]:

@@ -125,24 +125,11 @@ def check_args(args: argparse.Namespace) -> None:
 
 def load_model(spec: str) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, Any] | None]:
     """MODEL as ``(model to train, the part a checkpoint saves, its model_spec)``."""
-    from ..models import resolve_callable
-    from ..serve.loading import Preprocess, model_from_checkpoint
+    from ..serve.loading import Preprocess, module_from_source
 
-    if os.path.isfile(spec):
-        model, model_spec = model_from_checkpoint(spec)
-        inner = model.model if isinstance(model, Preprocess) else model
-        return model, inner, model_spec
-    if ":" in spec and not os.path.exists(spec):
-        factory = resolve_callable(spec, "model factory")
-        try:
-            model = factory()
-        except TypeError as exc:
-            raise UsageError(f"Expected model factory {spec!r} to be callable without arguments. "
-                             f"Received: {exc}") from None
-        if not isinstance(model, torch.nn.Module):
-            raise UsageError(f"Expected {spec!r} to return an nn.Module. Received: {type(model).__name__}")
-        return model, model, {"name": spec, "kwargs": {}, "path": os.getcwd()}
-    raise UsageError(f"Expected MODEL as a checkpoint path or module:factory. Received: {spec!r} (no such file)")
+    model, model_spec = module_from_source(spec)
+    inner = model.model if isinstance(model, Preprocess) else model
+    return model, inner, model_spec
 
 
 def run(args: argparse.Namespace) -> int:
