@@ -37,7 +37,7 @@ TABLE_LINE = {
     "syncbn": "partrain.nn.SyncBatchNorm",
     "serve": "unbatched",
     "population": "auto chose",
-    "engines": "torchrun standalone",
+    "engines": "partrain.launch",
     "pipeline": "1f1b m=8",
     "stream": "hand queue",
 }
