@@ -25,6 +25,7 @@ import json
 import os
 import re
 import signal
+from typing import Any
 
 import pytest
 import torch
@@ -80,21 +81,28 @@ def _by_hand_steps() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
+def _trained(strategy: Pipeline, name: str, model_fn: Any) -> tuple[Pipeline, Any]:
+    """A Pipeline for ``name`` ("schedule" or "schedule/split") on the job's group, and
+    ``model_fn()``'s pipelined model after the test batches, stepped by hand."""
+    schedule, _, split = name.partition("/")
+    pipe = Pipeline(schedule=schedule, microbatches=4, split=split or "params")
+    pipe.setup(strategy.env, timeout=30)
+    torch.manual_seed(0)
+    model = model_fn()
+    model, optimizer = pipe.prepare(model, sgd(model.parameters()))
+    for x, y in _batches():
+        out, losses = pipe.train_step(model, optimizer, x, y, per_sample_ce, loss_scale=1 / len(y))
+        assert out.shape == (len(y), 10) and losses.shape == (len(y),)  # on both stages, padding left out
+    return pipe, model
+
+
 def every_schedule(strategy: Pipeline, names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     """Each schedule in turn on the job's 2 processes (one Pipeline each on the same process group:
     a pool job per schedule would cost a process group per schedule), stepping by hand.
     ``"1f1b/time"`` is 1f1b cut by measured time (rank 0 times the children on the first batch)."""
     states = {}
     for name in names:
-        schedule, _, split = name.partition("/")
-        pipe = Pipeline(schedule=schedule, microbatches=4, split=split or "params")
-        pipe.setup(strategy.env, timeout=30)
-        torch.manual_seed(0)
-        model = mlp64()
-        model, optimizer = pipe.prepare(model, sgd(model.parameters()))
-        for x, y in _batches():
-            out, losses = pipe.train_step(model, optimizer, x, y, per_sample_ce, loss_scale=1 / len(y))
-            assert out.shape == (len(y), 10) and losses.shape == (len(y),)  # on both stages, padding left out
+        pipe, model = _trained(strategy, name, mlp64)
         states[name] = pipe.model_state_dict(model)
     return states
 
@@ -135,14 +143,7 @@ def traced(strategy: Pipeline, names: list[str]) -> dict[str, dict[str, torch.Te
     x_eval = digits64()[1].tensors[0][:5]
     states = {}
     for name in names:
-        schedule, _, split = name.partition("/")
-        pipe = Pipeline(schedule=schedule, microbatches=4, split=split or "params")
-        pipe.setup(strategy.env, timeout=30)
-        torch.manual_seed(0)
-        model = residual64()
-        model, optimizer = pipe.prepare(model, sgd(model.parameters()))
-        for x, y in _batches():
-            pipe.train_step(model, optimizer, x, y, per_sample_ce, loss_scale=1 / len(y))
+        pipe, model = _trained(strategy, name, residual64)
         with torch.no_grad():
             states[name] = {"state": pipe.model_state_dict(model), "eval": model(x_eval)}
     return states

@@ -164,12 +164,7 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
             shapes = shape or (tuple(spec["input_shape"]) if spec.get("input_shape") else None)
             parameters = spec_parameters(spec, source)
     elif ":" in source and not os.path.exists(source):
-        factory = import_callable(source, "model factory")
-        try:
-            module = factory()
-        except TypeError as exc:
-            raise UsageError(f"Expected model factory {source!r} to be callable without arguments. "
-                             f"Received: {exc}") from None
+        module = _call_factory(source)
         if isinstance(module, ServedModel):
             module.name = name
             for key, value in settings.items():
@@ -230,6 +225,16 @@ def import_callable(text: str, what: str, path: str | None = None) -> Callable[.
     return resolve_callable(text, what, path)
 
 
+def _call_factory(source: str) -> Any:
+    """What the ``module:factory`` named by ``source`` returns when called without arguments."""
+    factory = import_callable(source, "model factory")
+    try:
+        return factory()
+    except TypeError as exc:
+        raise UsageError(f"Expected model factory {source!r} to be callable without arguments. "
+                         f"Received: {exc}") from None
+
+
 def module_from_source(source: str) -> tuple[nn.Module, dict[str, Any]]:
     """The ``nn.Module`` a partrain checkpoint or a ``module:factory`` gives, and its model spec
     (the checkpoint's; for a factory, its name and the current directory). One line otherwise.
@@ -240,12 +245,7 @@ def module_from_source(source: str) -> tuple[nn.Module, dict[str, Any]]:
     if os.path.isfile(source):
         return model_from_checkpoint(source)
     if ":" in source and not os.path.exists(source):
-        factory = import_callable(source, "model factory")
-        try:
-            module = factory()
-        except TypeError as exc:
-            raise UsageError(f"Expected model factory {source!r} to be callable without arguments. "
-                             f"Received: {exc}") from None
+        module = _call_factory(source)
         if not isinstance(module, nn.Module):
             raise UsageError(f"Expected {source!r} to return an nn.Module. Received: {type(module).__name__}")
         return module, {"name": source, "kwargs": {}, "path": os.getcwd()}
