@@ -19,7 +19,12 @@ ideal ``m / (m + p - 1)`` of a pipeline of p stages.
 Memory: two more jobs in fresh processes (peak RSS is a process's lifetime high) train a
 larger model of the same shape with Adam: every process holding the whole model, and a
 2-stage pipeline. The figure is each process's peak RSS above its RSS before the model
-was built (the interpreter and torch are the same in both), and the raw peak.
+was built (the interpreter and torch are the same in both), and the raw peak. Both jobs run
+with glibc's mmap threshold fixed at 128 KiB (``PARTRAIN_MALLOC_TUNING=0``,
+``MALLOC_MMAP_THRESHOLD_=131072``): every tensor's pages go back to the system when it is
+freed, so the peak is the memory in use. With partrain's default heap reuse (`tune_allocator`,
+faster steps) the peak also holds freed, fragmented heap, which moved a stage's figure
+between 340 and 450 MiB from run to run for the same job.
 
 Goals: ``pipeline.utilisation_vs_ideal`` (1f1b at m = 8) >= 0.9; ``pipeline.memory_per_stage``
 (a stage's peak / one process's) <= 0.6; ``pipeline.vs_raw_torch`` (raw step time / partrain's)
@@ -223,6 +228,21 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
 
 
+@contextlib.contextmanager
+def _exact_malloc() -> Any:
+    """Processes started inside give every freed tensor back to the system (see the module doc)."""
+    saved = {k: os.environ.get(k) for k in ("PARTRAIN_MALLOC_TUNING", "MALLOC_MMAP_THRESHOLD_")}
+    os.environ.update(PARTRAIN_MALLOC_TUNING="0", MALLOC_MMAP_THRESHOLD_="131072")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _memory_worker(strategy: Any, size: Size, pipeline: bool) -> tuple[float, float]:
     """(peak RSS above the RSS before the model, raw peak RSS), in MiB, after 3 Adam steps."""
     x = torch.randn(size.batch, size.memory_width)
@@ -309,16 +329,18 @@ def run(args: argparse.Namespace) -> Report:
         report.note("serving a split model (partrain serve --stages): not measured at toy size")
         return report
     report.progress("memory jobs (fresh processes: whole model, then 2 stages)")
-    whole = launch(_memory_worker, size, False, workers=2, strategy="allreduce", threads=1, timeout=600)
-    stages = launch(_memory_worker, size, True, workers=2, strategy=Pipeline(stages=STAGES, microbatches=8),
-                    threads=1, timeout=600)
+    with _exact_malloc():
+        whole = launch(_memory_worker, size, False, workers=2, strategy="allreduce", threads=1, timeout=600)
+        stages = launch(_memory_worker, size, True, workers=2, strategy=Pipeline(stages=STAGES, microbatches=8),
+                        threads=1, timeout=600)
     whole_net, whole_raw = max(w[0] for w in whole), max(w[1] for w in whole)
     stage_net, stage_raw = max(s[0] for s in stages), max(s[1] for s in stages)
     mem_rows = [["whole model, one process", f"{whole_net:.0f}", f"{whole_raw:.0f}", "1.00"]]
     for i, (net, raw_peak) in enumerate(stages):
         mem_rows.append([f"pipeline stage {i}", f"{net:.0f}", f"{raw_peak:.0f}", f"{net / whole_net:.2f}"])
     report.table(["process", "peak MiB above start", "peak RSS MiB", "x one process"], mem_rows,
-                 title=f"memory: {size.layers} x Linear({size.memory_width}) + Adam, 3 steps, batch {size.batch}")
+                 title=f"memory: {size.layers} x Linear({size.memory_width}) + Adam, 3 steps, batch {size.batch} "
+                       "(glibc mmap threshold 128 KiB: peaks are memory in use)")
     for name, value in (("memory_whole_mb", whole_net), ("memory_stage_mb", stage_net),
                         ("memory_whole_raw_mb", whole_raw), ("memory_stage_raw_mb", stage_raw)):
         report.figure(name, value)
