@@ -35,8 +35,11 @@ $(VENV)/.dev: $(VENV)/.base
 run: $(VENV)/.base
 	$(VENV)/bin/partrain train
 
+# Two pytest workers: the suite's processes spend much of their time waiting (process start,
+# sockets, other processes' steps), so two at once keep both cores busy.
+TEST_JOBS ?= 2
 test: $(VENV)/.dev
-	$(VENV)/bin/python -m pytest -q --durations=15 tests
+	$(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --durations=15 tests
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests

@@ -4,7 +4,8 @@ Worker processes are started once per test session and reused: the whole suite r
 inside one `partrain.WorkerPool`, so each `launch` / `fit` gets a fresh process
 group on a fresh store but not a fresh interpreter (importing torch in a new process
 costs seconds; a suite with a hundred launches would spend minutes on it; one pool
-per module cost about 45 s of the suite's 8 minutes). The pool starts its processes
+per module cost about 45 s of the suite's 8 minutes). Under pytest-xdist (``make test``
+runs two pytest workers) each worker has its own pool. The pool starts its processes
 at the first launch only, and replaces a process whose job failed. A test that needs brand-new processes marks itself
 ``@pytest.mark.fresh_processes``.
 """
