@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, TensorDataset
 
 from ..data.datasets import DataSpec, load_dataset, preprocessing
+from ..data.pipeline import collate
 from ..errors import UsageError, first_line
 from .config import FitConfig
 from .task import Task, describe, split_batch
@@ -58,19 +59,6 @@ def _split_one(ds: Dataset, test_fraction: float, seed: int) -> tuple[Dataset, D
     from ..data.datasets import split_dataset
 
     return split_dataset(ds, test_fraction, seed)
-
-
-def collate(samples: list[Any], collate_fn: Callable[[list], Any] | None) -> Any:
-    """Samples as one batch; variable-sized samples without a ``collate_fn`` are one line."""
-    try:
-        return (collate_fn or default_collate)(samples)
-    except RuntimeError as exc:
-        if collate_fn is None and ("stack expects" in str(exc) or "equal size" in str(exc)
-                                   or "resize" in str(exc)):
-            shapes = [describe(s) for s in samples[:2]]
-            raise UsageError("Expected samples of equal shape to stack into a batch, or fit(..., collate_fn=...) "
-                             f"to batch them. Received: {shapes[0]} and {shapes[-1]}") from None
-        raise
 
 
 def first_batch(ds: Dataset, collate_fn: Callable[[list], Any] | None = None, n: int = 2) -> Any:
