@@ -192,3 +192,17 @@ def test_hdf5_files_read_by_batch(tmp_path):
 def test_bad_loader_settings_are_one_line(settings, message):
     with pytest.raises(UsageError, match=message):
         Feeder(IndexDataset(), CPU, settings)
+
+
+def test_auto_adds_loader_threads_only_while_the_loop_waits_for_data():
+    feeder = Feeder(IndexDataset(), CPU, LoaderSettings("auto"))
+    assert (feeder.kind, feeder.workers) == ("threads", 2)
+    assert feeder.tune(data_seconds=1.0, busy_seconds=9.0, cores_left=1) is None  # 10%: not input-bound
+    assert feeder.tune(data_seconds=6.0, busy_seconds=4.0, cores_left=1) == "loader threads 2->4"
+    for _ in range(10):
+        feeder.tune(data_seconds=6.0, busy_seconds=4.0, cores_left=1)
+    assert feeder.workers == 16  # MAX_THREADS: threads that wait on I/O need no core each
+    fixed = Feeder(IndexDataset(), CPU, LoaderSettings("threads", workers=3))
+    assert fixed.tune(data_seconds=6.0, busy_seconds=4.0, cores_left=1) is None and fixed.workers == 3
+    tensors = Feeder(TensorDataset(torch.zeros(4, 1)), CPU, LoaderSettings("auto"))
+    assert tensors.kind == "inline"  # in-memory tensors: a gather, nothing to overlap

@@ -181,3 +181,26 @@ def test_an_lstm_on_variable_length_sequences_trains_under_allreduce_with_2_work
     assert_states_close(two.model_state, one.model_state)
     assert two.history[0]["samples"] == 96  # every sample once per epoch
     assert two.history[-1]["train_loss"] < two.history[0]["train_loss"] or two.final["train_accuracy"] > 0.6
+
+
+def test_the_epoch_line_says_when_the_input_pipeline_is_the_bottleneck():
+    from partrain.train.loop import _summary
+
+    row = {"epoch": 1, "train_loss": 0.5, "test_loss": 0.4, "samples_per_s": 100.0, "time_data": 3.0,
+           "time_compute": 1.0, "time_comm": 0.0, "loader": "threads x2, prefetch 4",
+           "loader_tuned": "loader threads 2->4"}
+    line = _summary(row, 2)
+    assert "[data 75% compute 25% comm 0%]" in line
+    assert line.endswith("input-bound (loader threads x2, prefetch 4: loader threads 2->4 for the next epoch)")
+    assert "input-bound" not in _summary(dict(row, time_data=0.1), 2)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--loader-workers", "0"], "Expected a positive number of loader workers or None. Received: loader_workers=0"),
+    (["--prefetch", "0"], "Expected a positive prefetch depth"),
+])
+def test_bad_feeding_options_are_one_line(argv, line, tmp_path, capsys):
+    from partrain.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "run"), "--workers", "1", *argv]) == 2
+    assert line in capsys.readouterr().err

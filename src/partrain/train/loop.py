@@ -288,6 +288,8 @@ class _Parts:
     lengths: torch.Tensor | None = None
     #: what the input pipeline changed after the last epoch (``auto``), for the epoch line
     tuned: str | None = None
+    #: seconds the trial compilation took (``compile``; None: not compiled)
+    compile_seconds: float | None = None
 
 
 @dataclass
@@ -379,9 +381,12 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
     model = model.to(strategy.device)
     feeder = Feeder(train_ds, strategy.device, cfg.loader_settings(), task.collate_fn, on_device=cfg.data_on_device)
     settings = compile_settings(cfg.compile, strategy.device)
+    compile_seconds = None
     if settings is not None:
-        compile_model(model, settings, _trial_batch(feeder, strategy, cfg), task,
-                      quiet=cfg.quiet or not strategy.is_main)
+        t_compile = time.perf_counter()
+        if compile_model(model, settings, _trial_batch(feeder, strategy, cfg), task,
+                         quiet=cfg.quiet or not strategy.is_main):
+            compile_seconds = time.perf_counter() - t_compile
     optimizer = optimizer_fn(model.parameters())
     if cfg.scale_lr:
         for group in optimizer.param_groups:
@@ -398,7 +403,7 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
     return _Parts(model, optimizer, scheduler, train_ds, test_ds, task,
                   schedule=parse_schedule(cfg.lr_schedule, cfg.warmup_steps),
                   base_lrs=[g["lr"] for g in optimizer.param_groups],
-                  steps_per_epoch=steps_per_epoch, total_steps=total, feeder=feeder,
+                  steps_per_epoch=steps_per_epoch, total_steps=total, feeder=feeder, compile_seconds=compile_seconds,
                   lengths=lengths_of(train_ds) if cfg.bucket is not False else None)
 
 
@@ -655,6 +660,8 @@ def record(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, step: 
     })
     if parts.tuned:
         row["loader_tuned"] = parts.tuned
+    if parts.compile_seconds is not None:
+        row["compile_seconds"] = parts.compile_seconds
     if strategy.device.type == "cuda":
         row["device_utilization"] = _utilization(strategy.device)
     if cfg.on_nan == "skip":
