@@ -4,7 +4,8 @@ Three parts, all in one run, each in alternating rounds (`harness.alternate`), o
 thread for every variant (the same compute for all):
 
 - *slow reader*: a dataset whose batch read waits ``--read-ms`` (5 ms: an h5py slice
-  read, simulated by sleeping, not computing) and an MLP whose step takes about as long.
+  read, simulated by sleeping, not computing) and an MLP whose step takes about as long (its width is
+  calibrated on this machine at the start).
   ``plain loop``: ``for x, y in DataLoader(ds, batch_size, shuffle=True)`` (no workers:
   read, then step); ``fit``: `partrain.fit` with its default pipeline (loader threads,
   bounded prefetch). Figure: training samples/s; goal ``data.overlap_speedup`` (fit /
@@ -47,13 +48,17 @@ class Size:
     reader_batches: int  # batches per slow-reader epoch
     memory_samples: int  # samples of the in-memory part
     sequences: int  # sequences of the variable-length part
-    width: int = 768  # hidden width of the slow-reader MLP (about a 5 ms step at batch 64)
+    width: int | None = None  # hidden width of the slow-reader MLP (None: a step as long as the read)
     compile: bool | str = True  # the toy run (a test) compiles with a cheap backend
 
 
 FULL = Size(rounds=5, reader_batches=120, memory_samples=16384, sequences=2048)
 QUICK = Size(rounds=2, reader_batches=30, memory_samples=4096, sequences=512)
 TOY = Size(rounds=1, reader_batches=4, memory_samples=256, sequences=64, width=64, compile="aot_eager")
+
+
+def _with_width(size: Size, width: int) -> Size:
+    return Size(size.rounds, size.reader_batches, size.memory_samples, size.sequences, width, size.compile)
 
 READER_BATCH, FEATURES, CLASSES = 64, 256, 10
 
@@ -123,9 +128,9 @@ def fit_reader(size: Size, read_s: float) -> float:
     return result.final["samples_per_s"]
 
 
-def step_ms(size: Size) -> float:
-    """The slow-reader model's step alone (median of 20), for the table."""
-    model, opt = reader_mlp(size.width), None
+def step_ms(width: int) -> float:
+    """The slow-reader model's step alone, ms (median of 20 after 5 warm-up steps)."""
+    model = reader_mlp(width)
     opt = _sgd(model.parameters())
     x, y = torch.randn(READER_BATCH, FEATURES), torch.randint(0, CLASSES, (READER_BATCH,))
     times = []
@@ -137,6 +142,14 @@ def step_ms(size: Size) -> float:
         opt.step()
         times.append(time.perf_counter() - t)
     return 1000 * Spread.of(times[5:]).median
+
+
+def calibrate_width(read_ms: float, widths: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536)) -> tuple[int, float]:
+    """The MLP width whose step time is nearest the read time on this machine (the issue's
+    case: read and step about equal, where overlapping them can at best halve the epoch)."""
+    timed = [(abs(step_ms(w) - read_ms), w) for w in widths]
+    width = min(timed)[1]
+    return width, step_ms(width)
 
 
 # --------------------------------------------------------------------------- part 2: data in memory
@@ -233,8 +246,12 @@ def run(args: argparse.Namespace) -> Report:
     report = Report("data", smoke=smoke)
     results: dict[str, list] = {}
     with torch_threads(1):
+        width, step = ((size.width, step_ms(size.width)) if size.width is not None
+                       else calibrate_width(args.read_ms))
+        size = _with_width(size, width)
         report.say(f"slow reader: {args.read_ms:g} ms read per batch of {READER_BATCH}, model step "
-                   f"{step_ms(size):.1f} ms; {size.reader_batches} batches per epoch; {rounds} rounds")
+                   f"{step:.1f} ms (MLP width {width}); {size.reader_batches} batches per epoch; {rounds} rounds")
+        report.figure("slow_reader.step_ms", step)
         results.update(alternate({
             "plain loop": functools.partial(plain_reader_loop, size, read_s),
             "fit (input pipeline)": functools.partial(fit_reader, size, read_s),

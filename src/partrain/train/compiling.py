@@ -1,7 +1,10 @@
 """``fit(..., compile=True)``: the model's forward and backward compiled with ``torch.compile``.
 
-The module is compiled in place (``nn.Module.compile``), so its ``state_dict`` keeps its
-keys (checkpoints, ``partrain serve`` and the strategies see the same module). On CUDA the
+The module's ``forward`` is replaced, on this instance, by its compiled version, so the
+module stays itself: its ``state_dict`` keeps its keys (checkpoints, ``partrain serve``) and
+a strategy's wrapper (DDP) calls it as before. (``nn.Module.compile`` would be the obvious
+call, but torch 2.13 skips the frame it compiles, ``Module._call_impl`` in torch's own
+files, and runs the module eagerly without a word.) On CUDA the
 default mode is ``reduce-overhead`` (CUDA graphs: one launch replays a whole step's
 kernels); on CPU inductor's default. ``compile="aot_eager"`` (or any backend name) picks a
 backend; ``"eager"`` traces without generating code (a check that the model traces).
@@ -46,7 +49,7 @@ def compile_model(model: nn.Module, settings: dict[str, Any], trial: Any, task: 
     compiles; else leave it eager and print one line why. True when compiled."""
     try:
         probe = copy.deepcopy(model)
-        probe.compile(**settings)
+        compile_forward(probe, settings)
         with torch.random.fork_rng(devices=[trial_device(trial)] if trial_device(trial) >= 0 else []):
             inputs, target = task.split(trial)
             out = task.forward(probe, inputs)
@@ -57,8 +60,13 @@ def compile_model(model: nn.Module, settings: dict[str, Any], trial: Any, task: 
             print(f"partrain: torch.compile failed ({type(exc).__name__}: {first_line(exc)[:200]}); "
                   "training eagerly", file=sys.stderr, flush=True)
         return False
-    model.compile(**settings)
+    compile_forward(model, settings)
     return True
+
+
+def compile_forward(module: nn.Module, settings: dict[str, Any]) -> None:
+    """``module.forward`` compiled, for this instance only (hooks and wrappers still apply)."""
+    module.forward = torch.compile(module.forward, **settings)  # type: ignore[method-assign]
 
 
 def trial_device(batch: Any) -> int:
