@@ -891,7 +891,7 @@ def _input_bound(row: dict[str, Any], data_percent: float) -> str:
         return ""
     tuned = row.get("loader_tuned")
     advice = (f"{tuned} for the next epoch" if tuned else
-              "try --loader threads/processes, more --loader-workers or --prefetch")
+              "more --loader-workers / --prefetch, or another --loader (docs/data.md)")
     return f"  input-bound (loader {row.get('loader', '?')}: {advice})"
 
 
