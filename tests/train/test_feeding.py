@@ -210,3 +210,31 @@ def test_bad_feeding_options_are_one_line(argv, line, tmp_path, capsys):
 
     assert main(["train", "--out", str(tmp_path / "run"), "--workers", "1", *argv]) == 2
     assert line in capsys.readouterr().err
+
+
+def sampler_batches(epoch: int, rank: int, workers: int, stop_after: int | None = None):
+    """A user's generator that yields the batches the inline loop would draw (seed 0)."""
+    from partrain.data import ShardedBatchSampler
+
+    train = regression64()[0]
+    sampler = ShardedBatchSampler(len(train), 16, rank, workers, seed=0)
+    sampler.set_epoch(epoch)
+    for k, index in enumerate(sampler.iter_tensors()):
+        if stop_after is not None and k == stop_after:
+            return
+        yield tuple(t[index] for t in train.tensors)
+
+
+def generated(stop_after: int | None = None):
+    from partrain.data import Generated
+
+    return Generated(functools.partial(sampler_batches, stop_after=stop_after), steps=7), regression64()[1]
+
+
+def test_a_batch_generator_trains_exactly_as_the_inline_loop_and_must_yield_every_step(inline):
+    result = fit(regressor64, generated, sgd, **ONE)
+    assert_states_close(result.model_state, inline)
+    assert result.final["loader"].startswith("generator")
+    with pytest.raises(LoaderError, match=r"Expected 7 batches from the generator in epoch 1 on worker 0. "
+                                          r"Received: 5"):
+        fit(regressor64, functools.partial(generated, stop_after=5), sgd, **ONE)

@@ -138,7 +138,14 @@ class Feeder:
         self.ds, self.device, self.collate = ds, device, collate
         in_memory = isinstance(ds, TensorDataset) and collate is None
         kind = settings.kind
-        if on_device:
+        from .generated import Generated
+
+        if isinstance(ds, Generated):
+            if on_device:
+                raise UsageError("Expected an in-memory TensorDataset for data_on_device=True. Received: "
+                                 "a batch generator (Generated)")
+            kind = "generator"
+        elif on_device:
             if not in_memory:
                 raise UsageError("Expected an in-memory TensorDataset (and no collate_fn) for data_on_device=True. "
                                  f"Received: {type(ds).__name__}")
@@ -153,6 +160,8 @@ class Feeder:
         self._resident: DeviceBatches | None = None
 
     def describe(self) -> str:
+        if self.kind == "generator":
+            return f"generator thread, prefetch {self.prefetch * max(self.workers, 1)}"
         if self.kind in ("threads", "processes"):
             return f"{self.kind} x{self.workers}, prefetch {self.prefetch * self.workers}"
         return self.kind
@@ -163,6 +172,11 @@ class Feeder:
             if self._resident is None:
                 self._resident = DeviceBatches(self.ds, self.device)  # type: ignore[arg-type]
             return self._resident.epoch(sampler, skip)
+        if self.kind == "generator":
+            from .generated import GeneratedBatches
+
+            return GeneratedBatches(self.ds, sampler, self.device, skip,  # type: ignore[arg-type]
+                                    self.prefetch * max(self.workers, 1), self.timeout)
         if self.kind == "threads":
             return ThreadBatches(self.ds, sampler, self.device, self.collate, skip, self.workers,
                                  self.prefetch * self.workers, self.timeout)

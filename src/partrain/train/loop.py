@@ -47,6 +47,7 @@ from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
 from ..data.bucketing import BucketBatchSampler, lengths_of
+from ..data.generated import Generated, GeneratedSampler
 from ..data.pipeline import Feeder, InlineBatches
 from ..env import available_cores, external_launcher, global_rank_from_environ
 from ..errors import UsageError
@@ -69,7 +70,7 @@ from .prepare import (
     write_config,
 )
 from .schedule import Schedule, parse_schedule
-from .task import LossFn, MetricFn, Task, batch_size, describe, tensors_of
+from .task import LossFn, MetricFn, Task, batch_size, describe, tensors_of, to_device
 
 SchedulerFn = Callable[[Optimizer], Any]
 
@@ -196,6 +197,9 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         return RunResult(history=history, out_dir=cfg.out_dir, checkpoint=cfg.resume,
                          model_state=ckpt["model"] if cfg.return_state else None, model_fn=model_fn)
     train_ds, test_ds = resolve_data(data)
+    if isinstance(test_ds, Generated):
+        raise UsageError("Expected a Dataset of samples (or None) to evaluate on. Received: a batch generator "
+                         "(Generated) as the test set")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = model_fn()
@@ -395,7 +399,10 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
                 group["initial_lr"] = group["lr"]
     model, optimizer = strategy.prepare(model, optimizer)
     scheduler = scheduler_fn(optimizer) if scheduler_fn else None
-    batches = math.ceil(len(train_ds) / (cfg.batch_size * strategy.num_workers))  # type: ignore[arg-type]
+    if isinstance(train_ds, Generated):  # its length counts batches per worker
+        batches = len(train_ds)
+    else:
+        batches = math.ceil(len(train_ds) / (cfg.batch_size * strategy.num_workers))  # type: ignore[arg-type]
     steps_per_epoch = max(1, math.ceil(batches / cfg.accumulate))
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
@@ -409,6 +416,8 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
 
 def _trial_batch(feeder: Feeder, strategy: Strategy, cfg: FitConfig) -> Any:
     """A batch as training sees it (its first, of epoch 0) for the trial compilation."""
+    if isinstance(feeder.ds, Generated):
+        return to_device(feeder.ds.first(), strategy.device)
     sampler = strategy.shard(len(feeder.ds), cfg.batch_size, shuffle=False, drop_last=cfg.drop_last)  # type: ignore[arg-type]
     return next(iter(InlineBatches(feeder.ds, sampler, strategy.device, feeder.collate)))
 
@@ -605,6 +614,8 @@ def _cores_left(strategy: Strategy) -> int:
 def _train_sampler(strategy: Strategy, parts: _Parts, cfg: FitConfig) -> Any:
     """This worker's batches of the training set: the strategy's shard, bucketed by length
     when the samples have lengths (same workers, same global batches, every sample once)."""
+    if isinstance(parts.train_ds, Generated):  # the generator shards itself, by rank
+        return GeneratedSampler(len(parts.train_ds), strategy.rank, strategy.num_workers)
     sampler = strategy.shard(len(parts.train_ds), cfg.batch_size, shuffle=True, seed=cfg.seed,  # type: ignore[arg-type]
                              drop_last=cfg.drop_last)
     if parts.lengths is None:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from ..data.datasets import DataSpec, load_dataset, preprocessing
+from ..data.generated import Generated
 from ..data.pipeline import collate
 from ..errors import UsageError, first_line
 from .config import FitConfig
@@ -63,6 +64,8 @@ def _split_one(ds: Dataset, test_fraction: float, seed: int) -> tuple[Dataset, D
 
 def first_batch(ds: Dataset, collate_fn: Callable[[list], Any] | None = None, n: int = 2) -> Any:
     """A small batch of the first samples, as the loop would batch them."""
+    if isinstance(ds, Generated):  # whole batches: the generator's first one
+        return ds.first()
     count = min(n, len(ds))  # type: ignore[arg-type]
     if count == 0:
         raise UsageError("Expected a training set with at least one sample. Received: an empty dataset")
