@@ -208,7 +208,8 @@ def test_the_epoch_line_says_when_the_input_pipeline_is_the_bottleneck():
 def test_bad_feeding_options_are_one_line(argv, line, tmp_path, capsys):
     from partrain.cli import main
 
-    assert main(["train", "--out", str(tmp_path / "run"), "--workers", "1", *argv]) == 2
+    assert main(["train", "--out", str(tmp_path / "run"), "--workers", "1", "--dataset", "synthetic",
+                 "--synthetic-samples", "64", *argv]) == 2
     assert line in capsys.readouterr().err
 
 
