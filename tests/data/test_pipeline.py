@@ -182,6 +182,10 @@ def test_hdf5_files_read_by_batch(tmp_path):
     ds = HDF5Dataset(str(tmp_path / "d.h5"))
     index = [9, 2, 2, 40]  # unsorted, repeated: HDF5 reads want increasing indices
     assert torch.equal(torch.stack([s[0] for s in ds.__getitems__(index)]), torch.from_numpy(x[index]))
+    sampler = ShardedBatchSampler(N, 8, 0, 1, seed=2)
+    # a loader process reopens the file (an h5py handle does not survive a fork)
+    for batch, index in zip(Feeder(ds, CPU, LoaderSettings("processes", workers=1)).epoch(sampler), sampler):
+        assert torch.equal(batch[0], torch.from_numpy(x[index]))
 
 
 @pytest.mark.parametrize("settings, message", [
