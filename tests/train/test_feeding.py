@@ -239,3 +239,20 @@ def test_a_batch_generator_trains_exactly_as_the_inline_loop_and_must_yield_ever
     with pytest.raises(LoaderError, match=r"Expected 7 batches from the generator in epoch 1 on worker 0. "
                                           r"Received: 5"):
         fit(regressor64, functools.partial(generated, stop_after=5), sgd, **ONE)
+
+
+@pytest.mark.parametrize("options, line", [
+    (dict(data_on_device=True), "Expected an in-memory TensorDataset (and no collate_fn) for data_on_device=True. "
+                                "Received: MapStyle"),
+    (dict(bucket=True), "Expected a training set with per-sample lengths for bucket=True"),
+    (dict(loader="fast"), "Expected loader among ['auto', 'inline', 'threads', 'processes']. Received: 'fast'"),
+    (dict(compile=3), "Expected compile to be True, False or a torch.compile backend name. Received: 3"),
+])
+def test_bad_feeding_arguments_to_fit_are_one_line_before_any_worker(options, line, monkeypatch):
+    from partrain.errors import UsageError
+    from tests.train.test_tasks import no_launch
+
+    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    with pytest.raises(UsageError) as info:
+        fit(regressor64, map_style, sgd, **dict(ONE, **options))
+    assert str(info.value).startswith(line)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from ..data.bucketing import BucketBatchSampler, lengths_of
 from ..data.generated import Generated, GeneratedSampler
@@ -200,6 +200,7 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
     if isinstance(test_ds, Generated):
         raise UsageError("Expected a Dataset of samples (or None) to evaluate on. Received: a batch generator "
                          "(Generated) as the test set")
+    _check_feeding(cfg, train_ds, task)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = model_fn()
@@ -221,6 +222,16 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
     if result is not None:
         result.model_fn = model_fn
     return result
+
+
+def _check_feeding(cfg: FitConfig, train_ds: Dataset, task: Task) -> None:
+    """The feeding options against the training set: one line here, not an error in every worker."""
+    if cfg.data_on_device and not (isinstance(train_ds, TensorDataset) and task.collate_fn is None):
+        raise UsageError("Expected an in-memory TensorDataset (and no collate_fn) for data_on_device=True. "
+                         f"Received: {type(train_ds).__name__}{' with a collate_fn' if task.collate_fn else ''}")
+    if cfg.bucket and lengths_of(train_ds) is None:
+        raise UsageError("Expected a training set with per-sample lengths for bucket=True (a "
+                         f"partrain.data.Sequences). Received: {type(train_ds).__name__}")
 
 
 def _task_from(task: Task | None, loss_fn: Any, metrics: Any, forward_fn: Any, collate_fn: Any,
