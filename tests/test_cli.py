@@ -39,6 +39,7 @@ def test_train_options_are_frozen():
         "--weight-decay", "--max-steps", "--seed", "--out", "--resume", "--quiet",
         "--loss", "--lr-schedule", "--warmup-steps", "--clip-grad", "--precision", "--on-nan", "--early-stop",
         "--monitor", "--overwrite", "--config", "--tensorboard", "--checkpoint-every", "--checkpoint-seconds",
+        "--loader", "--loader-workers", "--prefetch", "--data-on-device", "--compile",
     ])
 
 

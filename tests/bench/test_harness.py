@@ -138,4 +138,5 @@ def test_goal_names_are_the_issues():
         "engines": ("engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"),
         "pipeline": ("pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"),
         "stream": ("stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"),
+        "data": ("data.overlap_speedup", "data.resident_vs_dataloader", "data.padding_vs_random"),
     }

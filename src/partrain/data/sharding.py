@@ -86,9 +86,19 @@ class ShardedBatchSampler(Sampler[list[int]]):
     def iter_tensors(self) -> Iterator[torch.Tensor]:
         """The same batches as index tensors (no round trip through Python lists)."""
         order = self.order()
+        for start, stop in self.spans():
+            yield order[start:stop]
+
+    def spans(self) -> Iterator[tuple[int, int]]:
+        """Each batch of this worker as positions ``[start, stop)`` in `order` (the part
+        ``torch.tensor_split`` gives this rank of each global batch): a device-resident
+        epoch slices its copy of the order with them, no index crossing to the device."""
         for step in range(len(self)):
-            chunk = order[step * self.global_batch : step * self.global_batch + self.global_batch]
-            yield torch.tensor_split(chunk, self.num_replicas)[self.rank]
+            first = step * self.global_batch
+            size = min(self.global_batch, self.num_samples - first)
+            q, r = divmod(size, self.num_replicas)
+            start = first + self.rank * q + min(self.rank, r)
+            yield start, start + q + (1 if self.rank < r else 0)
 
 
 class ClaimingBatchSampler(ShardedBatchSampler):

@@ -32,6 +32,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
+from ..data.padding import pad_cat
+
 Inputs = Union[Tensor, tuple[Tensor, ...]]  # noqa: UP007 - runtime alias, py3.10
 Outputs = Union[Tensor, tuple[Tensor, ...]]  # noqa: UP007 - runtime alias, py3.10
 
@@ -161,16 +163,7 @@ def stack_batch(batch: Sequence[Pending], pad_value: float = 0.0, *,
         if same_shapes:
             stacked.append(parts[0] if len(parts) == 1 else torch.cat(parts, 0))
             continue
-        target = [max(s) for s in zip(*(t.shape[1:] for t in parts))] if parts[0].dim() > 1 else []
-        padded = []
-        for t in parts:
-            if list(t.shape[1:]) != target:
-                widths: list[int] = []
-                for have, want in zip(reversed(t.shape[1:]), reversed(target)):
-                    widths += [0, want - have]
-                t = torch.nn.functional.pad(t, widths, value=pad_value)
-            padded.append(t)
-        stacked.append(padded[0] if len(padded) == 1 else torch.cat(padded, 0))
+        stacked.append(pad_cat(parts, pad_value))  # the project's one padding rule (partrain.data.padding)
     return tuple(stacked), own
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..cli import HelpFormatter
 from ..data.datasets import DataSpec, load_dataset, num_classes, preprocessing, sample_shape
+from ..data.pipeline import LOADERS
 from ..env import available_cores, external_launcher, global_rank_from_environ
 from ..errors import UsageError
 from ..models import MODELS, build_model, model_kwargs_for
@@ -62,6 +63,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--synthetic-classes", type=int, default=10, help="classes of --dataset synthetic")
     d.add_argument("--test-fraction", type=float, default=0.2, help="held-out share for evaluation")
     d.add_argument("--sync-bn", action="store_true", help="convert BatchNorm layers to partrain's SyncBatchNorm")
+
+    f = p.add_argument_group("feeding the device (see docs/data.md)")
+    f.add_argument("--loader", choices=LOADERS, default="auto",
+                   help="how batches load: auto (in-memory inline, else threads, more when input-bound), inline, "
+                        "threads (I/O-bound readers), processes (CPU-bound decoding)")
+    f.add_argument("--loader-workers", type=int, default=None, metavar="N",
+                   help="loader threads or processes per worker (default 2)")
+    f.add_argument("--prefetch", type=int, default=2, metavar="N", help="batches in flight per loader worker")
+    f.add_argument("--data-on-device", action="store_true",
+                   help="copy the training set to the device once; batches are gathers there")
+    f.add_argument("--compile", nargs="?", const=True, default=False, metavar="BACKEND",
+                   help="torch.compile the model (inductor; CUDA graphs on CUDA), or with BACKEND "
+                        "(e.g. aot_eager); falls back to eager with one line when it fails")
 
     o = p.add_argument_group("optimization")
     o.add_argument("--epochs", type=int, default=8)
@@ -188,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         early_stop=args.early_stop, monitor=args.monitor, tensorboard=args.tensorboard,
         checkpoint_every=args.checkpoint_every, checkpoint_seconds=args.checkpoint_seconds,
         overwrite=args.overwrite, return_state=False, model_spec=model_spec,
+        loader=args.loader, loader_workers=args.loader_workers, prefetch=args.prefetch,
+        data_on_device=args.data_on_device, compile=args.compile,
         extra_config={"cli": _cli_settings(args)},
         **_multinode(args),
     )

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..data.pipeline import LoaderSettings
 from ..env import DEFAULT_TIMEOUT
 from ..errors import UsageError
 from ..launch import check_arguments
@@ -83,6 +84,26 @@ class FitConfig:
     overwrite: bool = False
     #: extra settings written to config.json (the CLI's arguments, to repeat a run)
     extra_config: dict[str, Any] | None = None
+    #: how batches are loaded (`partrain.data.pipeline`): ``auto`` (in-memory tensors inline,
+    #: other datasets by loader threads, more threads when the loop waits for data), ``inline``,
+    #: ``threads`` (I/O-bound readers) or ``processes`` (CPU-bound decoding)
+    loader: str = "auto"
+    #: loader threads or processes per worker (None: 2, or what ``auto`` tunes)
+    loader_workers: int | None = None
+    #: batches in flight per loader thread or process
+    prefetch: int = 2
+    #: seconds to wait for one batch before a loader counts as stuck
+    loader_timeout: float = 300.0
+    #: copy the training set to the device once; batches are gathers there (an in-memory TensorDataset)
+    data_on_device: bool = False
+    #: ``torch.compile`` the model: True (inductor; CUDA graphs on CUDA) or a backend name
+    compile: bool | str = False
+    #: batch samples of similar length together (`partrain.data.BucketBatchSampler`); needs a
+    #: training set with ``lengths`` (`partrain.data.Sequences`); None: when it has them
+    bucket: bool | None = None
+
+    def loader_settings(self) -> LoaderSettings:
+        return LoaderSettings(self.loader, self.loader_workers, self.prefetch, self.loader_timeout)
 
     def validate(self) -> None:
         _positive("epochs", self.epochs, "number of epochs")
@@ -110,6 +131,10 @@ class FitConfig:
                              f"Received: {self.checkpoint_seconds!r}")
         if self.early_stop is not None:
             _positive("early_stop", self.early_stop, "number of epochs without improvement")
+        self.loader_settings().validate()
+        if not isinstance(self.compile, (bool, str)):
+            raise UsageError(f"Expected compile to be True, False or a torch.compile backend name. "
+                             f"Received: {self.compile!r}")
 
 
 @dataclass

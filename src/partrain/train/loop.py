@@ -30,7 +30,6 @@ then per epoch `train_epoch` (every micro-batch through ``Strategy.train_step``)
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 import os
 import pickle
@@ -45,15 +44,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
-from .._tree import map_tensors
-from ..env import external_launcher, global_rank_from_environ
+from ..data.bucketing import BucketBatchSampler, lengths_of
+from ..data.generated import Generated, GeneratedSampler
+from ..data.pipeline import Feeder, InlineBatches
+from ..env import available_cores, external_launcher, global_rank_from_environ
 from ..errors import UsageError
 from ..launch import launch
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
 from ..strategies.base import Strategy, get_strategy
 from .checkpoint import fit_weights, load_checkpoint, save_checkpoint
+from .compiling import compile_model, compile_settings
 from .config import FitConfig, LaunchConfig, split_options
 from .metrics import MetricsWriter, StepTimes
 from .prepare import (
@@ -61,7 +63,6 @@ from .prepare import (
     check_model_takes,
     check_resume,
     check_run_dir,
-    collate,
     describe_callable,
     describe_data,
     infer_model_spec,
@@ -196,6 +197,10 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         return RunResult(history=history, out_dir=cfg.out_dir, checkpoint=cfg.resume,
                          model_state=ckpt["model"] if cfg.return_state else None, model_fn=model_fn)
     train_ds, test_ds = resolve_data(data)
+    if isinstance(test_ds, Generated):
+        raise UsageError("Expected a Dataset of samples (or None) to evaluate on. Received: a batch generator "
+                         "(Generated) as the test set")
+    _check_feeding(cfg, train_ds, task)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = model_fn()
@@ -217,6 +222,16 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
     if result is not None:
         result.model_fn = model_fn
     return result
+
+
+def _check_feeding(cfg: FitConfig, train_ds: Dataset, task: Task) -> None:
+    """The feeding options against the training set: one line here, not an error in every worker."""
+    if cfg.data_on_device and not (isinstance(train_ds, TensorDataset) and task.collate_fn is None):
+        raise UsageError("Expected an in-memory TensorDataset (and no collate_fn) for data_on_device=True. "
+                         f"Received: {type(train_ds).__name__}{' with a collate_fn' if task.collate_fn else ''}")
+    if cfg.bucket and lengths_of(train_ds) is None:
+        raise UsageError("Expected a training set with per-sample lengths for bucket=True (a "
+                         f"partrain.data.Sequences). Received: {type(train_ds).__name__}")
 
 
 def _task_from(task: Task | None, loss_fn: Any, metrics: Any, forward_fn: Any, collate_fn: Any,
@@ -268,50 +283,6 @@ def run_settings(cfg: FitConfig, launch_cfg: LaunchConfig, strategy: Strategy, t
             "torch": torch.__version__, **(cfg.extra_config or {})}
 
 
-class _Batches:
-    """This worker's batches of one epoch: direct tensor indexing for in-memory data."""
-
-    def __init__(self, ds: Dataset, sampler: Any, device: torch.device,
-                 collate_fn: Callable[[list], Any] | None = None, skip: int = 0) -> None:
-        self.ds, self.sampler, self.device, self.collate_fn = ds, sampler, device, collate_fn
-        self.tensors = ds.tensors if isinstance(ds, TensorDataset) and collate_fn is None else None
-        self.skip = skip  # batches already trained on (a mid-epoch resume): their indices, never their data
-
-    def __len__(self) -> int:
-        return len(self.sampler) - self.skip
-
-    def __iter__(self):  # noqa: ANN204
-        non_blocking = self.device.type == "cuda"
-        if self.tensors is not None:
-            for index in itertools.islice(self.sampler.iter_tensors(), self.skip, None):
-                yield tuple(t.index_select(0, index).to(self.device, non_blocking=non_blocking)
-                            for t in self.tensors)
-        else:
-            batches = _Skipping(self.sampler, self.skip) if self.skip else self.sampler
-            loader = DataLoader(self.ds, batch_sampler=batches, pin_memory=non_blocking, collate_fn=self._collate)
-            for batch in loader:
-                yield to_device(batch, self.device, non_blocking)
-
-    def _collate(self, samples: list[Any]) -> Any:
-        if samples:
-            return collate(samples, self.collate_fn)
-        # a worker's share of the last global batch can be empty: a batch of no samples, same structure
-        return map_tensors(collate([self.ds[0]], self.collate_fn), lambda t: t[:0])
-
-
-class _Skipping:
-    """A batch sampler without its first ``skip`` batches (their indices are drawn, nothing loaded)."""
-
-    def __init__(self, sampler: Any, skip: int) -> None:
-        self.sampler, self.skip = sampler, skip
-
-    def __iter__(self):  # noqa: ANN204
-        return itertools.islice(iter(self.sampler), self.skip, None)
-
-    def __len__(self) -> int:
-        return len(self.sampler) - self.skip
-
-
 @dataclass
 class _Parts:
     """What one worker trains with, as `build` made it."""
@@ -326,6 +297,14 @@ class _Parts:
     base_lrs: list[float] = field(default_factory=list)
     steps_per_epoch: int = 1
     total_steps: int = 1
+    #: the input pipeline of the training set (`partrain.data.pipeline.Feeder`)
+    feeder: Feeder | None = None
+    #: the training set's sample lengths when batches are bucketed by length
+    lengths: torch.Tensor | None = None
+    #: what the input pipeline changed after the last epoch (``auto``), for the epoch line
+    tuned: str | None = None
+    #: seconds the trial compilation took (``compile``; None: not compiled)
+    compile_seconds: float | None = None
 
 
 @dataclass
@@ -415,6 +394,14 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
         if ckpt.get("freeze"):  # frozen slices stay frozen across a resume
             load_freeze_state_dict(model, ckpt["freeze"], strict=False)
     model = model.to(strategy.device)
+    feeder = Feeder(train_ds, strategy.device, cfg.loader_settings(), task.collate_fn, on_device=cfg.data_on_device)
+    settings = compile_settings(cfg.compile, strategy.device)
+    compile_seconds = None
+    if settings is not None:
+        t_compile = time.perf_counter()
+        if compile_model(model, settings, _trial_batch(feeder, strategy, cfg), task,
+                         quiet=cfg.quiet or not strategy.is_main):
+            compile_seconds = time.perf_counter() - t_compile
     optimizer = optimizer_fn(model.parameters())
     if cfg.scale_lr:
         for group in optimizer.param_groups:
@@ -423,7 +410,10 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
                 group["initial_lr"] = group["lr"]
     model, optimizer = strategy.prepare(model, optimizer)
     scheduler = scheduler_fn(optimizer) if scheduler_fn else None
-    batches = math.ceil(len(train_ds) / (cfg.batch_size * strategy.num_workers))  # type: ignore[arg-type]
+    if isinstance(train_ds, Generated):  # its length counts batches per worker
+        batches = len(train_ds)
+    else:
+        batches = math.ceil(len(train_ds) / (cfg.batch_size * strategy.num_workers))  # type: ignore[arg-type]
     steps_per_epoch = max(1, math.ceil(batches / cfg.accumulate))
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
@@ -431,7 +421,16 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
     return _Parts(model, optimizer, scheduler, train_ds, test_ds, task,
                   schedule=parse_schedule(cfg.lr_schedule, cfg.warmup_steps),
                   base_lrs=[g["lr"] for g in optimizer.param_groups],
-                  steps_per_epoch=steps_per_epoch, total_steps=total)
+                  steps_per_epoch=steps_per_epoch, total_steps=total, feeder=feeder, compile_seconds=compile_seconds,
+                  lengths=lengths_of(train_ds) if cfg.bucket is not False else None)
+
+
+def _trial_batch(feeder: Feeder, strategy: Strategy, cfg: FitConfig) -> Any:
+    """A batch as training sees it (its first, of epoch 0) for the trial compilation."""
+    if isinstance(feeder.ds, Generated):
+        return to_device(feeder.ds.first(), strategy.device)
+    sampler = strategy.shard(len(feeder.ds), cfg.batch_size, shuffle=False, drop_last=cfg.drop_last)  # type: ignore[arg-type]
+    return next(iter(InlineBatches(feeder.ds, sampler, strategy.device, feeder.collate)))
 
 
 def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None) -> _Position:
@@ -541,11 +540,10 @@ def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
     device = strategy.device
     task = parts.task
     torch.manual_seed(cfg.seed * 7919 + epoch * 1009 + strategy.rank)
-    sampler = strategy.shard(len(parts.train_ds), cfg.batch_size, shuffle=True, seed=cfg.seed,  # type: ignore[arg-type]
-                             drop_last=cfg.drop_last)
+    sampler = _train_sampler(strategy, parts, cfg)
     sampler.set_epoch(epoch)
     first = position.batch  # micro-batches of this epoch done before a mid-epoch checkpoint
-    batches = _Batches(parts.train_ds, sampler, device, task.collate_fn, skip=first)
+    batches = parts.feeder.epoch(sampler, skip=first)  # type: ignore[union-attr]
     parts.model.train()
     totals = _EpochTotals(torch.zeros((), dtype=torch.float64, device=device),
                           torch.zeros(len(task.metric_names), dtype=torch.float64, device=device), 0,
@@ -613,7 +611,36 @@ def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
     strategy.barrier()  # the epoch lasts until its slowest worker is done
     totals.seconds += time.perf_counter() - t_epoch
     totals.skipped = guard.skipped
+    parts.tuned = parts.feeder.tune(totals.times.data, totals.times.compute + totals.times.comm,  # type: ignore[union-attr]
+                                    _cores_left(strategy))
     return totals
+
+
+def _cores_left(strategy: Strategy) -> int:
+    """Cores of this machine that the training processes' threads leave free (loader processes)."""
+    local = max(1, min(strategy.num_workers, available_cores()))
+    return max(1, available_cores() - local * torch.get_num_threads())
+
+
+def _train_sampler(strategy: Strategy, parts: _Parts, cfg: FitConfig) -> Any:
+    """This worker's batches of the training set: the strategy's shard, bucketed by length
+    when the samples have lengths (same workers, same global batches, every sample once)."""
+    if isinstance(parts.train_ds, Generated):  # the generator shards itself, by rank
+        return GeneratedSampler(len(parts.train_ds), strategy.rank, strategy.num_workers)
+    sampler = strategy.shard(len(parts.train_ds), cfg.batch_size, shuffle=True, seed=cfg.seed,  # type: ignore[arg-type]
+                             drop_last=cfg.drop_last)
+    if parts.lengths is None:
+        if cfg.bucket:
+            raise UsageError("Expected a training set with per-sample lengths for bucket=True (a "
+                             f"partrain.data.Sequences). Received: {type(parts.train_ds).__name__}")
+        return sampler
+    if sampler.claims_batches:
+        if cfg.bucket:
+            raise UsageError(f"Expected a strategy with fixed shards for bucket=True. Received: strategy "
+                             f"{strategy.name!r}, whose workers claim batches")
+        return sampler
+    return BucketBatchSampler(parts.lengths, cfg.batch_size, sampler.rank, sampler.num_replicas,
+                              seed=cfg.seed, drop_last=cfg.drop_last)
 
 
 def _set_lr(parts: _Parts, step: int) -> None:
@@ -651,7 +678,14 @@ def record(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, step: 
         "lr": parts.optimizer.param_groups[0]["lr"],
         "workers": w,
         "strategy": strategy.name,
+        "loader": parts.feeder.describe() if parts.feeder is not None else "inline",
     })
+    if parts.tuned:
+        row["loader_tuned"] = parts.tuned
+    if parts.compile_seconds is not None:
+        row["compile_seconds"] = parts.compile_seconds
+    if strategy.device.type == "cuda":
+        row["device_utilization"] = _utilization(strategy.device)
     if cfg.on_nan == "skip":
         row["skipped_steps"] = int(train[6].item())
     row.update({f"{strategy.name}_{k}": v for k, v in strategy.metrics().items()})
@@ -816,7 +850,7 @@ def evaluate(strategy: Strategy, model: nn.Module, ds: Dataset | None, task: Tas
     # summed on the device: no host synchronisation per batch
     totals = torch.zeros(2 + len(names), dtype=torch.float64, device=strategy.device)
     with torch.no_grad():
-        for batch in _Batches(ds, sampler, strategy.device, task.collate_fn):
+        for batch in InlineBatches(ds, sampler, strategy.device, task.collate_fn):
             inputs, target = task.split(batch)
             out = task.forward(net, inputs)
             totals[0] += task.loss(out, target).sum()
@@ -863,10 +897,32 @@ def _summary(row: dict[str, Any], epochs: int) -> str:
         return "  ".join(parts)
 
     skipped = f"  skipped {row['skipped_steps']} steps" if row.get("skipped_steps") else ""
+    util = row.get("device_utilization")
+    device = f" gpu {util:.0f}%" if isinstance(util, (int, float)) and util == util else ""
     return (f"epoch {row['epoch']}/{epochs}  {figures('train')}  {figures('test')}  "
             f"{row['samples_per_s']:,.0f} samples/s  "
             f"[data {share(row['time_data']):.0f}% compute {share(row['time_compute']):.0f}% "
-            f"comm {share(row['time_comm']):.0f}%]{skipped}")
+            f"comm {share(row['time_comm']):.0f}%{device}]{skipped}{_input_bound(row, share(row['time_data']))}")
+
+
+def _input_bound(row: dict[str, Any], data_percent: float) -> str:
+    """The epoch line's note when waiting for data took more than `INPUT_BOUND` of the time."""
+    from ..data.pipeline import INPUT_BOUND
+
+    if data_percent <= 100 * INPUT_BOUND:
+        return ""
+    tuned = row.get("loader_tuned")
+    advice = (f"{tuned} for the next epoch" if tuned else
+              "more --loader-workers / --prefetch, or another --loader (docs/data.md)")
+    return f"  input-bound (loader {row.get('loader', '?')}: {advice})"
+
+
+def _utilization(device: torch.device) -> float:
+    """The device's utilisation in percent over the last sample period (NVML), NaN when unknown."""
+    try:
+        return float(torch.cuda.utilization(device))
+    except Exception:  # no NVML (pynvml) or no permission: the breakdown stays without it
+        return math.nan
 
 
 __all__ = ["FitConfig", "LaunchConfig", "NonFiniteError", "RunResult", "Task", "check_model_takes",

@@ -20,9 +20,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset, default_collate
+from torch.utils.data import Dataset, TensorDataset
 
 from ..data.datasets import DataSpec, load_dataset, preprocessing
+from ..data.generated import Generated
+from ..data.pipeline import collate
 from ..errors import UsageError, first_line
 from .config import FitConfig
 from .task import Task, describe, split_batch
@@ -60,21 +62,10 @@ def _split_one(ds: Dataset, test_fraction: float, seed: int) -> tuple[Dataset, D
     return split_dataset(ds, test_fraction, seed)
 
 
-def collate(samples: list[Any], collate_fn: Callable[[list], Any] | None) -> Any:
-    """Samples as one batch; variable-sized samples without a ``collate_fn`` are one line."""
-    try:
-        return (collate_fn or default_collate)(samples)
-    except RuntimeError as exc:
-        if collate_fn is None and ("stack expects" in str(exc) or "equal size" in str(exc)
-                                   or "resize" in str(exc)):
-            shapes = [describe(s) for s in samples[:2]]
-            raise UsageError("Expected samples of equal shape to stack into a batch, or fit(..., collate_fn=...) "
-                             f"to batch them. Received: {shapes[0]} and {shapes[-1]}") from None
-        raise
-
-
 def first_batch(ds: Dataset, collate_fn: Callable[[list], Any] | None = None, n: int = 2) -> Any:
     """A small batch of the first samples, as the loop would batch them."""
+    if isinstance(ds, Generated):  # whole batches: the generator's first one
+        return ds.first()
     count = min(n, len(ds))  # type: ignore[arg-type]
     if count == 0:
         raise UsageError("Expected a training set with at least one sample. Received: an empty dataset")
