@@ -1,0 +1,194 @@
+"""From measurements to advice: the what-if link, loss at equal samples, and the recommendation.
+
+Plain functions over `Measurement` lists, so the rule is tested on hand-made figures.
+
+**Simulated bandwidth** (``--bandwidth``): the bytes each strategy measurably sent per step
+become seconds on the given link with `partrain.scaling`'s formulas (ring all-reduce for
+allreduce and local SGD, the busiest server's fan-in for ps, point-to-point activations for
+a pipeline); a step's communication is the larger of what was measured here and what the
+link would take. The throughput scales by the ratio of step times.
+
+**Loss at equal samples**: each window's test loss after every epoch (and before the first
+step) is a curve over samples trained; two strategies compare at the smaller of their sample
+counts, by linear interpolation. The reference is ``allreduce`` (the exact synchronous
+gradient of the global batch), else ``single``.
+
+**The rule** (`recommend`):
+
+1. An asynchronous or local-update strategy (ps async, hogwild, local SGD) whose loss at
+   equal samples is more than ``loss_tolerance`` above the reference's is out: it is fast
+   at not learning. (The synchronous ones apply exact gradients; theirs differ from the
+   reference's by the batch per step alone.)
+2. ``allreduce`` is recommended when its step waits little (communication and waiting below
+   ``comm_floor`` of the step: nothing for another strategy to save) or when no other
+   strategy is at least ``margin`` faster: it keeps the exact gradient and needs no tuning.
+3. Otherwise the fastest remaining strategy; ``single`` when no parallel one beats it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..scaling import Link, allreduce_seconds
+from .measure import Measurement
+
+COMM_FLOOR = 0.20
+MARGIN = 0.25
+LOSS_TOLERANCE = 0.10
+
+
+@dataclass
+class Recommendation:
+    """The strategy to use, why, and one line for each of the others."""
+
+    pick: str
+    why: str
+    others: dict[str, str] = field(default_factory=dict)
+
+
+def simulate_link(m: Measurement, bandwidth: float | None, latency_s: float = 20e-6,
+                  shards: int = 1) -> None:
+    """Set ``m.simulated_comm_s`` and ``m.effective_samples_per_s`` for a link of ``bandwidth`` bytes/s
+    (None: the machine's own, as measured)."""
+    m.effective_samples_per_s = m.samples_per_s
+    m.simulated_comm_s = 0.0
+    if bandwidth is None or not m.ok or m.workers < 2 or not m.step_s > 0:
+        return
+    link = Link(bandwidth, latency_s)
+    comm = link_seconds(m, link, shards)
+    m.simulated_comm_s = comm
+    step = m.step_s
+    simulated = m.data_s + m.compute_s + max(m.comm_s, comm)
+    m.effective_samples_per_s = m.samples_per_s * step / simulated
+
+
+def link_seconds(m: Measurement, link: Link, shards: int = 1) -> float:
+    """Seconds per step that ``m``'s measured bytes per step would take on ``link``."""
+    n, sent = m.workers, m.bytes_per_step
+    if m.strategy in ("allreduce", "localsgd"):
+        # bytes_per_step is what each worker all-reduced (S per sync, S/H per step for local SGD)
+        syncs = 1.0 if m.strategy == "allreduce" else 1.0 / float(m.options.get("period", 8))
+        return allreduce_seconds(n, sent, Link(link.bandwidth, link.latency_s * syncs))
+    if m.strategy == "ps":
+        # the busiest shard's link carries every worker's push and pull of a step
+        return n * sent / (shards * link.bandwidth) + 2 * link.latency_s
+    if m.strategy == "pipeline":
+        return sent / link.bandwidth + link.latency_s
+    return 0.0
+
+
+def loss_at(curve: list[tuple[float, float]], samples: float) -> float:
+    """The loss of a curve at ``samples`` (linear between points; NaN outside it)."""
+    points = [(s, v) for s, v in curve if v == v]
+    if not points or samples > points[-1][0] or samples < points[0][0]:
+        return math.nan
+    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+        if s0 <= samples <= s1:
+            return v0 if s1 == s0 else v0 + (v1 - v0) * (samples - s0) / (s1 - s0)
+    return points[-1][1]
+
+
+def compare_losses(measurements: list[Measurement]) -> Measurement | None:
+    """Set each measurement's ``loss_ratio`` against the reference's at equal samples; return the reference."""
+    ok = {m.label: m for m in measurements if m.ok}
+    ref = ok.get("allreduce") or ok.get("single")
+    if ref is None or not ref.curve:
+        return ref
+    for m in ok.values():
+        if not m.curve:
+            continue
+        samples = min(m.curve[-1][0], ref.curve[-1][0])
+        mine, theirs = loss_at(m.curve, samples), loss_at(ref.curve, samples)
+        m.loss_ratio = mine / theirs if theirs and theirs == theirs and mine == mine else math.nan
+    return ref
+
+
+def waiting_share(m: Measurement) -> float:
+    """Communication (and waiting on other workers) as a share of the step, under the what-if link."""
+    step = m.data_s + m.compute_s + max(m.comm_s, m.simulated_comm_s)
+    return max(m.comm_s, m.simulated_comm_s) / step if step > 0 else math.nan
+
+
+def recommend(measurements: list[Measurement], *, comm_floor: float = COMM_FLOOR, margin: float = MARGIN,
+              loss_tolerance: float = LOSS_TOLERANCE) -> Recommendation | None:
+    """The rule of the module docstring over measurements with ``effective_samples_per_s`` set."""
+    ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
+    if not ok:
+        return None
+    ref = compare_losses(ok)
+    usable = [m for m in ok if synchronous(m) or not m.loss_ratio > 1 + loss_tolerance]
+    by_label = {m.label: m for m in usable}
+    parallel = [m for m in usable if m.workers > 1]
+    best = max(parallel, key=lambda m: m.effective_samples_per_s) if parallel else None
+    allreduce = by_label.get("allreduce")
+    single = by_label.get("single")
+    if allreduce is not None and best is not None and (
+            waiting_share(allreduce) < comm_floor
+            or best.effective_samples_per_s < allreduce.effective_samples_per_s * (1 + margin)):
+        pick = allreduce
+        if waiting_share(allreduce) < comm_floor:
+            why = (f"communication and waiting are only {waiting_share(allreduce):.0%} of its step: no other "
+                   "strategy has much to save, and allreduce keeps the exact gradient of the global batch")
+        else:
+            why = (f"no other strategy is {margin:.0%} faster ({best.label}: "
+                   f"{best.effective_samples_per_s / allreduce.effective_samples_per_s:.2f}x); allreduce keeps "
+                   "the exact gradient of the global batch")
+    elif best is not None:
+        pick = best
+        why = _why_faster(best, allreduce or ref)
+    else:
+        pick = single or ok[0]
+        why = "the only strategy that ran"
+    if single is not None and pick is not single and single.effective_samples_per_s >= pick.effective_samples_per_s:
+        why = (f"one process trains faster ({single.effective_samples_per_s:,.0f} samples/s) than the best "
+               f"parallel strategy ({pick.label}, {pick.effective_samples_per_s:,.0f}): parallelism does not pay here")
+        pick = single
+    others = {m.label: _why_not(m, pick, ref, loss_tolerance) for m in measurements if m.label != pick.label}
+    return Recommendation(pick.label, why, others)
+
+
+def _why_faster(best: Measurement, base: Measurement | None) -> str:
+    if base is None or base is best:
+        return "the fastest strategy measured"
+    speedup = best.effective_samples_per_s / base.effective_samples_per_s
+    share = waiting_share(base)
+    if best.bytes_per_sample < base.bytes_per_sample * 0.5 and share >= COMM_FLOOR:
+        cut = base.bytes_per_sample / best.bytes_per_sample if best.bytes_per_sample > 0 else math.inf
+        cut_text = "all of them" if math.isinf(cut) else f"{cut:.0f}x"
+        return (f"comm is {share:.0%} of {base.label}'s step: {best.label} cuts the bytes per sample "
+                f"{cut_text}, {speedup:.2f}x the samples/s")
+    if not synchronous(best) and synchronous(base):
+        return (f"{base.label} waits for the slowest worker at every step ({share:.0%} of its step): "
+                f"{best.label} does not, {speedup:.2f}x the samples/s")
+    return f"{speedup:.2f}x the samples/s of {base.label} at a loss within {LOSS_TOLERANCE:.0%} of it"
+
+
+def synchronous(m: Measurement) -> bool:
+    """Every step applies the exact gradient of its global batch, and waits for every worker."""
+    if m.strategy == "ps":
+        return not math.isinf(float(m.options.get("staleness", 0)))
+    return m.strategy in ("allreduce", "pipeline", "single")
+
+
+def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_tolerance: float) -> str:
+    """One line: why ``m`` loses to ``pick``."""
+    if not m.ok:
+        return f"{m.status}: {m.reason}"
+    if m.loss_ratio > 1 + loss_tolerance and ref is not None and not synchronous(m):
+        return (f"its loss at equal samples is {m.loss_ratio - 1:.0%} above {ref.label}'s "
+                "(stale or local updates cost convergence)")
+    ratio = m.effective_samples_per_s / pick.effective_samples_per_s if pick.effective_samples_per_s else math.nan
+    shares = m.shares()
+    wait = waiting_share(m)
+    if m.strategy == "pipeline" and shares["bubble"] == shares["bubble"] and shares["bubble"] >= 0.2:
+        reason = f"the pipeline bubble is {shares['bubble']:.0%} of its step"
+    elif wait >= 0.25:
+        reason = f"comm and waiting are {wait:.0%} of its step ({m.bytes_per_sample:,.0f} bytes/sample)"
+    elif m.workers == 1:
+        reason = "one process uses one share of the cores"
+    elif ratio >= 1:
+        reason = "as fast, but the pick keeps the exact gradient and needs no tuning"
+    else:
+        reason = f"compute is {shares['compute']:.0%} of its step"
+    return f"{ratio:.2f}x the pick's samples/s: {reason}"
