@@ -40,7 +40,7 @@ def test_a_straggler_picks_an_asynchronous_strategy():
     allreduce = window("allreduce", "allreduce", 67.0, compute=1.0, comm=1.0)
     ps_sync = window("ps sync", "ps", 60.0, compute=1.0, comm=1.1, staleness=0)
     hogwild = window("hogwild", "hogwild", 133.0, compute=1.0, comm=0.0, curve=((0.0, 2.3), (1000.0, 1.05)))
-    rec = recommend([allreduce, ps_sync, hogwild])
+    rec = recommend([allreduce, ps_sync, hogwild], straggler=True)
     assert rec.pick == "hogwild"
     assert rec.why.startswith("allreduce waits for the slowest worker at every step (50% of its step)")
 

@@ -72,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
     from ..models import MODELS, model_kwargs_for
     from ..train.cli import _shape, build_cli_model
     from ..train.optim import make_optimizer
+    from .options import parse_bandwidth, parse_budget, parse_links, parse_straggler
     from .report import format_result, to_json
-    from .run import compare
+    from .run import CANDIDATES, compare
 
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"Expected a positive number of workers. Received: --workers {args.workers}")
@@ -84,6 +85,17 @@ def run(args: argparse.Namespace) -> int:
     strategies = None
     if args.strategies is not None:
         strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        known = [c.label for c in CANDIDATES]
+        if not strategies or any(s not in known for s in strategies):
+            raise UsageError(f"Expected strategies among {known}. Received: {strategies}")
+    # every option checked before the data loads and any process starts
+    parse_budget(args.budget)
+    straggler = parse_straggler(args.straggler)
+    if straggler is not None and straggler.worker >= (args.workers or 2):
+        raise UsageError(f"Expected the straggler to be a worker index below workers={args.workers or 2}. "
+                         f"Received: worker={straggler.worker}")
+    parse_bandwidth(args.bandwidth)
+    parse_links(args.links)
     spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
                     classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed)
     train_ds, _ = load_dataset(spec)

@@ -110,9 +110,13 @@ def waiting_share(m: Measurement) -> float:
     return max(m.comm_s, m.simulated_comm_s) / step if step > 0 else math.nan
 
 
-def recommend(measurements: list[Measurement], *, comm_floor: float = COMM_FLOOR, margin: float = MARGIN,
-              loss_tolerance: float = LOSS_TOLERANCE) -> Recommendation | None:
-    """The rule of the module docstring over measurements with ``effective_samples_per_s`` set."""
+def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_floor: float = COMM_FLOOR,
+              margin: float = MARGIN, loss_tolerance: float = LOSS_TOLERANCE) -> Recommendation | None:
+    """The rule of the module docstring over measurements with ``effective_samples_per_s`` set.
+
+    ``straggler``: a worker was slowed on purpose, so a synchronous strategy's waiting is
+    the straggler's doing (the reasons say so), not the network's.
+    """
     ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
     if not ok:
         return None
@@ -136,7 +140,7 @@ def recommend(measurements: list[Measurement], *, comm_floor: float = COMM_FLOOR
                    "the exact gradient of the global batch")
     elif best is not None:
         pick = best
-        why = _why_faster(best, allreduce or ref)
+        why = _why_faster(best, allreduce or ref, straggler)
     else:
         pick = single or ok[0]
         why = "the only strategy that ran"
@@ -148,19 +152,18 @@ def recommend(measurements: list[Measurement], *, comm_floor: float = COMM_FLOOR
     return Recommendation(pick.label, why, others)
 
 
-def _why_faster(best: Measurement, base: Measurement | None) -> str:
+def _why_faster(best: Measurement, base: Measurement | None, straggler: bool = False) -> str:
     if base is None or base is best:
         return "the fastest strategy measured"
     speedup = best.effective_samples_per_s / base.effective_samples_per_s
     share = waiting_share(base)
-    if best.bytes_per_sample < base.bytes_per_sample * 0.5 and share >= COMM_FLOOR:
-        cut = base.bytes_per_sample / best.bytes_per_sample if best.bytes_per_sample > 0 else math.inf
-        cut_text = "all of them" if math.isinf(cut) else f"{cut:.0f}x"
-        return (f"comm is {share:.0%} of {base.label}'s step: {best.label} cuts the bytes per sample "
-                f"{cut_text}, {speedup:.2f}x the samples/s")
-    if not synchronous(best) and synchronous(base):
+    if straggler and not synchronous(best) and synchronous(base):
         return (f"{base.label} waits for the slowest worker at every step ({share:.0%} of its step): "
                 f"{best.label} does not, {speedup:.2f}x the samples/s")
+    if best.bytes_per_sample < base.bytes_per_sample * 0.5 and share >= COMM_FLOOR:
+        cut = (f"cuts the bytes per sample {base.bytes_per_sample / best.bytes_per_sample:.0f}x"
+               if best.bytes_per_sample > 0 else "sends no bytes")
+        return f"comm is {share:.0%} of {base.label}'s step: {best.label} {cut}, {speedup:.2f}x the samples/s"
     return f"{speedup:.2f}x the samples/s of {base.label} at a loss within {LOSS_TOLERANCE:.0%} of it"
 
 

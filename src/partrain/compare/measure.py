@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset, Subset, TensorDataset
 
 from ..errors import UsageError, WorkerError, first_line
 from ..strategies.base import Strategy, get_strategy
@@ -31,6 +32,10 @@ from .probe import ProbeSpec, probed_model, read_records, steady_rate
 WARMUP_STEPS = 3
 #: the fewest steps measured after the warm-up; a window too short for them is skipped
 MIN_MEASURED_STEPS = 8
+#: epochs of a window: each ends with an evaluation, a point of the loss curve
+WINDOW_EPOCHS = 4
+#: held-out samples evaluated at each epoch's end
+TEST_SAMPLES = 512
 
 
 @dataclass(frozen=True)
@@ -114,9 +119,9 @@ class Job:
     fit_options: dict[str, Any] = field(default_factory=dict)
 
 
-def measure(job: Job, candidate: Candidate, workers: int, steps: int, train_size: int,
+def measure(job: Job, candidate: Candidate, workers: int, steps: int,
             straggler: Straggler | None = None, initial_loss: float = math.nan) -> Measurement:
-    """Train ``candidate`` for ``steps`` optimizer steps and measure it (a failure is a `Measurement`
+    """Train ``candidate`` for about ``steps`` optimizer steps and measure it (a failure is a `Measurement`
     with status ``failed`` and the error's first line, never an exception)."""
     from ..train.loop import fit
 
@@ -125,16 +130,21 @@ def measure(job: Job, candidate: Candidate, workers: int, steps: int, train_size
     world = n + strat.extra_processes(n)
     worker_ranks = tuple(r for r, role in enumerate(strat.roles(world)) if role == "worker")
     m = Measurement(candidate.label, candidate.strategy, dict(candidate.options), n, processes=world)
-    per_epoch = max(1, math.ceil(train_size / (job.batch_size * n)))
-    epochs = math.ceil(steps / per_epoch) + 1
+    # a window of WINDOW_EPOCHS equal epochs of whole global batches, drawn from the training set
+    per_epoch = max(1, math.ceil(steps / WINDOW_EPOCHS))
+    epochs = math.ceil(steps / per_epoch)
+    data = functools.partial(window_data, job.data, per_epoch * job.batch_size * n, TEST_SAMPLES)
+    # workers that claim batches (asynchronous) stop at the end of the data: `fit`'s max_steps counts
+    # each worker's own steps, and workers that stop in different epochs would wait on each other
+    limit = None if strat.dynamic_sharding else steps
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="partrain-compare-") as tmp:
         spec = ProbeSpec(tmp, worker_ranks, straggler.worker if straggler else None,
                          straggler.slowdown if straggler else 1.0)
         try:
-            result = fit(functools.partial(probed_model, job.model_fn, spec), job.data, job.optimizer_fn,
+            result = fit(functools.partial(probed_model, job.model_fn, spec), data, job.optimizer_fn,
                          strategy=strat, loss_fn=job.loss_fn, workers=n, epochs=epochs,
-                         batch_size=job.batch_size, max_steps=steps, seed=job.seed, quiet=True,
+                         batch_size=job.batch_size, max_steps=limit, seed=job.seed, quiet=True,
                          checkpoint=False, return_state=False, timeout=job.timeout, threads=job.threads,
                          device=job.device, **job.fit_options)
         except (WorkerError, UsageError, RuntimeError) as exc:
@@ -146,6 +156,28 @@ def measure(job: Job, candidate: Candidate, workers: int, steps: int, train_size
     assert result is not None  # fit returns worker 0's result when it launched the workers
     fill_from_history(m, result.history, records, initial_loss)
     return m
+
+
+def window_data(data: Any, train_samples: int, test_samples: int) -> tuple[Dataset, Dataset | None]:
+    """``data``'s training set cut or cycled to ``train_samples`` (one window epoch), and its first
+    ``test_samples`` held-out samples (a window's evaluations stay short).
+
+    In-memory tensors stay a `TensorDataset` (`fit` indexes them directly); others a `Subset`.
+    """
+    from ..train.loop import resolve_data
+
+    train, test = resolve_data(data)
+    index = torch.arange(train_samples) % len(train)  # type: ignore[arg-type]
+    train = _take(train, index)
+    if test is not None and len(test) > test_samples:  # type: ignore[arg-type]
+        test = _take(test, torch.arange(test_samples))
+    return train, test
+
+
+def _take(ds: Dataset, index: torch.Tensor) -> Dataset:
+    if isinstance(ds, TensorDataset):
+        return TensorDataset(*(t.index_select(0, index) for t in ds.tensors))
+    return Subset(ds, index.tolist())
 
 
 def fill_from_history(m: Measurement, history: list[dict[str, Any]], records: list[dict[str, Any]],

@@ -7,9 +7,10 @@ user's own children and checkpoints keep the user's parameter names):
 - a forward pre-hook records the start time and batch size of every training forward:
   the steady-state throughput after the warm-up steps comes from these times, not from
   an epoch's seconds that include the first, slow steps;
-- the same hook, on the straggler worker, sleeps ``slowdown - 1`` times the previous
-  step's forward and backward (timed to the last gradient's accumulation): a worker
-  that runs ``slowdown`` times slower, as a slower machine would;
+- the same hook, on the straggler worker, sleeps ``slowdown - 1`` times the work of its
+  previous step (from that step's forward, after its delay, to this one): every
+  part of its step, data, compute, optimizer and communication, takes ``slowdown`` times
+  as long, as on a slower machine;
 - the resident memory of the process is sampled at each record.
 
 The records go to one small JSON file per worker in the run's directory, rewritten
@@ -71,23 +72,16 @@ class _Recorder:
         self.sizes: list[int] = []
         self.peak_rss = rss_bytes()
         self.last_flush = time.perf_counter()
-        self.grads_done: float | None = None
         model.register_forward_pre_hook(self._before_forward)
-        if self.slow:
-            for p in model.parameters():
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._grad_done)
-
-    def _grad_done(self, _: torch.Tensor) -> None:
-        self.grads_done = time.perf_counter()
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if not (module.training and torch.is_grad_enabled()):
             self.flush()  # an evaluation: the end of an epoch
             return
-        if self.slow and self.times and self.grads_done is not None and self.grads_done > self.times[-1]:
+        if self.slow and self.times:
+            work = time.perf_counter() - self.times[-1]  # the previous step, its delay not included
             # the injected delay itself (what makes this worker the straggler), not a wait on anything
-            time.sleep((self.spec.slowdown - 1) * (self.grads_done - self.times[-1]))
+            time.sleep((self.spec.slowdown - 1) * work)
         now = time.perf_counter()
         self.times.append(now)
         first = args[0] if args else None

@@ -31,6 +31,7 @@ from ..scaling import Constants, Link, allreduce_seconds, ps_seconds, samples_pe
 from .decide import Recommendation, recommend, simulate_link
 from .measure import (
     MIN_MEASURED_STEPS,
+    TEST_SAMPLES,
     WARMUP_STEPS,
     Candidate,
     Job,
@@ -55,13 +56,14 @@ CANDIDATES: tuple[Candidate, ...] = (
 SCALE_WORKERS = (8, 64, 512)
 DEFAULT_LINKS = "10Gbit,100Gbit"
 #: start-up of one window (a process group, the model, the data) before the first one measured it
-FIRST_OVERHEAD_S = 1.5
+FIRST_OVERHEAD_S = 0.8
 #: the first multi-process window's step over its estimate, before one was measured
 FIRST_CORRECTION = 2.0
 #: a pipeline's step over a data-parallel one's, before one was measured (micro-batches, messages)
 PIPELINE_FACTOR = 2.0
-#: kept back from the windows for the end: the pool's shutdown, the decision and the files
-FINISH_S = 2.0
+#: kept back from the windows for the end: the decision, and the files (a chart) when asked for
+FINISH_S = 0.3
+FILES_S = 1.5
 
 
 @dataclass
@@ -152,7 +154,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
     model, train_ds, test_ds, task = _inspect(job)
     model_bytes = parameter_bytes(model)
     chosen, skipped = applicable(strategies, model, n, batch_size, device)
-    initial = initial_loss(model, test_ds or train_ds, task)
+    # the first point of every loss curve: the held-out samples the windows evaluate
+    initial = initial_loss(model, test_ds if test_ds is not None else train_ds, task, limit=TEST_SAMPLES)
     step_guess = _time_steps(model, train_ds, task, optimizer_fn, batch_size, per_process)
     measurements: list[Measurement] = list(skipped)
     result = CompareResult(measurements, None, budget_s, 0.0, n, batch_size, model_bytes, strag, bw)
@@ -163,18 +166,31 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
         if n > 1:  # starts every process the windows need (counted in the budget), then probes the link
             from ..launch import launch
 
-            launch(_ready, job.data, workers=processes, strategy="allreduce", timeout=timeout,
+            launch(warm_up, job.data, workers=processes, strategy="allreduce", timeout=timeout,
                    threads=per_process)
             result.link = link_probe(model_bytes, timeout=timeout, threads=per_process)
             say(f"{_clock(started)} processes ready; local link {result.link[0] / 1e6:,.0f} MB/s, "
                 f"latency {result.link[1] * 1e6:.0f} us")
         overheads: list[float] = []
+        finish = FINISH_S + (FILES_S if out_dir else 0.0)
         learned: dict[str, float] = {}  # strategy -> measured step over estimated step
         for i, cand in enumerate(chosen):
-            left = budget_s - (time.perf_counter() - started) - FINISH_S
+            left = budget_s - (time.perf_counter() - started) - finish
             overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
             window = left / (len(chosen) - i) - overhead
-            step = _estimate_step(cand, n, result, step_guess, model_bytes, strag) * _correction(cand, n, learned)
+            base = _estimate_step(cand, n, result, step_guess, model_bytes, strag)
+            several = (cand.workers or n) > 1
+            if several and cand.strategy not in learned and (not learned or cand.strategy == "pipeline"):
+                # a short calibration window: fixed per-step costs (Python, hooks, messages) make a guess
+                # from one process's step unreliable for the first multi-process strategy and a pipeline
+                calib = measure(job, cand, n, WARMUP_STEPS + MIN_MEASURED_STEPS, strag, initial)
+                if not calib.ok:  # the window would fail alike
+                    measurements.append(calib)
+                    continue
+                learned[cand.strategy] = calib.window_s / max(calib.steps, 1) / base
+                overheads.append(max(0.0, calib.wall_s - calib.window_s))
+                window -= calib.wall_s
+            step = base * _correction(cand, n, learned)
             steps = int(window / step) if step > 0 and window > 0 else 0
             if steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
                 measurements.append(Measurement(cand.label, cand.strategy, dict(cand.options), cand.workers or n,
@@ -183,19 +199,19 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                                                 f"~{(WARMUP_STEPS + MIN_MEASURED_STEPS) * step:.1f} s"))
                 continue
             say(f"{_clock(started)} {cand.label}: {steps} steps (~{steps * step:.1f} s)")
-            m = measure(job, cand, n, steps, len(train_ds), strag, initial)
+            m = measure(job, cand, n, steps, strag, initial)
             measurements.append(m)
             if m.ok:
                 overheads.append(max(0.0, m.wall_s - m.window_s))
-                if (cand.workers or n) > 1 and m.steps:
-                    learned[cand.strategy] = m.window_s / m.steps / (step / _correction(cand, n, learned))
+                if several and m.steps:
+                    learned[cand.strategy] = m.window_s / m.steps / base
                 say(f"{_clock(started)} {cand.label}: {m.samples_per_s:,.0f} samples/s "
                     f"({m.window_s:.1f} s window, {m.wall_s:.1f} s in all)")
             else:
                 say(f"{_clock(started)} {cand.label}: {m.status}: {m.reason}")
     for m in measurements:
         simulate_link(m, bw)
-    result.recommendation = recommend(measurements)
+    result.recommendation = recommend(measurements, straggler=strag is not None)
     _predict(result, link_speeds, scale)
     if out_dir:
         result.files = write_outputs(result, out_dir)
@@ -203,8 +219,20 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
     return result
 
 
-def _ready(strategy: Any, data: Any) -> None:
-    """Start the pool's processes and import what every window needs (the loop, the data's modules)."""
+#: what the windows import in the workers: imported once, up front, by every process (seconds each
+#: on a loaded machine, which would otherwise land in the first window of each process)
+WORKER_MODULES = ("partrain.train.loop", "torch.nn.parallel", "partrain.strategies.allreduce",
+                  "partrain.strategies.local_sgd", "partrain.strategies.hogwild",
+                  "partrain.strategies.parameter_server", "partrain.strategies.pipeline", "partrain.compare.probe",
+                  "tqdm")
+
+
+def warm_up(strategy: Any, data: Any) -> None:
+    """Start the pool's processes, import what every window needs, and load the data once."""
+    import importlib
+
+    for name in WORKER_MODULES:
+        importlib.import_module(name)
     from ..train.loop import resolve_data
 
     resolve_data(data)
@@ -283,13 +311,13 @@ def _loader(ds: Any, batch_size: int, task: Any) -> DataLoader:
     return DataLoader(ds, batch_size=batch_size, shuffle=False, collate_fn=lambda s: collate(s, task.collate_fn))
 
 
-def initial_loss(model: nn.Module, ds: Any, task: Any, limit: int = 2048) -> float:
+def initial_loss(model: nn.Module, ds: Any, task: Any, limit: int = TEST_SAMPLES) -> float:
     """The untrained model's mean loss on (up to ``limit`` samples of) ``ds``: each curve's first point."""
     total, count = 0.0, 0
     was = model.training
     model.eval()
     with torch.no_grad():
-        for batch in _loader(ds, 512, task):
+        for batch in _loader(ds, limit, task):
             inputs, target = task.split(batch)
             total += float(task.loss(task.forward(model, inputs), target).double().sum())
             count += int(target.shape[0]) if isinstance(target, torch.Tensor) else len(target)
