@@ -29,6 +29,7 @@ GOALS = {
     "engines": {"engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"},
     "pipeline": {"pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"},
     "stream": {"stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"},
+    "compare": {"compare.regret_max", "compare.prediction_error", "compare.budget_overrun"},
 }
 # what each toy run must print besides its goals (a line of its main table)
 TABLE_LINE = {
@@ -40,6 +41,7 @@ TABLE_LINE = {
     "engines": "partrain.launch",
     "pipeline": "1f1b m=8",
     "stream": "hand queue",
+    "compare": "fastest to target",
 }
 
 

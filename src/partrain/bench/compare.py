@@ -27,6 +27,7 @@ minus 1) <= 0.10. Every run shares one pool of processes, started before the fir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -37,11 +38,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ..compare import compare
-from ..compare.decide import loss_at  # noqa: F401 - kept for readers: the same interpolation as compare's
 from ..compare.report import format_result
+from ..errors import UsageError
+from ..launch import launch as partrain_launch
 from ..pool import WorkerPool
-from ..strategies import get_strategy
-from ..train.loop import fit
 from .harness import Report, pick_size, positive_int
 
 
@@ -54,7 +54,7 @@ class Size:
 
 FULL = Size(budget=60.0, train_s=8.0, samples=2048)
 QUICK = Size(budget=14.0, train_s=2.0, samples=1024)
-TOY = Size(budget=5.0, train_s=0.6, samples=512)
+TOY = Size(budget=4.0, train_s=0.5, samples=512)
 
 
 # ----- the scenarios --------------------------------------------------------------------------
@@ -119,3 +119,123 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wall time of each strategy's run to the target (default 8, quick 2)")
     p.add_argument("--samples", type=positive_int, default=None, help="training samples per scenario")
     p.add_argument("--scenarios", default=None, help=f"comma-separated among {[s.name for s in SCENARIOS]}")
+
+
+def time_to_loss(curve_s: list[float], losses: list[float], target: float) -> float:
+    """Training seconds until ``losses`` first reaches ``target`` (linear within an epoch); NaN if never."""
+    for i in range(1, len(losses)):
+        if losses[i] <= target:
+            before = losses[i - 1]
+            if before <= target or before == losses[i]:
+                return curve_s[i]
+            return curve_s[i - 1] + (curve_s[i] - curve_s[i - 1]) * (before - target) / (before - losses[i])
+    return math.nan
+
+
+def _to_target_runs(scenario: Scenario, data: Any, result: Any, train_s: float, report: Report) -> dict[str, Any]:
+    """Every strategy compare measured, trained for ``train_s`` seconds: its (seconds, loss) curve."""
+    from ..compare.measure import Candidate, Job, measure
+    from ..compare.options import parse_straggler
+    from ..compare.run import initial_loss
+
+    job = Job(scenario.model_fn, data, functools.partial(sgd, lr=scenario.lr), batch_size=scenario.batch_size,
+              threads=1, timeout=120.0)
+    torch.manual_seed(0)
+    start = initial_loss(scenario.model_fn(), data[1], _task())
+    runs = {}
+    for m in result.measurements:
+        if not m.ok or not m.samples_per_s > 0:
+            continue
+        steps = max(12, int(train_s * m.samples_per_s / (scenario.batch_size * m.workers)))
+        run = measure(job, Candidate(m.label, m.strategy, m.options, m.workers), m.workers, steps,
+                      parse_straggler(scenario.straggler), start, window_epochs=8)
+        if run.ok:
+            runs[m.label] = run
+            report.progress(f"{scenario.name}: {m.label} to target: {run.window_s:.1f} s, final test loss "
+                            f"{run.curve[-1][1]:.3f}")
+        else:
+            report.note(f"{scenario.name}: {m.label} failed in the run to target: {run.reason}")
+    return runs
+
+
+def _task() -> Any:
+    from ..train.task import Task
+
+    return Task("cross_entropy")
+
+
+def run(args: argparse.Namespace) -> Report:
+    from ..compare.run import warm_up
+
+    size, smoke = pick_size(args, FULL, QUICK, TOY)
+    budget = args.budget or size.budget
+    train_s = args.train_seconds or size.train_s
+    samples = args.samples or size.samples
+    names = [s.name for s in SCENARIOS]
+    chosen = names if not args.scenarios else [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if getattr(args, "toy", False) and not args.scenarios:
+        chosen = ["compute"]
+    unknown = [s for s in chosen if s not in names]
+    if unknown or not chosen:
+        raise UsageError(f"Expected --scenarios among {names}. Received: {chosen}")
+    # a smoke run measures fewer strategies, so that each gets a window within its small budget
+    strategies = (["single", "allreduce"] if getattr(args, "toy", False)
+                  else ["single", "allreduce", "hogwild", "localsgd H=8"] if smoke else None)
+    report = Report("compare", smoke=smoke)
+    report.say(f"partrain bench compare: {len(chosen)} scenarios, 2 workers x 1 thread, compare's budget "
+               f"{budget:g} s each, then every measured strategy {train_s:g} s to the target loss")
+    rows, regrets, errors, overruns = [], [], [], []
+    pool = WorkerPool.current()
+    with contextlib.nullcontext() if pool is not None and pool.processes >= 3 else WorkerPool(3):
+        # every process started and its imports done before the first budget runs (seconds each on a
+        # loaded machine): compare's budget then pays for its own work, as in a notebook that keeps a pool
+        partrain_launch(warm_up, clusters(64, (1, 8, 8)), workers=3, threads=1)
+        for scenario in (s for s in SCENARIOS if s.name in chosen):
+            data = clusters(samples, scenario.shape)
+            result = compare(scenario.model_fn, data, functools.partial(sgd, lr=scenario.lr), workers=2,
+                             budget=budget, batch_size=scenario.batch_size, straggler=scenario.straggler,
+                             threads=1, strategies=strategies, progress=report.progress)
+            report.say(f"\n--- scenario {scenario.name}: {scenario.about}")
+            report.say(format_result(result))
+            runs = _to_target_runs(scenario, data, result, train_s, report)
+            mins = [min(v for _, v in r.curve) for r in runs.values()]
+            target = float(sorted(mins)[len(mins) // 2]) if mins else math.nan
+            times = {label: time_to_loss(r.curve_s, [v for _, v in r.curve], target) for label, r in runs.items()}
+            reached = {k: t for k, t in times.items() if t == t}
+            fastest = min(reached, key=reached.__getitem__) if reached else None
+            pick = result.recommendation.pick if result.recommendation else None
+            regret = math.nan
+            if fastest is not None and pick is not None:
+                regret = reached[pick] / reached[fastest] - 1 if pick in reached else math.inf
+            regrets.append(regret)
+            error = result.validation.get("error", math.nan)
+            if scenario.straggler is None:
+                errors.append(error)
+            overruns.append(result.budget_overrun)
+            rows.append([scenario.name, pick or "-", fastest or "-", target,
+                         reached.get(pick, math.nan) if pick else math.nan,
+                         reached[fastest] if fastest else math.nan, regret, error, result.elapsed_s])
+            for label, t in times.items():
+                report.figure(f"{scenario.name}.time_to_target.{label.replace(' ', '_')}", t)
+            report.figure(f"{scenario.name}.recommended", pick or "")
+            report.figure(f"{scenario.name}.fastest", fastest or "")
+            report.figure(f"{scenario.name}.regret", regret)
+            report.figure(f"{scenario.name}.prediction_error", error)
+            report.figure(f"{scenario.name}.compare_seconds", result.elapsed_s)
+    report.table(["scenario", "recommended", "fastest to target", "target loss", "s (recommended)",
+                  "s (fastest)", "regret", "2-worker prediction error", "compare s"], rows,
+                 title="time to the target loss (training seconds); the target is the median of the lowest "
+                       "losses the strategies reached")
+    report.goal("compare.regret_max", _worst(regrets), "<=", 0.10,
+                "recommended / fastest time to target - 1, worst scenario")
+    report.goal("compare.prediction_error", _worst(errors), "<=", 0.20,
+                "2-worker samples/s predicted from 1 worker vs measured, worst scenario without straggler")
+    report.goal("compare.budget_overrun", _worst(overruns), "<=", 0.10,
+                f"compare's wall time / its {budget:g} s budget - 1, worst scenario")
+    return report
+
+
+def _worst(values: list[float]) -> float | None:
+    """The largest value (inf stays inf: a recommended strategy that never reached the target); None if none."""
+    kept = [v for v in values if v == v]
+    return max(kept) if kept else None

@@ -81,6 +81,8 @@ class Measurement:
     peak_rss_mb: float = math.nan
     #: (samples trained so far, test loss) at the start and after each epoch of the window
     curve: list[tuple[float, float]] = field(default_factory=list)
+    #: the training seconds (worker 0's epochs, evaluations left out) at each point of ``curve``
+    curve_s: list[float] = field(default_factory=list)
     #: filled by the decision: loss at equal samples over the reference's, and the what-if rate
     loss_ratio: float = math.nan
     effective_samples_per_s: float = math.nan
@@ -120,7 +122,8 @@ class Job:
 
 
 def measure(job: Job, candidate: Candidate, workers: int, steps: int,
-            straggler: Straggler | None = None, initial_loss: float = math.nan) -> Measurement:
+            straggler: Straggler | None = None, initial_loss: float = math.nan,
+            window_epochs: int = WINDOW_EPOCHS) -> Measurement:
     """Train ``candidate`` for about ``steps`` optimizer steps and measure it (a failure is a `Measurement`
     with status ``failed`` and the error's first line, never an exception)."""
     from ..train.loop import fit
@@ -130,8 +133,8 @@ def measure(job: Job, candidate: Candidate, workers: int, steps: int,
     world = n + strat.extra_processes(n)
     worker_ranks = tuple(r for r, role in enumerate(strat.roles(world)) if role == "worker")
     m = Measurement(candidate.label, candidate.strategy, dict(candidate.options), n, processes=world)
-    # a window of WINDOW_EPOCHS equal epochs of whole global batches, drawn from the training set
-    per_epoch = max(1, math.ceil(steps / WINDOW_EPOCHS))
+    # a window of equal epochs of whole global batches, drawn from the training set
+    per_epoch = max(1, math.ceil(steps / window_epochs))
     epochs = math.ceil(steps / per_epoch)
     data = functools.partial(window_data, job.data, per_epoch * job.batch_size * n, TEST_SAMPLES)
     # workers that claim batches (asynchronous) stop at the end of the data: `fit`'s max_steps counts
@@ -202,11 +205,14 @@ def fill_from_history(m: Measurement, history: list[dict[str, Any]], records: li
     rss = [rec["peak_rss"] for rec in records if rec.get("peak_rss")]
     m.peak_rss_mb = max(rss) / 2**20 if rss else math.nan
     key = "test_loss" if rows and rows[-1].get("test_loss") == rows[-1].get("test_loss") else "train_loss"
-    seen = 0.0
+    seen, elapsed = 0.0, 0.0
     m.curve = [(0.0, initial_loss)] if initial_loss == initial_loss else []
+    m.curve_s = [0.0] if m.curve else []
     for r in rows:
         seen += r["samples"]
+        elapsed += float(r["seconds"])
         m.curve.append((seen, float(r[key])))
+        m.curve_s.append(elapsed)
 
 
 # ----- the local link ------------------------------------------------------------------------

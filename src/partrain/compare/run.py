@@ -14,6 +14,7 @@ strategy whose share cannot pay for that is skipped and says so.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -162,7 +163,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
     processes = max([c.build().extra_processes(c.workers or n) + (c.workers or n) for c in chosen] + [2])
     pool = WorkerPool.current()
     own_pool = pool is None or pool.processes < processes
-    with (WorkerPool(processes) if own_pool else _nothing()):
+    with WorkerPool(processes) if own_pool else contextlib.nullcontext():
         if n > 1:  # starts every process the windows need (counted in the budget), then probes the link
             from ..launch import launch
 
@@ -240,14 +241,6 @@ def warm_up(strategy: Any, data: Any) -> None:
 
 def _clock(started: float) -> str:
     return f"[{time.perf_counter() - started:5.1f} s]"
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def applicable(labels: Sequence[str] | None, model: nn.Module, workers: int, batch_size: int,
