@@ -54,7 +54,7 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
     assert result.measurement("single").bytes_per_sample == 0.0
 
     text = format_result(result)
-    for needle in ("samples/s", "bytes/sample", "loss vs ref", "allreduce *", "recommended: allreduce",
+    for needle in ("samples/s", "bytes/sample", "loss/single", "allreduce *", "recommended: allreduce",
                    "predicted scaling", "t(n) = t1 + 2(n-1)/n * S/B", "512 workers", "2-worker allreduce predicted"):
         assert needle in text, needle
 

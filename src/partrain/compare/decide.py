@@ -89,18 +89,26 @@ def loss_at(curve: list[tuple[float, float]], samples: float) -> float:
     return points[-1][1]
 
 
+def loss_ratio(m: Measurement, ref: Measurement) -> float:
+    """``m``'s loss over ``ref``'s at the larger sample count both curves reach."""
+    if not m.curve or not ref.curve:
+        return math.nan
+    samples = min(m.curve[-1][0], ref.curve[-1][0])
+    mine, theirs = loss_at(m.curve, samples), loss_at(ref.curve, samples)
+    return mine / theirs if theirs and theirs == theirs and mine == mine else math.nan
+
+
 def compare_losses(measurements: list[Measurement]) -> Measurement | None:
-    """Set each measurement's ``loss_ratio`` against the reference's at equal samples; return the reference."""
+    """Set each measurement's ``loss_ratio`` against the reference's at equal samples (and
+    ``loss_vs_single``); return the reference."""
     ok = {m.label: m for m in measurements if m.ok}
     ref = ok.get("allreduce") or ok.get("single")
-    if ref is None or not ref.curve:
-        return ref
+    single = ok.get("single")
     for m in ok.values():
-        if not m.curve:
-            continue
-        samples = min(m.curve[-1][0], ref.curve[-1][0])
-        mine, theirs = loss_at(m.curve, samples), loss_at(ref.curve, samples)
-        m.loss_ratio = mine / theirs if theirs and theirs == theirs and mine == mine else math.nan
+        if ref is not None:
+            m.loss_ratio = loss_ratio(m, ref)
+        if single is not None:
+            m.loss_vs_single = loss_ratio(m, single)
     return ref
 
 

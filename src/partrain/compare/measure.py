@@ -85,6 +85,8 @@ class Measurement:
     curve_s: list[float] = field(default_factory=list)
     #: filled by the decision: loss at equal samples over the reference's, and the what-if rate
     loss_ratio: float = math.nan
+    #: the same against ``single``'s curve (what a person asks first: as good as one process?)
+    loss_vs_single: float = math.nan
     effective_samples_per_s: float = math.nan
     simulated_comm_s: float = 0.0
 

@@ -15,7 +15,7 @@ from .options import bandwidth_text
 from .run import CompareResult
 
 COLUMNS = ("strategy", "workers", "samples/s", "data", "compute", "comm", "bubble", "bytes/sample",
-           "loss vs ref", "peak MB")
+           "loss/single", "loss/allreduce", "peak MB")
 
 
 def ranked(result: CompareResult) -> list[Measurement]:
@@ -27,6 +27,10 @@ def ranked(result: CompareResult) -> list[Measurement]:
 def _rate(m: Measurement) -> float:
     v = m.effective_samples_per_s
     return v if v == v else -1.0
+
+
+def _times(v: float) -> str:
+    return "-" if v != v else f"{v:.2f}x"
 
 
 def _pct(v: float) -> str:
@@ -48,8 +52,8 @@ def table_rows(result: CompareResult) -> list[list[Any]]:
         rows.append([label, m.workers, float(round(m.effective_samples_per_s)), _pct(shares["data"]),
                      _pct(shares["compute"]), _pct(shares["comm"]),
                      _pct(shares["bubble"]) if m.strategy == "pipeline" else "-",
-                     float(round(m.bytes_per_sample)), "-" if m.loss_ratio != m.loss_ratio else f"{m.loss_ratio:.2f}x",
-                     m.peak_rss_mb])
+                     float(round(m.bytes_per_sample)), _times(m.loss_vs_single),
+                     _times(m.loss_ratio) if result.measurement("allreduce") else "-", m.peak_rss_mb])
     return rows
 
 
@@ -69,8 +73,8 @@ def format_result(result: CompareResult) -> str:
     for m in result.measurements:
         if not m.ok:
             lines.append(f"{m.label}: {m.status}: {m.reason}")
-    lines.append("step shares per worker; loss vs ref: test loss at equal samples over allreduce's "
-                 "(single's without it); * recommended")
+    lines.append("data/compute/comm: shares of a worker's step; loss/X: test loss at equal samples over X's; "
+                 "* recommended")
     rec = result.recommendation
     if rec is not None:
         lines += ["", f"recommended: {rec.pick} - {rec.why}"]
@@ -132,7 +136,8 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
     out = {k: getattr(m, k) for k in ("label", "strategy", "workers", "status", "reason", "processes", "steps",
                                       "samples", "window_s", "wall_s", "samples_per_s", "effective_samples_per_s",
                                       "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
-                                      "bytes_per_step", "bytes_per_sample", "loss_ratio", "peak_rss_mb")}
+                                      "bytes_per_step", "bytes_per_sample", "loss_ratio", "loss_vs_single",
+                                      "peak_rss_mb")}
     out["options"] = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in m.options.items()}
     out["curve"] = [list(p) for p in m.curve]
     return out
@@ -140,7 +145,7 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
 
 CSV_FIELDS = ("label", "strategy", "workers", "status", "reason", "steps", "samples", "samples_per_s",
               "effective_samples_per_s", "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
-              "bytes_per_sample", "loss_ratio", "peak_rss_mb", "time_to_ref_loss_s")
+              "bytes_per_sample", "loss_ratio", "loss_vs_single", "peak_rss_mb", "time_to_ref_loss_s")
 
 
 def time_to_loss(m: Measurement, target: float) -> float:
