@@ -3,10 +3,12 @@
 Each scenario of issue 16 is built so that the right answer wins by a wide, mostly
 deterministic margin, on a loaded machine too:
 
-- compute-bound (a convolutional net with 19 KB of parameters): allreduce, whose step
-  hardly waits; this test also checks the table, compare.json, compare.csv and the PNG, and
-  bytes per sample against the parameter count (exact: DDP all-reduces every gradient once
-  per step);
+- compute-bound (a convolutional net with 19 KB of parameters), against one process and a
+  synchronous parameter server (which adds a round trip to the same waits): allreduce; this
+  test also checks the table, compare.json, compare.csv and the PNG, and bytes per sample
+  against the parameter count (exact: DDP all-reduces every gradient once per step). (Local
+  SGD is left out here: on a loaded machine it legitimately beats allreduce by not waiting
+  on a descheduled peer at every step.)
 - communication-bound: a dense MLP over a simulated 10 Mbit/s link (`bandwidth`): the
   measured bytes become seconds by the ring formula, an 8x difference for local SGD;
 - a 3x straggler (an injected delay): hogwild's workers do not wait for it.
@@ -32,7 +34,7 @@ from partrain.compare.run import warm_up
 def _warm_pool(suite_pool):
     """The pool's processes import what a window needs before the first budget starts (seconds each,
     the first time: a cold pool would spend a test's whole budget on it)."""
-    partrain.launch(warm_up, clusters(64, (1, 8, 8)), workers=2, threads=1)
+    partrain.launch(warm_up, clusters(64, (1, 8, 8)), workers=3, threads=1)  # 2 workers + a ps server
 
 
 def _parameter_bytes(model) -> int:
@@ -42,15 +44,14 @@ def _parameter_bytes(model) -> int:
 def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
     data = clusters(512, (1, 16, 16))  # 512 = 8 full global batches of 2 x 32: no partial batch
     model_fn = functools.partial(conv_net, 16)
-    result = partrain.compare(model_fn, data, sgd, strategies=["single", "allreduce", "localsgd H=8"], workers=2,
+    result = partrain.compare(model_fn, data, sgd, strategies=["single", "allreduce", "ps sync"], workers=2,
                               budget="6s", batch_size=32, out_dir=str(tmp_path))
     assert result.elapsed_s < 8, format_result(result)
     assert result.recommendation is not None and result.recommendation.pick == "allreduce"
     allreduce = result.measurement("allreduce")
     assert allreduce.ok and allreduce.steps >= 11 and allreduce.samples == allreduce.steps * 64
     assert allreduce.bytes_per_sample == _parameter_bytes(conv_net(16)) / 32
-    local = result.measurement("localsgd H=8")
-    assert local.ok and local.bytes_per_sample < allreduce.bytes_per_sample / 4
+    assert result.measurement("ps sync").bytes_per_sample > allreduce.bytes_per_sample  # push and pull
     assert result.measurement("single").bytes_per_sample == 0.0
 
     text = format_result(result)
@@ -61,7 +62,7 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert saved["recommendation"]["pick"] == "allreduce"
     assert [s["label"] for s in saved["strategies"]][:1] != [] and {s["label"] for s in saved["strategies"]} == {
-        "single", "allreduce", "localsgd H=8"}
+        "single", "allreduce", "ps sync"}
     assert len(saved["predictions"]) == 3 * 2 * 3  # allreduce, ps, localsgd x 2 links x 8/64/512 workers
     assert saved["validation"]["workers"] == 2.0 and saved["formulas"]["localsgd"]
     csv_lines = (tmp_path / "compare.csv").read_text().splitlines()

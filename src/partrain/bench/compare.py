@@ -54,6 +54,8 @@ class Size:
 
 FULL = Size(budget=60.0, train_s=8.0, samples=2048)
 QUICK = Size(budget=14.0, train_s=2.0, samples=1024)
+#: epochs of each run to the target: each ends with an evaluation, a point of the (seconds, loss) curve
+EPOCHS_TO_TARGET = 8
 TOY = Size(budget=4.0, train_s=0.5, samples=512)
 
 
@@ -146,9 +148,11 @@ def _to_target_runs(scenario: Scenario, data: Any, result: Any, train_s: float, 
     for m in result.measurements:
         if not m.ok or not m.samples_per_s > 0:
             continue
-        steps = max(12, int(train_s * m.samples_per_s / (scenario.batch_size * m.workers)))
-        run = measure(job, Candidate(m.label, m.strategy, m.options, m.workers), m.workers, steps,
-                      parse_straggler(scenario.straggler), start, window_epochs=8)
+        global_batch = scenario.batch_size * m.workers
+        steps = max(16, int(train_s * m.samples_per_s / global_batch))
+        run = measure(job, Candidate(m.label, m.strategy, m.options, m.workers), m.workers,
+                      math.ceil(steps / EPOCHS_TO_TARGET) * global_batch, EPOCHS_TO_TARGET,
+                      parse_straggler(scenario.straggler), start)
         if run.ok:
             runs[m.label] = run
             report.progress(f"{scenario.name}: {m.label} to target: {run.window_s:.1f} s, final test loss "

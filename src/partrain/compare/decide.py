@@ -9,8 +9,8 @@ a pipeline); a step's communication is the larger of what was measured here and 
 link would take. The throughput scales by the ratio of step times.
 
 **Loss at equal samples**: each window's test loss after every epoch (and before the first
-step) is a curve over samples trained; two strategies compare at the smaller of their sample
-counts, by linear interpolation. The reference is ``allreduce`` (the exact synchronous
+step) is a curve over samples trained; every window's epoch holds the same number of samples,
+so two strategies compare at the last epoch both reached, point against point. The reference is ``allreduce`` (the exact synchronous
 gradient of the global batch), else ``single``.
 
 **The rule** (`recommend`):

@@ -32,8 +32,10 @@ from .probe import ProbeSpec, probed_model, read_records, steady_rate
 WARMUP_STEPS = 3
 #: the fewest steps measured after the warm-up; a window too short for them is skipped
 MIN_MEASURED_STEPS = 8
-#: epochs of a window: each ends with an evaluation, a point of the loss curve
-WINDOW_EPOCHS = 4
+#: the fewest epochs of a window: each ends with an evaluation, a point of the loss curve
+MIN_EPOCHS = 2
+#: the epochs the first window is planned with (its size sets every window's epoch)
+FIRST_EPOCHS = 4
 #: held-out samples evaluated at each epoch's end
 TEST_SAMPLES = 512
 
@@ -123,11 +125,17 @@ class Job:
     fit_options: dict[str, Any] = field(default_factory=dict)
 
 
-def measure(job: Job, candidate: Candidate, workers: int, steps: int,
-            straggler: Straggler | None = None, initial_loss: float = math.nan,
-            window_epochs: int = WINDOW_EPOCHS) -> Measurement:
-    """Train ``candidate`` for about ``steps`` optimizer steps and measure it (a failure is a `Measurement`
-    with status ``failed`` and the error's first line, never an exception)."""
+def measure(job: Job, candidate: Candidate, workers: int, epoch_samples: int, epochs: int,
+            straggler: Straggler | None = None, initial_loss: float = math.nan) -> Measurement:
+    """Train ``candidate`` for ``epochs`` epochs of ``epoch_samples`` training samples (a multiple of
+    the global batch) and measure it (a failure is a `Measurement` with status ``failed`` and the
+    error's first line, never an exception).
+
+    Every window of a comparison uses the same ``epoch_samples``: the loss curves of all
+    strategies then have points at the same sample counts, compared without interpolation.
+    Whole epochs, not ``max_steps``: workers that claim batches (asynchronous strategies) count
+    their own steps, and `fit` would stop them in different epochs.
+    """
     from ..train.loop import fit
 
     n = candidate.workers or workers
@@ -135,13 +143,7 @@ def measure(job: Job, candidate: Candidate, workers: int, steps: int,
     world = n + strat.extra_processes(n)
     worker_ranks = tuple(r for r, role in enumerate(strat.roles(world)) if role == "worker")
     m = Measurement(candidate.label, candidate.strategy, dict(candidate.options), n, processes=world)
-    # a window of equal epochs of whole global batches, drawn from the training set
-    per_epoch = max(1, math.ceil(steps / window_epochs))
-    epochs = math.ceil(steps / per_epoch)
-    data = functools.partial(window_data, job.data, per_epoch * job.batch_size * n, TEST_SAMPLES)
-    # workers that claim batches (asynchronous) stop at the end of the data: `fit`'s max_steps counts
-    # each worker's own steps, and workers that stop in different epochs would wait on each other
-    limit = None if strat.dynamic_sharding else steps
+    data = functools.partial(window_data, job.data, epoch_samples, TEST_SAMPLES)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="partrain-compare-") as tmp:
         spec = ProbeSpec(tmp, worker_ranks, straggler.worker if straggler else None,
@@ -149,7 +151,7 @@ def measure(job: Job, candidate: Candidate, workers: int, steps: int,
         try:
             result = fit(functools.partial(probed_model, job.model_fn, spec), data, job.optimizer_fn,
                          strategy=strat, loss_fn=job.loss_fn, workers=n, epochs=epochs,
-                         batch_size=job.batch_size, max_steps=limit, seed=job.seed, quiet=True,
+                         batch_size=job.batch_size, seed=job.seed, quiet=True,
                          checkpoint=False, return_state=False, timeout=job.timeout, threads=job.threads,
                          device=job.device, **job.fit_options)
         except (WorkerError, UsageError, RuntimeError) as exc:

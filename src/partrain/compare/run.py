@@ -31,6 +31,8 @@ from ..pool import WorkerPool
 from ..scaling import Constants, Link, allreduce_seconds, ps_seconds, samples_per_s
 from .decide import Recommendation, recommend, simulate_link
 from .measure import (
+    FIRST_EPOCHS,
+    MIN_EPOCHS,
     MIN_MEASURED_STEPS,
     TEST_SAMPLES,
     WARMUP_STEPS,
@@ -175,36 +177,54 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
         overheads: list[float] = []
         finish = FINISH_S + (FILES_S if out_dir else 0.0)
         learned: dict[str, float] = {}  # strategy -> measured step over estimated step
+        epoch_samples = 0  # set by the first window: the same epoch for every strategy
         for i, cand in enumerate(chosen):
+            workers_c = cand.workers or n
+            global_batch = batch_size * workers_c
             left = budget_s - (time.perf_counter() - started) - finish
             overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
             window = left / (len(chosen) - i) - overhead
             base = _estimate_step(cand, n, result, step_guess, model_bytes, strag)
-            several = (cand.workers or n) > 1
-            if several and cand.strategy not in learned and (not learned or cand.strategy == "pipeline"):
+            calib = None
+            if workers_c > 1 and cand.strategy not in learned and (not learned or cand.strategy == "pipeline"):
                 # a short calibration window: fixed per-step costs (Python, hooks, messages) make a guess
                 # from one process's step unreliable for the first multi-process strategy and a pipeline
-                calib = measure(job, cand, n, WARMUP_STEPS + MIN_MEASURED_STEPS, strag, initial)
+                steps = WARMUP_STEPS + MIN_MEASURED_STEPS
+                calib = measure(job, cand, n, steps * global_batch, 1, strag, initial)
                 if not calib.ok:  # the window would fail alike
                     measurements.append(calib)
                     continue
-                learned[cand.strategy] = calib.window_s / max(calib.steps, 1) / base
+                steady = global_batch / calib.samples_per_s if calib.samples_per_s > 0 else math.nan
+                learned[cand.strategy] = (steady if steady == steady else calib.window_s / max(calib.steps, 1)) / base
                 overheads.append(max(0.0, calib.wall_s - calib.window_s))
                 window -= calib.wall_s
             step = base * _correction(cand, n, learned)
-            steps = int(window / step) if step > 0 and window > 0 else 0
-            if steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
-                measurements.append(Measurement(cand.label, cand.strategy, dict(cand.options), cand.workers or n,
+            planned = window / step * global_batch if step > 0 and window > 0 else 0.0  # samples
+            if not epoch_samples:
+                # a multiple of every global batch (1 and n workers): each epoch is whole steps
+                unit = batch_size * n
+                epoch_samples = max(1, round(planned / FIRST_EPOCHS / unit)) * unit
+            epochs = max(MIN_EPOCHS, round(planned / epoch_samples))
+            steps = epochs * epoch_samples // global_batch
+            if planned < (WARMUP_STEPS + MIN_MEASURED_STEPS) * global_batch or \
+                    steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
+                if calib is not None:  # no room for more: the calibration window is the measurement
+                    measurements.append(calib)
+                    say(f"{_clock(started)} {cand.label}: {calib.samples_per_s:,.0f} samples/s "
+                        "(the calibration window: no budget left for a longer one)")
+                    continue
+                measurements.append(Measurement(cand.label, cand.strategy, dict(cand.options), workers_c,
                                                 status="skipped", reason=f"over budget: {max(window, 0):.1f} s "
                                                 f"left, {WARMUP_STEPS + MIN_MEASURED_STEPS} steps take "
                                                 f"~{(WARMUP_STEPS + MIN_MEASURED_STEPS) * step:.1f} s"))
                 continue
-            say(f"{_clock(started)} {cand.label}: {steps} steps (~{steps * step:.1f} s)")
-            m = measure(job, cand, n, steps, strag, initial)
+            say(f"{_clock(started)} {cand.label}: {epochs} epochs of {epoch_samples} samples, {steps} steps "
+                f"(~{steps * step:.1f} s)")
+            m = measure(job, cand, n, epoch_samples, epochs, strag, initial)
             measurements.append(m)
             if m.ok:
                 overheads.append(max(0.0, m.wall_s - m.window_s))
-                if several and m.steps:
+                if workers_c > 1 and m.steps:
                     learned[cand.strategy] = m.window_s / m.steps / base
                 say(f"{_clock(started)} {cand.label}: {m.samples_per_s:,.0f} samples/s "
                     f"({m.window_s:.1f} s window, {m.wall_s:.1f} s in all)")
