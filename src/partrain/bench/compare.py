@@ -210,7 +210,9 @@ def run(args: argparse.Namespace) -> Report:
             pick = result.recommendation.pick if result.recommendation else None
             regret = math.nan
             if fastest is not None and pick is not None:
-                regret = reached[pick] / reached[fastest] - 1 if pick in reached else math.inf
+                # a recommended strategy that never reached the target: its whole run is a lower bound
+                spent = reached.get(pick, runs[pick].window_s if pick in runs else math.nan)
+                regret = spent / reached[fastest] - 1
             regrets.append(regret)
             error = result.validation.get("error", math.nan)
             if scenario.straggler is None:
@@ -240,6 +242,6 @@ def run(args: argparse.Namespace) -> Report:
 
 
 def _worst(values: list[float]) -> float | None:
-    """The largest value (inf stays inf: a recommended strategy that never reached the target); None if none."""
+    """The largest value; None if none was measured."""
     kept = [v for v in values if v == v]
     return max(kept) if kept else None

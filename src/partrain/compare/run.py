@@ -257,6 +257,9 @@ def warm_up(strategy: Any, data: Any) -> None:
     from ..train.loop import resolve_data
 
     resolve_data(data)
+    # every rank connected before any returns: under heavy load a rank that returns at once can close
+    # the job while a peer is still connecting its process group (gloo's connectFullMesh fails then)
+    strategy.barrier()
 
 
 def _clock(started: float) -> str:
