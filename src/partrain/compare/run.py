@@ -186,7 +186,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
             window = left / (len(chosen) - i) - overhead
             base = _estimate_step(cand, n, result, step_guess, model_bytes, strag)
             calib = None
-            if workers_c > 1 and cand.strategy not in learned and (not learned or cand.strategy == "pipeline"):
+            calibrate = cand.strategy not in learned and (not learned or cand.strategy == "pipeline")
+            if workers_c > 1 and calibrate and window > (WARMUP_STEPS + MIN_MEASURED_STEPS) * base:
                 # a short calibration window: fixed per-step costs (Python, hooks, messages) make a guess
                 # from one process's step unreliable for the first multi-process strategy and a pipeline
                 steps = WARMUP_STEPS + MIN_MEASURED_STEPS
