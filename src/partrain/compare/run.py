@@ -113,7 +113,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
             batch_size: int = 32, loss_fn: Any = "auto", straggler: str | Straggler | None = None,
             bandwidth: str | float | None = None, links: str | list[float] = DEFAULT_LINKS,
             scale: Sequence[int] = SCALE_WORKERS, out_dir: str | None = None, threads: int | None = None,
-            timeout: float = 120.0, seed: int = 0, device: str | None = None, quiet: bool = True,
+            timeout: float = 120.0, seed: int = 0, device: str | None = None,
             progress: Callable[[str], None] | None = None) -> CompareResult:
     """Measure each applicable strategy on ``model_fn``/``data``/``optimizer_fn`` within ``budget``.
 
