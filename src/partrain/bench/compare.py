@@ -10,8 +10,8 @@ enough that the loss falls over several epochs), 2 workers of one thread each:
 - ``straggler``: a small convolutional net with worker 1 slowed 3x (an injected delay);
 - ``split``: a deep MLP of eight layers, a model a pipeline can cut.
 
-In each: ``partrain.compare`` with its default budget (60 s; quick 20 s) recommends a
-strategy; then every strategy it measured trains for the same wall time (8 s; quick 3 s)
+In each: ``partrain.compare`` with its default budget (60 s; quick 10 s) recommends a
+strategy; then every strategy it measured trains for the same wall time (5 s; quick 1.5 s)
 with per-epoch evaluations, and the target loss is the median of the lowest test losses
 they reached. The time to target is the training time (evaluations left out) until a
 strategy's test loss first reaches it, interpolated within the epoch.
@@ -52,8 +52,8 @@ class Size:
     samples: int
 
 
-FULL = Size(budget=60.0, train_s=8.0, samples=2048)
-QUICK = Size(budget=14.0, train_s=2.0, samples=1024)
+FULL = Size(budget=60.0, train_s=5.0, samples=2048)
+QUICK = Size(budget=10.0, train_s=1.5, samples=1024)
 #: epochs of each run to the target: each ends with an evaluation, a point of the (seconds, loss) curve
 EPOCHS_TO_TARGET = 8
 TOY = Size(budget=4.0, train_s=0.5, samples=512)
@@ -116,9 +116,9 @@ SCENARIOS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", type=float, default=None, help="compare's budget in seconds (default 60, quick 14)")
+    p.add_argument("--budget", type=float, default=None, help="compare's budget in seconds (default 60, quick 10)")
     p.add_argument("--train-seconds", type=float, default=None,
-                   help="wall time of each strategy's run to the target (default 8, quick 2)")
+                   help="wall time of each strategy's run to the target (default 5, quick 1.5)")
     p.add_argument("--samples", type=positive_int, default=None, help="training samples per scenario")
     p.add_argument("--scenarios", default=None, help=f"comma-separated among {[s.name for s in SCENARIOS]}")
 
