@@ -3,13 +3,14 @@
 Each scenario of issue 16 is built so that the right answer wins by a wide, mostly
 deterministic margin, on a loaded machine too:
 
-- compute-bound (a convolutional net with 19 KB of parameters), against one process and a
-  synchronous parameter server (which adds a round trip to the same waits): allreduce (or
-  one process, where the machine cannot give two processes their cores); this
-  test also checks the table, compare.json, compare.csv and the PNG, and bytes per sample
-  against the parameter count (exact: DDP all-reduces every gradient once per step). (Local
-  SGD is left out here: on a loaded machine it legitimately beats allreduce by not waiting
-  on a descheduled peer at every step.)
+- compute-bound (a convolutional net with 19 KB of parameters), against one process:
+  allreduce, or one process where the machine cannot give two processes their cores (the
+  rule's own answer from the figures it measured); this test also checks the table,
+  compare.json, compare.csv and the PNG, and bytes per sample against the parameter count
+  (exact: DDP all-reduces every gradient once per step). Other strategies stay out of this
+  one: on a loaded machine two windows measured one after the other differ by tens of
+  percent, and the unit tests of the rule (test_decide.py) pin the compute-bound choice
+  among all of them;
 - communication-bound: a dense MLP over a simulated 10 Mbit/s link (`bandwidth`): the
   measured bytes become seconds by the ring formula, an 8x difference for local SGD;
 - a 3x straggler (an injected delay): hogwild's workers do not wait for it.
@@ -35,7 +36,7 @@ from partrain.compare.run import warm_up
 def _warm_pool(suite_pool):
     """The pool's processes import what a window needs before the first budget starts (seconds each,
     the first time: a cold pool would spend a test's whole budget on it)."""
-    partrain.launch(warm_up, clusters(64, (1, 8, 8)), workers=3, threads=1)  # 2 workers + a ps server
+    partrain.launch(warm_up, clusters(64, (1, 8, 8)), workers=2, threads=1)
 
 
 def _parameter_bytes(model) -> int:
@@ -45,18 +46,15 @@ def _parameter_bytes(model) -> int:
 def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
     data = clusters(512, (1, 16, 16))  # 512 = 8 full global batches of 2 x 32: no partial batch
     model_fn = functools.partial(conv_net, 16)
-    result = partrain.compare(model_fn, data, sgd, strategies=["single", "allreduce", "ps sync"], workers=2,
-                              budget="8s", batch_size=32, out_dir=str(tmp_path))
+    result = partrain.compare(model_fn, data, sgd, strategies=["single", "allreduce"], workers=2,
+                              budget="6s", batch_size=32, out_dir=str(tmp_path))
     allreduce, single = result.measurement("allreduce"), result.measurement("single")
     # allreduce, unless this machine cannot give two processes their cores (a loaded CI runner):
     # then one process is faster, and the rule says so
-    expected = "allreduce" if allreduce.effective_samples_per_s > single.effective_samples_per_s else "single"
+    expected = "allreduce" if allreduce.speed > single.speed else "single"
     assert result.recommendation is not None and result.recommendation.pick == expected, format_result(result)
     assert allreduce.ok and allreduce.steps >= 11 and allreduce.samples == allreduce.steps * 64
     assert allreduce.bytes_per_sample == _parameter_bytes(conv_net(16)) / 32
-    ps = result.measurement("ps sync")
-    assert ps.ok or ps.reason.startswith("over budget"), ps.reason  # a loaded machine may leave it no time
-    assert not ps.ok or ps.bytes_per_sample > allreduce.bytes_per_sample  # a push and a pull per step
     assert single.bytes_per_sample == 0.0
 
     text = format_result(result)
@@ -67,18 +65,18 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert saved["recommendation"]["pick"] == expected
     assert [s["label"] for s in saved["strategies"]][:1] != [] and {s["label"] for s in saved["strategies"]} == {
-        "single", "allreduce", "ps sync"}
+        "single", "allreduce"}
     assert len(saved["predictions"]) == 3 * 2 * 3  # allreduce, ps, localsgd x 2 links x 8/64/512 workers
     assert saved["validation"]["workers"] == 2.0 and saved["formulas"]["localsgd"]
     csv_lines = (tmp_path / "compare.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("label,strategy,workers") and len(csv_lines) == 4
+    assert csv_lines[0].startswith("label,strategy,workers") and len(csv_lines) == 3
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_communication_bound_recommends_local_sgd():
     data = clusters(512, (1, 8, 8))
     result = partrain.compare(functools.partial(dense_mlp, 64, 512, 1), data, functools.partial(sgd, lr=0.01),
-                              strategies=["allreduce", "localsgd H=8"], workers=2, budget="5s", batch_size=8,
+                              strategies=["allreduce", "localsgd H=8"], workers=2, budget="6s", batch_size=8,
                               bandwidth="10Mbit")
     rec = result.recommendation
     assert rec is not None and rec.pick == "localsgd H=8", format_result(result)
@@ -89,7 +87,7 @@ def test_communication_bound_recommends_local_sgd():
 def test_a_3x_straggler_recommends_an_asynchronous_strategy():
     data = clusters(512, (1, 16, 16))
     result = partrain.compare(functools.partial(conv_net, 16), data, sgd, strategies=["allreduce", "hogwild"],
-                              workers=2, budget="6s", batch_size=16, straggler="worker=1,slowdown=3")
+                              workers=2, budget="7s", batch_size=16, straggler="worker=1,slowdown=3")
     rec = result.recommendation
     assert rec is not None and rec.pick == "hogwild", format_result(result)
     assert "waits for the slowest worker" in rec.why

@@ -32,7 +32,7 @@ def test_comm_bound_picks_the_strategy_that_sends_less():
     rec = recommend([allreduce, localsgd])
     assert rec.pick == "localsgd H=8"
     assert rec.why.startswith("comm is 60% of allreduce's step: localsgd H=8 cuts the bytes per sample 8x")
-    assert rec.others["allreduce"].startswith("0.45x the pick's samples/s: comm and waiting are 60%")
+    assert rec.others["allreduce"].startswith("0.45x the pick's speed: comm and waiting are 60%")
 
 
 def test_a_straggler_picks_an_asynchronous_strategy():
@@ -52,16 +52,22 @@ def test_compute_bound_keeps_allreduce():
     rec = recommend([single, allreduce, localsgd])
     assert rec.pick == "allreduce"
     assert rec.why.startswith("communication and waiting are only 3% of its step")
-    assert rec.others["single"].startswith("0.55x the pick's samples/s: one process")
+    assert rec.others["single"].startswith("0.55x the pick's speed: one process")
 
 
-def test_a_fast_strategy_that_does_not_learn_is_out():
+def test_a_fast_strategy_that_does_not_learn_loses_on_time_to_the_target_loss():
+    # with loss curves the rule ranks by the time to the target loss (the upper median of the
+    # lowest losses: 1.3): allreduce gets there in 7 s (2.0 -> 1.0 over 10 s), hogwild in 10 s
     allreduce = window("allreduce", "allreduce", 100.0, compute=0.5, comm=0.5, curve=((0.0, 2.0), (1000.0, 1.0)))
-    hogwild = window("hogwild", "hogwild", 300.0, curve=((0.0, 2.0), (1000.0, 1.3)))
+    allreduce.curve_s = [0.0, 10.0]
+    hogwild = window("hogwild", "hogwild", 300.0, curve=((0.0, 2.0), (3000.0, 1.3)))
+    hogwild.curve_s = [0.0, 10.0]
     rec = recommend([allreduce, hogwild])
-    assert hogwild.loss_ratio == pytest.approx(1.3)
+    assert allreduce.time_to_loss == pytest.approx(7.0) and hogwild.time_to_loss == pytest.approx(10.0)
+    assert hogwild.loss_ratio == pytest.approx((2.0 - 0.7 / 3) / 1.0)  # at 1000 samples
     assert rec.pick == "allreduce"
-    assert rec.others["hogwild"].startswith("its loss at equal samples is 30% above allreduce's")
+    assert rec.others["hogwild"] == ("0.70x the pick's speed: its loss at equal samples is 77% above allreduce's "
+                                     "(stale or local updates cost convergence)")
 
 
 def test_single_wins_when_parallelism_does_not_pay():
@@ -107,3 +113,13 @@ def test_loss_at_equal_samples_interpolates_the_curves():
     assert compare_losses([ref, other]) is ref
     # at 200 samples (the shorter curve's end): 1.2 - 0.8 * 100/300 over 1.0
     assert other.loss_ratio == pytest.approx(1.2 - 0.8 / 3)
+
+
+def test_allreduce_no_faster_than_one_process_gives_way_to_a_faster_strategy():
+    # the figures of a loaded 2-core machine: two allreduce workers no faster than one process
+    single = window("single", "single", 1243.0, workers=1)
+    allreduce = window("allreduce", "allreduce", 1240.0, compute=0.84, comm=0.16)
+    ps_async = window("ps async", "ps", 1430.0, compute=0.88, comm=0.12, staleness=math.inf)
+    rec = recommend([single, allreduce, ps_async])
+    assert rec.pick == "ps async"
+    assert rec.others["single"].startswith("0.87x the pick's speed")

@@ -13,16 +13,23 @@ step) is a curve over samples trained; every window's epoch holds the same numbe
 so two strategies compare at the last epoch both reached, point against point. The reference is ``allreduce`` (the exact synchronous
 gradient of the global batch), else ``single``.
 
+**Speed** is what the rule ranks by: the inverse of the training time a window took to
+reach the target loss (the median of the lowest test losses the windows reached: a
+strategy fast at not learning never reaches it), stretched by the what-if link's slowdown;
+without loss curves, or when the target is less than `MIN_PROGRESS` below the untrained
+loss (windows too short to learn: their times to it are noise), the samples/s under the
+what-if link.
+
 **The rule** (`recommend`):
 
-1. An asynchronous or local-update strategy (ps async, hogwild, local SGD) whose loss at
-   equal samples is more than ``loss_tolerance`` above the reference's is out: it is fast
-   at not learning. (The synchronous ones apply exact gradients; theirs differ from the
-   reference's by the batch per step alone.)
-2. ``allreduce`` is recommended when its step waits little (communication and waiting below
-   ``comm_floor`` of the step: nothing for another strategy to save) or when no other
-   strategy is at least ``margin`` faster: it keeps the exact gradient and needs no tuning.
-3. Otherwise the fastest remaining strategy; ``single`` when no parallel one beats it.
+1. (The loss at equal samples is shown, and names the cause when an asynchronous or
+   local-update strategy loses by more than ``loss_tolerance``.)
+2. ``single`` when no parallel strategy is faster than one process.
+3. ``allreduce``, when it beats one process and its step waits little (communication and
+   waiting below ``comm_floor`` of the step: nothing for another strategy to save) or no
+   other strategy is at least ``margin`` faster: it keeps the exact gradient and needs no
+   tuning.
+4. Otherwise the fastest remaining strategy.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ from .measure import Measurement
 COMM_FLOOR = 0.20
 MARGIN = 0.25
 LOSS_TOLERANCE = 0.10
+#: the target loss must lie this far below the untrained loss to rank by time to it
+MIN_PROGRESS = 0.10
 
 
 @dataclass
@@ -129,50 +138,82 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     if not ok:
         return None
     ref = compare_losses(ok)
-    usable = [m for m in ok if synchronous(m) or not m.loss_ratio > 1 + loss_tolerance]
-    by_label = {m.label: m for m in usable}
-    parallel = [m for m in usable if m.workers > 1]
-    best = max(parallel, key=lambda m: m.effective_samples_per_s) if parallel else None
+    set_speeds(ok)
+    by_label = {m.label: m for m in ok}
+    parallel = [m for m in ok if m.workers > 1]
+    best = max(parallel, key=lambda m: m.speed) if parallel else None
     allreduce = by_label.get("allreduce")
     single = by_label.get("single")
-    if allreduce is not None and best is not None and (
-            waiting_share(allreduce) < comm_floor
-            or best.effective_samples_per_s < allreduce.effective_samples_per_s * (1 + margin)):
+    if single is not None and (best is None or single.speed >= best.speed):
+        pick = single
+        why = (f"one process reaches the loss sooner than the best parallel strategy ({best.label}: "
+               f"{best.speed / single.speed:.2f}x its speed): parallelism does not pay here"
+               if best is not None else "the only strategy that ran")
+    elif allreduce is not None and best is not None and (
+            single is None or allreduce.speed > single.speed) and (
+            waiting_share(allreduce) < comm_floor or best.speed < allreduce.speed * (1 + margin)):
         pick = allreduce
         if waiting_share(allreduce) < comm_floor:
             why = (f"communication and waiting are only {waiting_share(allreduce):.0%} of its step: no other "
                    "strategy has much to save, and allreduce keeps the exact gradient of the global batch")
         else:
             why = (f"no other strategy is {margin:.0%} faster ({best.label}: "
-                   f"{best.effective_samples_per_s / allreduce.effective_samples_per_s:.2f}x); allreduce keeps "
+                   f"{best.speed / allreduce.speed:.2f}x its speed); allreduce keeps "
                    "the exact gradient of the global batch")
     elif best is not None:
         pick = best
         why = _why_faster(best, allreduce or ref, straggler)
     else:
-        pick = single or ok[0]
+        pick = ok[0]
         why = "the only strategy that ran"
-    if single is not None and pick is not single and single.effective_samples_per_s >= pick.effective_samples_per_s:
-        why = (f"one process trains faster ({single.effective_samples_per_s:,.0f} samples/s) than the best "
-               f"parallel strategy ({pick.label}, {pick.effective_samples_per_s:,.0f}): parallelism does not pay here")
-        pick = single
     others = {m.label: _why_not(m, pick, ref, loss_tolerance) for m in measurements if m.label != pick.label}
     return Recommendation(pick.label, why, others)
+
+
+def set_speeds(ok: list[Measurement]) -> float:
+    """Set each measurement's ``time_to_loss`` and ``speed`` (see the module docstring); return the
+    target loss (NaN when the windows have no loss curves)."""
+    lows = sorted(min(v for _, v in m.curve) for m in ok if m.curve and m.curve_s)
+    target = lows[len(lows) // 2] if lows and len(lows) == len(ok) else math.nan
+    start = max((m.curve[0][1] for m in ok if m.curve), default=math.nan)
+    if not target < (1 - MIN_PROGRESS) * start:  # the windows barely trained: their times say nothing
+        target = math.nan
+    for m in ok:
+        slowdown = m.samples_per_s / m.effective_samples_per_s if m.effective_samples_per_s > 0 else math.nan
+        m.time_to_loss = time_to_reach(m.curve_s, [v for _, v in m.curve], target) * slowdown
+        if target != target:
+            m.speed = m.effective_samples_per_s
+        else:
+            m.speed = 1 / m.time_to_loss if m.time_to_loss > 0 else (0.0 if m.time_to_loss != m.time_to_loss
+                                                                     else math.inf)
+    return target
+
+
+def time_to_reach(seconds: list[float], losses: list[float], target: float) -> float:
+    """Seconds until ``losses`` first reaches ``target`` (linear within an epoch); NaN if never."""
+    for i in range(1, min(len(seconds), len(losses))):
+        if losses[i] <= target:
+            before = losses[i - 1]
+            if before <= target or before == losses[i]:
+                return seconds[i]
+            return seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (before - target) / (before - losses[i])
+    return math.nan
 
 
 def _why_faster(best: Measurement, base: Measurement | None, straggler: bool = False) -> str:
     if base is None or base is best:
         return "the fastest strategy measured"
-    speedup = best.effective_samples_per_s / base.effective_samples_per_s
+    speedup = best.speed / base.speed if base.speed > 0 else math.inf
     share = waiting_share(base)
     if straggler and not synchronous(best) and synchronous(base):
         return (f"{base.label} waits for the slowest worker at every step ({share:.0%} of its step): "
-                f"{best.label} does not, {speedup:.2f}x the samples/s")
+                f"{best.label} does not, {speedup:.2f}x the speed to the target loss")
     if best.bytes_per_sample < base.bytes_per_sample * 0.5 and share >= COMM_FLOOR:
         cut = (f"cuts the bytes per sample {base.bytes_per_sample / best.bytes_per_sample:.0f}x"
                if best.bytes_per_sample > 0 else "sends no bytes")
-        return f"comm is {share:.0%} of {base.label}'s step: {best.label} {cut}, {speedup:.2f}x the samples/s"
-    return f"{speedup:.2f}x the samples/s of {base.label} at a loss within {LOSS_TOLERANCE:.0%} of it"
+        return (f"comm is {share:.0%} of {base.label}'s step: {best.label} {cut}, {speedup:.2f}x the speed "
+                "to the target loss")
+    return f"{speedup:.2f}x the speed of {base.label} to the target loss"
 
 
 def synchronous(m: Measurement) -> bool:
@@ -186,20 +227,22 @@ def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_to
     """One line: why ``m`` loses to ``pick``."""
     if not m.ok:
         return f"{m.status}: {m.reason}"
-    if m.loss_ratio > 1 + loss_tolerance and ref is not None and not synchronous(m):
-        return (f"its loss at equal samples is {m.loss_ratio - 1:.0%} above {ref.label}'s "
-                "(stale or local updates cost convergence)")
-    ratio = m.effective_samples_per_s / pick.effective_samples_per_s if pick.effective_samples_per_s else math.nan
+    if m.speed == 0:
+        return "never reached the target loss in its window"
+    ratio = m.speed / pick.speed if pick.speed else math.nan
     shares = m.shares()
     wait = waiting_share(m)
-    if m.strategy == "pipeline" and shares["bubble"] == shares["bubble"] and shares["bubble"] >= 0.2:
+    if ratio >= 1:
+        reason = "as fast, but the pick keeps the exact gradient and needs no tuning"
+    elif m.loss_ratio > 1 + loss_tolerance and ref is not None and not synchronous(m):
+        reason = (f"its loss at equal samples is {m.loss_ratio - 1:.0%} above {ref.label}'s "
+                  "(stale or local updates cost convergence)")
+    elif m.strategy == "pipeline" and shares["bubble"] == shares["bubble"] and shares["bubble"] >= 0.2:
         reason = f"the pipeline bubble is {shares['bubble']:.0%} of its step"
     elif wait >= 0.25:
         reason = f"comm and waiting are {wait:.0%} of its step ({m.bytes_per_sample:,.0f} bytes/sample)"
     elif m.workers == 1:
         reason = "one process uses one share of the cores"
-    elif ratio >= 1:
-        reason = "as fast, but the pick keeps the exact gradient and needs no tuning"
     else:
         reason = f"compute is {shares['compute']:.0%} of its step"
-    return f"{ratio:.2f}x the pick's samples/s: {reason}"
+    return f"{ratio:.2f}x the pick's speed: {reason}"

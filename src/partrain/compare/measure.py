@@ -35,7 +35,7 @@ MIN_MEASURED_STEPS = 8
 #: the fewest epochs of a window: each ends with an evaluation, a point of the loss curve
 MIN_EPOCHS = 2
 #: the epochs the first window is planned with (its size sets every window's epoch)
-FIRST_EPOCHS = 4
+FIRST_EPOCHS = 6
 #: held-out samples evaluated at each epoch's end
 TEST_SAMPLES = 512
 
@@ -91,6 +91,10 @@ class Measurement:
     loss_vs_single: float = math.nan
     effective_samples_per_s: float = math.nan
     simulated_comm_s: float = 0.0
+    #: training seconds until the common target loss (under the what-if link); NaN: not reached
+    time_to_loss: float = math.nan
+    #: what the rule ranks by: 1 / time_to_loss (or the effective samples/s without loss curves)
+    speed: float = math.nan
 
     @property
     def ok(self) -> bool:

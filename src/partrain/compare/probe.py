@@ -116,13 +116,15 @@ def steady_rate(records: list[dict[str, Any]], warmup: int) -> float:
     """Samples per second of all workers together, after each worker's first ``warmup`` steps.
 
     A worker's rate is the samples of its steps ``warmup .. k-1`` over the time from the
-    start of step ``warmup`` to the start of step ``k`` (its last recorded step). NaN when a
-    worker recorded too few steps to say.
+    start of step ``warmup`` to the start of step ``k`` (its last recorded step); a worker
+    with few steps (a straggler that claimed few batches) leaves out fewer. NaN when a worker
+    recorded fewer than 3 steps.
     """
     total = 0.0
     for rec in records:
         times, sizes = rec.get("times", []), rec.get("sizes", [])
-        if len(times) < warmup + 2 or times[-1] <= times[warmup]:
+        skip = min(warmup, len(times) - 3)
+        if skip < 0 or times[-1] <= times[skip]:
             return float("nan")
-        total += sum(sizes[warmup:-1]) / (times[-1] - times[warmup])
+        total += sum(sizes[skip:-1]) / (times[-1] - times[skip])
     return total if records else float("nan")

@@ -14,14 +14,19 @@ from .measure import Measurement
 from .options import bandwidth_text
 from .run import CompareResult
 
-COLUMNS = ("strategy", "workers", "samples/s", "data", "compute", "comm", "bubble", "bytes/sample",
-           "loss/single", "loss/allreduce", "peak MB")
+COLUMNS = ("strategy", "workers", "samples/s", "s to target", "data", "compute", "comm", "bubble",
+           "bytes/sample", "loss/single", "loss/allreduce", "peak MB")
 
 
 def ranked(result: CompareResult) -> list[Measurement]:
-    """Measured strategies fastest first (under the what-if link), then the skipped and failed ones."""
-    ok = sorted((m for m in result.measurements if m.ok), key=lambda m: -_rate(m))
+    """Measured strategies by the rule's speed (to the target loss, under the what-if link), fastest
+    first, then the skipped and failed ones."""
+    ok = sorted((m for m in result.measurements if m.ok), key=lambda m: (-_speed(m), -_rate(m)))
     return ok + [m for m in result.measurements if not m.ok]
+
+
+def _speed(m: Measurement) -> float:
+    return m.speed if m.speed == m.speed else -1.0
 
 
 def _rate(m: Measurement) -> float:
@@ -49,7 +54,7 @@ def table_rows(result: CompareResult) -> list[list[Any]]:
             step = m.data_s + m.compute_s + m.simulated_comm_s
             shares = {"data": m.data_s / step, "compute": m.compute_s / step, "comm": m.simulated_comm_s / step,
                       "bubble": m.bubble_s / step}
-        rows.append([label, m.workers, float(round(m.effective_samples_per_s)), _pct(shares["data"]),
+        rows.append([label, m.workers, float(round(m.effective_samples_per_s)), m.time_to_loss, _pct(shares["data"]),
                      _pct(shares["compute"]), _pct(shares["comm"]),
                      _pct(shares["bubble"]) if m.strategy == "pipeline" else "-",
                      float(round(m.bytes_per_sample)), _times(m.loss_vs_single),
@@ -73,8 +78,12 @@ def format_result(result: CompareResult) -> str:
     for m in result.measurements:
         if not m.ok:
             lines.append(f"{m.label}: {m.status}: {m.reason}")
-    lines.append("data/compute/comm: shares of a worker's step; loss/X: test loss at equal samples over X's; "
-                 "* recommended")
+    target = result.target_loss
+    ranked_by = (f"s to target: training seconds to test loss {target:.4g} (the median of the windows' lowest), "
+                 "what the rank follows" if target == target else
+                 "ranked by samples/s (the windows did not train far enough to time a target loss)")
+    lines.append(f"{ranked_by}; data/compute/comm: shares of a worker's step; loss/X: test loss at equal samples "
+                 "over X's; * recommended")
     rec = result.recommendation
     if rec is not None:
         lines += ["", f"recommended: {rec.pick} - {rec.why}"]
@@ -119,6 +128,7 @@ def to_json(result: CompareResult) -> dict[str, Any]:
     rec = result.recommendation
     return clean({
         "budget_s": result.budget_s, "elapsed_s": result.elapsed_s, "workers": result.workers,
+        "target_loss": result.target_loss,
         "batch_size": result.batch_size, "model_bytes": result.model_bytes,
         "straggler": result.straggler.text() if result.straggler else None,
         "bandwidth": result.bandwidth,
@@ -137,7 +147,7 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
                                       "samples", "window_s", "wall_s", "samples_per_s", "effective_samples_per_s",
                                       "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
                                       "bytes_per_step", "bytes_per_sample", "loss_ratio", "loss_vs_single",
-                                      "peak_rss_mb")}
+                                      "time_to_loss", "speed", "peak_rss_mb")}
     out["options"] = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in m.options.items()}
     out["curve"] = [list(p) for p in m.curve]
     return out
@@ -145,51 +155,25 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
 
 CSV_FIELDS = ("label", "strategy", "workers", "status", "reason", "steps", "samples", "samples_per_s",
               "effective_samples_per_s", "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
-              "bytes_per_sample", "loss_ratio", "loss_vs_single", "peak_rss_mb", "time_to_ref_loss_s")
-
-
-def time_to_loss(m: Measurement, target: float) -> float:
-    """Seconds of training until ``m``'s curve reaches ``target`` at its (what-if) rate; NaN if never."""
-    if not m.ok or not m.curve or not m.effective_samples_per_s > 0:
-        return math.nan
-    for (s0, v0), (s1, v1) in zip(m.curve, m.curve[1:]):
-        if v1 <= target:
-            at = s1 if v0 == v1 or v0 <= target else s0 + (s1 - s0) * (v0 - target) / (v0 - v1)
-            return at / m.effective_samples_per_s
-    return math.nan
-
-
-def reference_loss(result: CompareResult) -> float:
-    """The loss every strategy is timed to: the highest final loss of the measured windows (each reaches it)."""
-    finals = [m.curve[-1][1] for m in result.measurements if m.ok and m.curve]
-    return max(finals) if finals else math.nan
+              "bytes_per_sample", "loss_ratio", "loss_vs_single", "peak_rss_mb", "time_to_loss", "speed")
 
 
 def write_outputs(result: CompareResult, out_dir: str) -> dict[str, str]:
     """``compare.json``, ``compare.csv`` and ``compare.png`` in ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {k: os.path.join(out_dir, f"compare.{k}") for k in ("json", "csv", "png")}
-    target = reference_loss(result)
+    target = result.target_loss
     with open(paths["json"] + ".tmp", "w") as f:
-        json.dump({**to_json(result), "time_to_loss": {"loss": target if target == target else None,
-                                                        "seconds": {m.label: _finite(time_to_loss(m, target))
-                                                                    for m in result.measurements if m.ok}}},
-                  f, indent=2, allow_nan=False)
+        json.dump(to_json(result), f, indent=2, allow_nan=False)
     os.replace(paths["json"] + ".tmp", paths["json"])
     with open(paths["csv"] + ".tmp", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         for m in ranked(result):
-            row = {k: getattr(m, k) for k in CSV_FIELDS if k != "time_to_ref_loss_s"}
-            row["time_to_ref_loss_s"] = time_to_loss(m, target)
-            w.writerow(row)
+            w.writerow({k: getattr(m, k) for k in CSV_FIELDS})
     os.replace(paths["csv"] + ".tmp", paths["csv"])
     plot(result, paths["png"], target)
     return paths
-
-
-def _finite(v: float) -> float | None:
-    return v if math.isfinite(v) else None
 
 
 def plot(result: CompareResult, path: str, target: float) -> None:
@@ -207,7 +191,7 @@ def plot(result: CompareResult, path: str, target: float) -> None:
     axes[0].barh(labels, [m.effective_samples_per_s for m in ok], color=colors)
     axes[0].set(title="samples/s (recommended in green)", xlabel="samples/s")
     axes[0].invert_yaxis()
-    times = [time_to_loss(m, target) for m in ok]
+    times = [m.time_to_loss for m in ok]
     axes[1].barh(labels, [t if t == t else 0 for t in times], color=colors)
     axes[1].set(title=f"seconds to test loss {target:.3g}", xlabel="seconds of training")
     axes[1].invert_yaxis()

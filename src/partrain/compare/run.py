@@ -4,10 +4,11 @@ The budget is the wall time of the whole comparison: processes, windows, evaluat
 How it is split: the strategies run one after another (``single`` first: it gives the
 one-worker step time the others' windows are sized from; then ``allreduce``, the
 reference); each gets an equal share of what is left when it starts, minus the start-up
-the previous windows cost. Its window is the number of optimizer steps that share pays
-for at its estimated step time (the one-worker step, the straggler's slowdown, the
-communication its bytes cost on the local link as probed), at least `WARMUP_STEPS` +
-`MIN_MEASURED_STEPS` steps: the warm-up steps are left out of the throughput, so every
+the previous windows cost. Each strategy first runs a calibration window of
+`WARMUP_STEPS` + `MIN_MEASURED_STEPS` steps (its steady step time corrects the estimate
+made from the one-worker step, the straggler's slowdown and the bytes on the probed local
+link). Its window is then as many whole epochs (of the same size for every strategy) as
+the rest of its share pays for, at least `MIN_EPOCHS` and that many steps: the warm-up steps are left out of the throughput, so every
 measured step is past the first collective, DDP's buckets and the allocator's growth. A
 strategy whose share cannot pay for that is skipped and says so.
 """
@@ -29,7 +30,7 @@ from torch.utils.data import DataLoader
 from ..errors import UsageError
 from ..pool import WorkerPool
 from ..scaling import Constants, Link, allreduce_seconds, ps_seconds, samples_per_s
-from .decide import Recommendation, recommend, simulate_link
+from .decide import Recommendation, recommend, set_speeds, simulate_link
 from .measure import (
     FIRST_EPOCHS,
     MIN_EPOCHS,
@@ -60,7 +61,9 @@ SCALE_WORKERS = (8, 64, 512)
 DEFAULT_LINKS = "10Gbit,100Gbit"
 #: start-up of one window (a process group, the model, the data) before the first one measured it
 FIRST_OVERHEAD_S = 0.8
-#: the first multi-process window's step over its estimate, before one was measured
+#: the share of a window's time its plan fills (steps on a loaded machine run long as often as short)
+SAFETY = 0.75
+#: a window's step over its estimate, before one was measured
 FIRST_CORRECTION = 2.0
 #: a pipeline's step over a data-parallel one's, before one was measured (micro-batches, messages)
 PIPELINE_FACTOR = 2.0
@@ -99,6 +102,8 @@ class CompareResult:
     #: the 2-worker check of the model: predicted from one worker, and measured
     validation: dict[str, float] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
+    #: the test loss the rule times every strategy to (NaN without loss curves)
+    target_loss: float = math.nan
 
     @property
     def budget_overrun(self) -> float:
@@ -176,7 +181,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                 f"latency {result.link[1] * 1e6:.0f} us")
         overheads: list[float] = []
         finish = FINISH_S + (FILES_S if out_dir else 0.0)
-        learned: dict[str, float] = {}  # strategy -> measured step over estimated step
+        learned: dict[str, float] = {}  # label -> measured step over estimated step
         epoch_samples = 0  # set by the first window: the same epoch for every strategy
         for i, cand in enumerate(chosen):
             workers_c = cand.workers or n
@@ -186,29 +191,29 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
             window = left / (len(chosen) - i) - overhead
             base = _estimate_step(cand, n, result, step_guess, model_bytes, strag)
             calib = None
-            calibrate = cand.strategy not in learned and (not learned or cand.strategy == "pipeline")
-            if workers_c > 1 and calibrate and window > (WARMUP_STEPS + MIN_MEASURED_STEPS) * base:
-                # a short calibration window: fixed per-step costs (Python, hooks, messages) make a guess
-                # from one process's step unreliable for the first multi-process strategy and a pipeline
+            if window > (WARMUP_STEPS + MIN_MEASURED_STEPS) * base * _correction(cand, n, learned):
+                # a short calibration window: fixed per-step costs (Python, hooks, messages, a server's
+                # round trip) make a guess from one process's step unreliable
                 steps = WARMUP_STEPS + MIN_MEASURED_STEPS
                 calib = measure(job, cand, n, steps * global_batch, 1, strag, initial)
                 if not calib.ok:  # the window would fail alike
                     measurements.append(calib)
                     continue
                 steady = global_batch / calib.samples_per_s if calib.samples_per_s > 0 else math.nan
-                learned[cand.strategy] = (steady if steady == steady else calib.window_s / max(calib.steps, 1)) / base
+                learned[cand.label] = (steady if steady == steady else calib.window_s / max(calib.steps, 1)) / base
                 overheads.append(max(0.0, calib.wall_s - calib.window_s))
                 window -= calib.wall_s
             step = base * _correction(cand, n, learned)
-            planned = window / step * global_batch if step > 0 and window > 0 else 0.0  # samples
+            # samples; planned short of the share: a window longer than estimated eats the next ones' time
+            planned = SAFETY * window / step * global_batch if step > 0 and window > 0 else 0.0
             if not epoch_samples:
                 # a multiple of every global batch (1 and n workers): each epoch is whole steps
                 unit = batch_size * n
                 epoch_samples = max(1, round(planned / FIRST_EPOCHS / unit)) * unit
-            epochs = max(MIN_EPOCHS, round(planned / epoch_samples))
+            epochs = int(planned // epoch_samples)
             steps = epochs * epoch_samples // global_batch
-            if planned < (WARMUP_STEPS + MIN_MEASURED_STEPS) * global_batch or \
-                    steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
+            if epochs < MIN_EPOCHS or steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
+                need = MIN_EPOCHS * epoch_samples / global_batch * step
                 if calib is not None:  # no room for more: the calibration window is the measurement
                     measurements.append(calib)
                     say(f"{_clock(started)} {cand.label}: {calib.samples_per_s:,.0f} samples/s "
@@ -216,8 +221,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                     continue
                 measurements.append(Measurement(cand.label, cand.strategy, dict(cand.options), workers_c,
                                                 status="skipped", reason=f"over budget: {max(window, 0):.1f} s "
-                                                f"left, {WARMUP_STEPS + MIN_MEASURED_STEPS} steps take "
-                                                f"~{(WARMUP_STEPS + MIN_MEASURED_STEPS) * step:.1f} s"))
+                                                f"left, {MIN_EPOCHS} epochs take ~{need:.1f} s"))
                 continue
             say(f"{_clock(started)} {cand.label}: {epochs} epochs of {epoch_samples} samples, {steps} steps "
                 f"(~{steps * step:.1f} s)")
@@ -225,8 +229,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
             measurements.append(m)
             if m.ok:
                 overheads.append(max(0.0, m.wall_s - m.window_s))
-                if workers_c > 1 and m.steps:
-                    learned[cand.strategy] = m.window_s / m.steps / base
+                if m.steps:
+                    learned[cand.label] = m.window_s / m.steps / base
                 say(f"{_clock(started)} {cand.label}: {m.samples_per_s:,.0f} samples/s "
                     f"({m.window_s:.1f} s window, {m.wall_s:.1f} s in all)")
             else:
@@ -234,6 +238,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
     for m in measurements:
         simulate_link(m, bw)
     result.recommendation = recommend(measurements, straggler=strag is not None)
+    result.target_loss = set_speeds([m for m in measurements if m.ok])
     _predict(result, link_speeds, scale)
     if out_dir:
         result.files = write_outputs(result, out_dir)
@@ -373,10 +378,8 @@ def _correction(c: Candidate, n: int, learned: dict[str, float]) -> float:
     slowest other's) window measured over its estimate; before any, `FIRST_CORRECTION`. Several
     processes on few cores, and a pipeline's many small messages, make steps slower than one
     process's step plus the link's transfer time."""
-    if (c.workers or n) == 1:
-        return 1.0
-    factor = learned.get(c.strategy, max(learned.values(), default=FIRST_CORRECTION))
-    return factor * (PIPELINE_FACTOR if c.strategy == "pipeline" and c.strategy not in learned else 1.0)
+    factor = learned.get(c.label, max(learned.values(), default=FIRST_CORRECTION))
+    return factor * (PIPELINE_FACTOR if c.strategy == "pipeline" and c.label not in learned else 1.0)
 
 
 def _estimate_step(c: Candidate, n: int, result: CompareResult, guess: float, model_bytes: int,
