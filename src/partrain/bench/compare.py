@@ -193,7 +193,9 @@ def run(args: argparse.Namespace) -> Report:
     with contextlib.nullcontext() if pool is not None and pool.processes >= 3 else WorkerPool(3):
         # every process started and its imports done before the first budget runs (seconds each on a
         # loaded machine): compare's budget then pays for its own work, as in a notebook that keeps a pool
-        partrain_launch(warm_up, clusters(64, (1, 8, 8)), workers=3, threads=1)
+        # (the toy runs single and allreduce only: two processes)
+        partrain_launch(warm_up, clusters(64, (1, 8, 8)), workers=2 if getattr(args, "toy", False) else 3,
+                        threads=1)
         for scenario in (s for s in SCENARIOS if s.name in chosen):
             data = clusters(samples, scenario.shape)
             result = compare(scenario.model_fn, data, functools.partial(sgd, lr=scenario.lr), workers=2,
