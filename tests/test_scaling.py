@@ -55,3 +55,24 @@ def test_bad_input_is_one_line(call, expected):
     with pytest.raises(UsageError) as e:
         call()
     assert str(e.value).startswith(expected)
+
+
+def test_throughput_from_measured_constants_by_hand():
+    from partrain.scaling import Constants, samples_per_s, scaling_efficiency, step_seconds
+
+    c = Constants(step_s=0.01, batch=32, model_bytes=1e6)
+    # allreduce on 2 workers: 0.01 + 2 * 1/2 * 1e6/1e9 + 2 * 1 * 1e-5 = 0.01102 s per step of 64 samples
+    assert math.isclose(step_seconds("allreduce", 2, c, LINK), 0.01102)
+    assert math.isclose(samples_per_s("allreduce", 2, c, LINK), 64 / 0.01102)
+    assert math.isclose(scaling_efficiency("allreduce", 2, c, LINK), 0.01 / 0.01102)
+    # ps at 64 workers: 8 shards, 2 * 64 * 1e6 / (8 * 1e9) + 2e-5 on top of the step
+    assert math.isclose(step_seconds("ps", 64, c, LINK), 0.01 + 0.016 + 2e-5)
+    # local SGD, period 4: a quarter of the ring
+    assert math.isclose(step_seconds("localsgd", 8, c, LINK, period=4),
+                        0.01 + (2 * 7 / 8 * 1e-3 + 14 * 1e-5) / 4)
+    # a pipeline of 4 stages, 4 micro-batches: a quarter of the step, stretched by (m + p - 1) / m
+    assert math.isclose(step_seconds("pipeline", 4, c, LINK, microbatches=4), 0.01 / 4 * 7 / 4)
+    assert math.isclose(samples_per_s("pipeline", 4, c, LINK, microbatches=4), 32 / (0.01 / 4 * 7 / 4))
+    assert samples_per_s("allreduce", 1, c, LINK) == 3200.0
+    with pytest.raises(UsageError, match="Expected a strategy among"):
+        step_seconds("hogwild", 2, c, LINK)

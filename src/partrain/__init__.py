@@ -4,6 +4,8 @@ The user writes one loop; the way it runs on many processes is a strategy
 named on the command line or passed to `launch` / `fit`.
 """
 
+# ``partrain.compare`` is the function, bound here, eagerly: the subpackage's name would shadow it
+from .compare import compare
 from .env import DistEnv
 from .errors import UsageError, WorkerError
 from .launch import launch
@@ -13,7 +15,7 @@ from .strategies import Strategy, get_strategy
 __version__ = "0.1.0"
 
 __all__ = ["DistEnv", "FitConfig", "LaunchConfig", "RunResult", "Strategy", "UsageError", "WorkerError",
-           "WorkerPool", "fit", "get_strategy", "launch"]
+           "WorkerPool", "compare", "fit", "get_strategy", "launch"]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy: the training loop pulls in more modules

@@ -37,6 +37,7 @@ SUBCOMMANDS = {
     "stream": "partrain.stream.cli",
     "loadtest": "partrain.serve.loadtest_cli",
     "bench": "partrain.bench.cli",
+    "compare": "partrain.compare.cli",
 }
 
 

@@ -99,3 +99,51 @@ def predict(strategy: str, n: int, model_bytes: float, compute_s: float, link: L
     else:
         raise UsageError(f"Expected a strategy among ['allreduce', 'ps', 'localsgd']. Received: {strategy!r}")
     return efficiency(compute_s, comm, overlap)
+
+
+# ----- throughput from measured constants (what ``partrain compare`` prints) ------------------
+
+#: how each strategy's step time at n workers is written, with t1 the one-worker step time
+FORMULAS = {
+    "allreduce": "t(n) = t1 + 2(n-1)/n * S/B + 2(n-1) * a",
+    "ps": "t(n) = t1 + 2 n S/(k B) + 2 a,  k = max(1, n // 8) server shards",
+    "localsgd": "t(n) = t1 + (2(n-1)/n * S/B + 2(n-1) * a) / H",
+    "pipeline": "t(n) = t1/n * (m + n - 1)/m  (n stages, m micro-batches, one batch in flight)",
+}
+THROUGHPUT = "X(n) = n b / t(n) (pipeline: b / t(n));  efficiency E(n) = X(n) / (n X(1))"
+
+
+@dataclass(frozen=True)
+class Constants:
+    """What a one-worker window measures: the step time ``t1`` (data and compute) at ``batch``
+    samples per worker, and the bytes ``S`` one worker's gradient weighs."""
+
+    step_s: float
+    batch: int
+    model_bytes: float
+
+
+def step_seconds(strategy: str, n: int, c: Constants, link: Link, *, period: int = 8,
+                 microbatches: int = 4, shards: int | None = None) -> float:
+    """``t(n)`` of `FORMULAS` for one of its strategies."""
+    _check(n, c.model_bytes, c.step_s)
+    if strategy == "allreduce":
+        return c.step_s + allreduce_seconds(n, c.model_bytes, link)
+    if strategy == "ps":
+        return c.step_s + ps_seconds(n, c.model_bytes, link, shards or max(1, n // 8))
+    if strategy == "localsgd":
+        return c.step_s + local_sgd_seconds(n, c.model_bytes, link, period)
+    if strategy == "pipeline":
+        return c.step_s / n / (1 - pipeline_bubble(n, microbatches))
+    raise UsageError(f"Expected a strategy among {sorted(FORMULAS)}. Received: {strategy!r}")
+
+
+def samples_per_s(strategy: str, n: int, c: Constants, link: Link, **options: int) -> float:
+    """``X(n)``: predicted samples per second of ``strategy`` on ``n`` workers (or pipeline stages)."""
+    t = step_seconds(strategy, n, c, link, **options)
+    return (c.batch if strategy == "pipeline" else n * c.batch) / t
+
+
+def scaling_efficiency(strategy: str, n: int, c: Constants, link: Link, **options: int) -> float:
+    """``E(n) = X(n) / (n X(1))``: 1.0 is perfect scaling."""
+    return samples_per_s(strategy, n, c, link, **options) / (n * c.batch / c.step_s)

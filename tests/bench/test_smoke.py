@@ -30,6 +30,7 @@ GOALS = {
     "pipeline": {"pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"},
     "stream": {"stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"},
     "data": {"data.overlap_speedup", "data.resident_vs_dataloader", "data.padding_vs_random"},
+    "compare": {"compare.regret_max", "compare.prediction_error", "compare.budget_overrun"},
 }
 # what each toy run must print besides its goals (a line of its main table)
 TABLE_LINE = {
@@ -42,6 +43,7 @@ TABLE_LINE = {
     "pipeline": "1f1b m=8",
     "stream": "hand queue",
     "data": "fit data_on_device + compile",
+    "compare": "fastest to target",
 }
 
 

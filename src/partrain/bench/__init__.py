@@ -21,4 +21,5 @@ BENCHMARKS = {
     "pipeline": "partrain.bench.pipeline",
     "stream": "partrain.bench.stream",
     "data": "partrain.bench.data",
+    "compare": "partrain.bench.compare",
 }

@@ -59,6 +59,7 @@ GOALS: dict[str, tuple[str, ...]] = {
     "pipeline": ("pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"),
     "stream": ("stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"),
     "data": ("data.overlap_speedup", "data.resident_vs_dataloader", "data.padding_vs_random"),
+    "compare": ("compare.regret_max", "compare.prediction_error", "compare.budget_overrun"),
 }
 
 SMOKE_NOTE = "smoke run: figures are noise"

@@ -1,0 +1,249 @@
+"""Compare: is ``partrain compare``'s recommendation the strategy that reaches a target loss first?
+
+Four built-in scenarios, each a model and a synthetic task (Gaussian clusters, noisy
+enough that the loss falls over several epochs), 2 workers of one thread each:
+
+- ``compute``: a convolutional net with few parameters (three 3x3 convolutions, global
+  average pooling) on 16x16 images: compute-bound;
+- ``comm``: a dense MLP (two 1024-wide hidden layers, 1.1 M parameters) at batch 8:
+  communication-heavy;
+- ``straggler``: a small convolutional net with worker 1 slowed 3x (an injected delay);
+- ``split``: a deep MLP of eight layers, a model a pipeline can cut.
+
+In each: ``partrain.compare`` with its default budget (60 s; quick 10 s) recommends a
+strategy; then every strategy it measured trains for the same wall time (5 s; quick 1.5 s)
+with per-epoch evaluations, and the target loss is the median of the lowest test losses
+they reached. The time to target is the training time (evaluations left out) until a
+strategy's test loss first reaches it, interpolated within the epoch.
+
+Goals (issue 16): compare.regret_max (over scenarios, the recommended strategy's time to
+target over the fastest's, minus 1) <= 0.10; compare.prediction_error (over the scenarios
+without a straggler, the largest relative error of the 2-worker allreduce samples/s
+predicted from the one-worker window and the probed local link, against the measured
+one) <= 0.20; compare.budget_overrun (over scenarios, compare's wall time over its budget,
+minus 1) <= 0.10. Every run shares one pool of processes, started before the first one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ..compare import compare
+from ..compare.report import format_result
+from ..errors import UsageError
+from ..launch import launch as partrain_launch
+from ..pool import WorkerPool
+from .harness import Report, pick_size, positive_int
+
+
+@dataclass(frozen=True)
+class Size:
+    budget: float  # compare's budget, seconds
+    train_s: float  # wall time of each strategy's run to the target
+    samples: int
+
+
+FULL = Size(budget=60.0, train_s=5.0, samples=2048)
+QUICK = Size(budget=10.0, train_s=1.5, samples=1024)
+#: epochs of each run to the target: each ends with an evaluation, a point of the (seconds, loss) curve
+EPOCHS_TO_TARGET = 8
+TOY = Size(budget=4.0, train_s=0.5, samples=512)
+
+
+# ----- the scenarios --------------------------------------------------------------------------
+
+def clusters(samples: int, shape: tuple[int, ...], seed: int = 0, noise: float = 2.0) -> tuple[TensorDataset,
+                                                                                                  TensorDataset]:
+    """Ten Gaussian clusters of samples of ``shape``; a quarter as many held out."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(10, *shape, generator=g)
+    n = samples + samples // 4
+    y = torch.randint(0, 10, (n,), generator=g)
+    x = centers[y] + noise * torch.randn(n, *shape, generator=g)
+    return TensorDataset(x[:samples], y[:samples]), TensorDataset(x[samples:], y[samples:])
+
+
+def conv_net(width: int = 32) -> nn.Module:
+    """Three 3x3 convolutions and global average pooling: much compute, few parameters."""
+    return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1),
+                         nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(width, 10))
+
+
+def dense_mlp(in_features: int = 64, hidden: int = 1024, depth: int = 2) -> nn.Module:
+    """Wide dense layers: many parameters, little compute per sample."""
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = in_features
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def sgd(params: Any, lr: float = 0.02) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    about: str
+    model_fn: Any
+    shape: tuple[int, ...]
+    batch_size: int
+    straggler: str | None = None
+    lr: float = 0.02
+
+
+SCENARIOS = (
+    Scenario("compute", "conv net, 16x16, few parameters", functools.partial(conv_net, 32), (1, 16, 16), 32),
+    Scenario("comm", "dense MLP 1.1 M parameters, batch 8", functools.partial(dense_mlp, 64, 1024, 2), (1, 8, 8), 8,
+             lr=0.01),
+    Scenario("straggler", "conv net, worker 1 slowed 3x", functools.partial(conv_net, 16), (1, 8, 8), 32,
+             straggler="worker=1,slowdown=3"),
+    Scenario("split", "deep MLP, 8 layers (a pipeline cuts it)", functools.partial(dense_mlp, 64, 256, 7),
+             (1, 8, 8), 32),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", type=float, default=None, help="compare's budget in seconds (default 60, quick 10)")
+    p.add_argument("--train-seconds", type=float, default=None,
+                   help="wall time of each strategy's run to the target (default 5, quick 1.5)")
+    p.add_argument("--samples", type=positive_int, default=None, help="training samples per scenario")
+    p.add_argument("--scenarios", default=None, help=f"comma-separated among {[s.name for s in SCENARIOS]}")
+
+
+def time_to_loss(curve_s: list[float], losses: list[float], target: float) -> float:
+    """Training seconds until ``losses`` first reaches ``target`` (linear within an epoch); NaN if never."""
+    for i in range(1, len(losses)):
+        if losses[i] <= target:
+            before = losses[i - 1]
+            if before <= target or before == losses[i]:
+                return curve_s[i]
+            return curve_s[i - 1] + (curve_s[i] - curve_s[i - 1]) * (before - target) / (before - losses[i])
+    return math.nan
+
+
+def _to_target_runs(scenario: Scenario, data: Any, result: Any, train_s: float, report: Report) -> dict[str, Any]:
+    """Every strategy compare measured, trained for ``train_s`` seconds: its (seconds, loss) curve."""
+    from ..compare.measure import Candidate, Job, measure
+    from ..compare.options import parse_straggler
+    from ..compare.run import initial_loss
+
+    job = Job(scenario.model_fn, data, functools.partial(sgd, lr=scenario.lr), batch_size=scenario.batch_size,
+              threads=1, timeout=120.0)
+    torch.manual_seed(0)
+    start = initial_loss(scenario.model_fn(), data[1], _task())
+    runs = {}
+    for m in result.measurements:
+        if not m.ok or not m.samples_per_s > 0:
+            continue
+        global_batch = scenario.batch_size * m.workers
+        steps = max(16, int(train_s * m.samples_per_s / global_batch))
+        run = measure(job, Candidate(m.label, m.strategy, m.options, m.workers), m.workers,
+                      math.ceil(steps / EPOCHS_TO_TARGET) * global_batch, EPOCHS_TO_TARGET,
+                      parse_straggler(scenario.straggler), start)
+        if run.ok:
+            runs[m.label] = run
+            report.progress(f"{scenario.name}: {m.label} to target: {run.window_s:.1f} s, final test loss "
+                            f"{run.curve[-1][1]:.3f}")
+        else:
+            report.note(f"{scenario.name}: {m.label} failed in the run to target: {run.reason}")
+    return runs
+
+
+def _task() -> Any:
+    from ..train.task import Task
+
+    return Task("cross_entropy")
+
+
+def run(args: argparse.Namespace) -> Report:
+    from ..compare.run import warm_up
+
+    size, smoke = pick_size(args, FULL, QUICK, TOY)
+    budget = args.budget or size.budget
+    train_s = args.train_seconds or size.train_s
+    samples = args.samples or size.samples
+    names = [s.name for s in SCENARIOS]
+    chosen = names if not args.scenarios else [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if getattr(args, "toy", False) and not args.scenarios:
+        chosen = ["compute"]
+    unknown = [s for s in chosen if s not in names]
+    if unknown or not chosen:
+        raise UsageError(f"Expected --scenarios among {names}. Received: {chosen}")
+    # a smoke run measures fewer strategies, so that each gets a window within its small budget
+    strategies = (["single", "allreduce"] if getattr(args, "toy", False)
+                  else ["single", "allreduce", "hogwild", "localsgd H=8"] if smoke else None)
+    report = Report("compare", smoke=smoke)
+    report.say(f"partrain bench compare: {len(chosen)} scenarios, 2 workers x 1 thread, compare's budget "
+               f"{budget:g} s each, then every measured strategy {train_s:g} s to the target loss")
+    rows, regrets, errors, overruns = [], [], [], []
+    pool = WorkerPool.current()
+    with contextlib.nullcontext() if pool is not None and pool.processes >= 3 else WorkerPool(3):
+        # every process started and its imports done before the first budget runs (seconds each on a
+        # loaded machine): compare's budget then pays for its own work, as in a notebook that keeps a pool
+        # (the toy runs single and allreduce only: two processes)
+        partrain_launch(warm_up, clusters(64, (1, 8, 8)), workers=2 if getattr(args, "toy", False) else 3,
+                        threads=1)
+        for scenario in (s for s in SCENARIOS if s.name in chosen):
+            data = clusters(samples, scenario.shape)
+            result = compare(scenario.model_fn, data, functools.partial(sgd, lr=scenario.lr), workers=2,
+                             budget=budget, batch_size=scenario.batch_size, straggler=scenario.straggler,
+                             threads=1, strategies=strategies, progress=report.progress)
+            report.say(f"\n--- scenario {scenario.name}: {scenario.about}")
+            report.say(format_result(result))
+            runs = _to_target_runs(scenario, data, result, train_s, report)
+            mins = [min(v for _, v in r.curve) for r in runs.values()]
+            target = float(sorted(mins)[len(mins) // 2]) if mins else math.nan
+            times = {label: time_to_loss(r.curve_s, [v for _, v in r.curve], target) for label, r in runs.items()}
+            reached = {k: t for k, t in times.items() if t == t}
+            fastest = min(reached, key=reached.__getitem__) if reached else None
+            pick = result.recommendation.pick if result.recommendation else None
+            regret = math.nan
+            if fastest is not None and pick is not None:
+                # a recommended strategy that never reached the target: its whole run is a lower bound
+                spent = reached.get(pick, runs[pick].window_s if pick in runs else math.nan)
+                regret = spent / reached[fastest] - 1
+            regrets.append(regret)
+            error = result.validation.get("error", math.nan)
+            if scenario.straggler is None:
+                errors.append(error)
+            overruns.append(result.budget_overrun)
+            rows.append([scenario.name, pick or "-", fastest or "-", target,
+                         reached.get(pick, math.nan) if pick else math.nan,
+                         reached[fastest] if fastest else math.nan, regret, error, result.elapsed_s])
+            for label, t in times.items():
+                report.figure(f"{scenario.name}.time_to_target.{label.replace(' ', '_')}", t)
+            report.figure(f"{scenario.name}.recommended", pick or "")
+            report.figure(f"{scenario.name}.fastest", fastest or "")
+            report.figure(f"{scenario.name}.regret", regret)
+            report.figure(f"{scenario.name}.prediction_error", error)
+            report.figure(f"{scenario.name}.compare_seconds", result.elapsed_s)
+    report.table(["scenario", "recommended", "fastest to target", "target loss", "s (recommended)",
+                  "s (fastest)", "regret", "2-worker prediction error", "compare s"], rows,
+                 title="time to the target loss (training seconds); the target is the median of the lowest "
+                       "losses the strategies reached")
+    report.goal("compare.regret_max", _worst(regrets), "<=", 0.10,
+                "recommended / fastest time to target - 1, worst scenario")
+    report.goal("compare.prediction_error", _worst(errors), "<=", 0.20,
+                "2-worker samples/s predicted from 1 worker vs measured, worst scenario without straggler")
+    report.goal("compare.budget_overrun", _worst(overruns), "<=", 0.10,
+                f"compare's wall time / its {budget:g} s budget - 1, worst scenario")
+    return report
+
+
+def _worst(values: list[float]) -> float | None:
+    """The largest value; None if none was measured."""
+    kept = [v for v in values if v == v]
+    return max(kept) if kept else None

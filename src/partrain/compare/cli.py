@@ -1,0 +1,126 @@
+"""``partrain compare``: the strategies measured on your model, a recommendation, a scaling prediction.
+
+The model, data and optimizer options are ``partrain train``'s (same names, same defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from ..cli import HelpFormatter
+from ..errors import UsageError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ..models import MODELS
+    from ..train.optim import OPTIMIZERS
+    from ..train.task import LOSSES
+    from .run import CANDIDATES, DEFAULT_LINKS
+
+    p = sub.add_parser(
+        "compare",
+        help="measure every strategy on your model for a short window and recommend one",
+        description=(
+            "Run each applicable strategy (single, allreduce, ps sync/async, hogwild, localsgd, DiLoCo, "
+            "pipeline) for a short measured window on your model and data, within --budget; print a "
+            "ranked table (samples/s, step breakdown, bytes per sample, loss at equal samples, memory), "
+            "a recommendation with reasons, and the predicted scaling to 8, 64 and 512 workers."
+        ),
+        formatter_class=HelpFormatter,
+    )
+    c = p.add_argument_group("comparison")
+    c.add_argument("--budget", default="60s", help="total time for the whole comparison (e.g. 60s, 2m)")
+    c.add_argument("--strategies", default=None, metavar="LIST",
+                   help=f"comma-separated among: {', '.join(x.label for x in CANDIDATES)} (default: all that apply)")
+    c.add_argument("--workers", type=int, default=None, help="processes of the parallel strategies "
+                   "(default: one per core, at least 2)")
+    c.add_argument("--straggler", default=None, metavar="worker=I,slowdown=F",
+                   help="what if worker I ran F times slower (an injected delay)")
+    c.add_argument("--bandwidth", default=None, metavar="RATE",
+                   help="what if the workers talked over a link of RATE (e.g. 1Gbit): simulated from measured bytes")
+    c.add_argument("--links", default=DEFAULT_LINKS, help="link speeds of the scaling prediction")
+    c.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: cores / workers)")
+    c.add_argument("--timeout", type=float, default=120.0, help="seconds for rendezvous and every collective")
+    c.add_argument("--out", default="runs/compare", help="directory for compare.json, compare.csv, compare.png")
+
+    d = p.add_argument_group("model and data (as partrain train)")
+    d.add_argument("--model", default="cnn", help=f"one of {', '.join(MODELS)} or module:function")
+    d.add_argument("--dataset", default="digits", help="digits, synthetic, a .npz file with x/y, or module:function")
+    d.add_argument("--synthetic-samples", type=int, default=4096, help="samples of --dataset synthetic")
+    d.add_argument("--synthetic-shape", default="1,8,8", help="sample shape of --dataset synthetic")
+    d.add_argument("--synthetic-classes", type=int, default=10, help="classes of --dataset synthetic")
+    d.add_argument("--test-fraction", type=float, default=0.2, help="held-out share for evaluation")
+
+    o = p.add_argument_group("optimization (as partrain train)")
+    o.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
+    o.add_argument("--lr", type=float, default=0.05)
+    o.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    o.add_argument("--momentum", type=float, default=0.9, help="for sgd")
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--loss", default="auto", choices=LOSSES,
+                   help="per-sample loss; auto: cross_entropy for integer labels, mse for float targets")
+    p.add_argument("--json", action="store_true", help="print compare.json's content instead of the table")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from ..data.datasets import DataSpec, load_dataset, num_classes, sample_shape
+    from ..models import MODELS, model_kwargs_for
+    from ..train.cli import _shape, build_cli_model
+    from ..train.optim import make_optimizer
+    from .options import parse_bandwidth, parse_budget, parse_links, parse_straggler
+    from .report import format_result, to_json
+    from .run import CANDIDATES, compare
+
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"Expected a positive number of workers. Received: --workers {args.workers}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"Expected a positive number of threads. Received: --threads {args.threads}")
+    if not 0 < args.test_fraction < 1:
+        raise UsageError(f"Expected 0 < --test-fraction < 1. Received: {args.test_fraction}")
+    strategies = None
+    if args.strategies is not None:
+        strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        known = [c.label for c in CANDIDATES]
+        if not strategies or any(s not in known for s in strategies):
+            raise UsageError(f"Expected strategies among {known}. Received: {strategies}")
+    # every option checked before the data loads and any process starts
+    parse_budget(args.budget)
+    straggler = parse_straggler(args.straggler)
+    if straggler is not None and straggler.worker >= (args.workers or 2):
+        raise UsageError(f"Expected the straggler to be a worker index below workers={args.workers or 2}. "
+                         f"Received: worker={straggler.worker}")
+    parse_bandwidth(args.bandwidth)
+    parse_links(args.links)
+    spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
+                    classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed)
+    train_ds, _ = load_dataset(spec)
+    kwargs = model_kwargs_for(args.model, sample_shape(train_ds), num_classes(train_ds)) \
+        if args.model in MODELS else {}
+    optimizer_fn = functools.partial(make_optimizer, args.optimizer, lr=args.lr, momentum=args.momentum,
+                                     weight_decay=args.weight_decay)
+    result = compare(functools.partial(build_cli_model, args.model, kwargs), spec, optimizer_fn,
+                     strategies=strategies, workers=args.workers, budget=args.budget, batch_size=args.batch_size,
+                     loss_fn=args.loss, straggler=args.straggler, bandwidth=args.bandwidth, links=args.links,
+                     out_dir=args.out, threads=args.threads, timeout=args.timeout, seed=args.seed,
+                     progress=None if args.json else _progress)
+    if args.json:
+        print(json.dumps(to_json(result), indent=2))
+    else:
+        print(format_result(result))
+        if result.files:
+            print(f"\nfiles: {', '.join(result.files.values())}")
+    if result.recommendation is None:
+        raise UsageError("Expected at least one strategy to run. Received: every one skipped or failed "
+                         "(see the table)")
+    return 0
+
+
+def _progress(text: str) -> None:
+    import sys
+
+    print(f"  {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,248 @@
+"""From measurements to advice: the what-if link, loss at equal samples, and the recommendation.
+
+Plain functions over `Measurement` lists, so the rule is tested on hand-made figures.
+
+**Simulated bandwidth** (``--bandwidth``): the bytes each strategy measurably sent per step
+become seconds on the given link with `partrain.scaling`'s formulas (ring all-reduce for
+allreduce and local SGD, the busiest server's fan-in for ps, point-to-point activations for
+a pipeline); a step's communication is the larger of what was measured here and what the
+link would take. The throughput scales by the ratio of step times.
+
+**Loss at equal samples**: each window's test loss after every epoch (and before the first
+step) is a curve over samples trained; every window's epoch holds the same number of samples,
+so two strategies compare at the last epoch both reached, point against point. The reference is ``allreduce`` (the exact synchronous
+gradient of the global batch), else ``single``.
+
+**Speed** is what the rule ranks by: the inverse of the training time a window took to
+reach the target loss (the median of the lowest test losses the windows reached: a
+strategy fast at not learning never reaches it), stretched by the what-if link's slowdown;
+without loss curves, or when the target is less than `MIN_PROGRESS` below the untrained
+loss (windows too short to learn: their times to it are noise), the samples/s under the
+what-if link.
+
+**The rule** (`recommend`):
+
+1. (The loss at equal samples is shown, and names the cause when an asynchronous or
+   local-update strategy loses by more than ``loss_tolerance``.)
+2. ``single`` when no parallel strategy is faster than one process.
+3. ``allreduce``, when it beats one process and its step waits little (communication and
+   waiting below ``comm_floor`` of the step: nothing for another strategy to save) or no
+   other strategy is at least ``margin`` faster: it keeps the exact gradient and needs no
+   tuning.
+4. Otherwise the fastest remaining strategy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..scaling import Link, allreduce_seconds
+from .measure import Measurement
+
+COMM_FLOOR = 0.20
+MARGIN = 0.25
+LOSS_TOLERANCE = 0.10
+#: the target loss must lie this far below the untrained loss to rank by time to it
+MIN_PROGRESS = 0.10
+
+
+@dataclass
+class Recommendation:
+    """The strategy to use, why, and one line for each of the others."""
+
+    pick: str
+    why: str
+    others: dict[str, str] = field(default_factory=dict)
+
+
+def simulate_link(m: Measurement, bandwidth: float | None, latency_s: float = 20e-6,
+                  shards: int = 1) -> None:
+    """Set ``m.simulated_comm_s`` and ``m.effective_samples_per_s`` for a link of ``bandwidth`` bytes/s
+    (None: the machine's own, as measured)."""
+    m.effective_samples_per_s = m.samples_per_s
+    m.simulated_comm_s = 0.0
+    if bandwidth is None or not m.ok or m.workers < 2 or not m.step_s > 0:
+        return
+    link = Link(bandwidth, latency_s)
+    comm = link_seconds(m, link, shards)
+    m.simulated_comm_s = comm
+    step = m.step_s
+    simulated = m.data_s + m.compute_s + max(m.comm_s, comm)
+    m.effective_samples_per_s = m.samples_per_s * step / simulated
+
+
+def link_seconds(m: Measurement, link: Link, shards: int = 1) -> float:
+    """Seconds per step that ``m``'s measured bytes per step would take on ``link``."""
+    n, sent = m.workers, m.bytes_per_step
+    if m.strategy in ("allreduce", "localsgd"):
+        # bytes_per_step is what each worker all-reduced (S per sync, S/H per step for local SGD)
+        syncs = 1.0 if m.strategy == "allreduce" else 1.0 / float(m.options.get("period", 8))
+        return allreduce_seconds(n, sent, Link(link.bandwidth, link.latency_s * syncs))
+    if m.strategy == "ps":
+        # the busiest shard's link carries every worker's push and pull of a step
+        return n * sent / (shards * link.bandwidth) + 2 * link.latency_s
+    if m.strategy == "pipeline":
+        return sent / link.bandwidth + link.latency_s
+    return 0.0
+
+
+def loss_at(curve: list[tuple[float, float]], samples: float) -> float:
+    """The loss of a curve at ``samples`` (linear between points; NaN outside it)."""
+    points = [(s, v) for s, v in curve if v == v]
+    if not points or samples > points[-1][0] or samples < points[0][0]:
+        return math.nan
+    for (s0, v0), (s1, v1) in zip(points, points[1:]):
+        if s0 <= samples <= s1:
+            return v0 if s1 == s0 else v0 + (v1 - v0) * (samples - s0) / (s1 - s0)
+    return points[-1][1]
+
+
+def loss_ratio(m: Measurement, ref: Measurement) -> float:
+    """``m``'s loss over ``ref``'s at the larger sample count both curves reach."""
+    if not m.curve or not ref.curve:
+        return math.nan
+    samples = min(m.curve[-1][0], ref.curve[-1][0])
+    mine, theirs = loss_at(m.curve, samples), loss_at(ref.curve, samples)
+    return mine / theirs if theirs and theirs == theirs and mine == mine else math.nan
+
+
+def compare_losses(measurements: list[Measurement]) -> Measurement | None:
+    """Set each measurement's ``loss_ratio`` against the reference's at equal samples (and
+    ``loss_vs_single``); return the reference."""
+    ok = {m.label: m for m in measurements if m.ok}
+    ref = ok.get("allreduce") or ok.get("single")
+    single = ok.get("single")
+    for m in ok.values():
+        if ref is not None:
+            m.loss_ratio = loss_ratio(m, ref)
+        if single is not None:
+            m.loss_vs_single = loss_ratio(m, single)
+    return ref
+
+
+def waiting_share(m: Measurement) -> float:
+    """Communication (and waiting on other workers) as a share of the step, under the what-if link."""
+    step = m.data_s + m.compute_s + max(m.comm_s, m.simulated_comm_s)
+    return max(m.comm_s, m.simulated_comm_s) / step if step > 0 else math.nan
+
+
+def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_floor: float = COMM_FLOOR,
+              margin: float = MARGIN, loss_tolerance: float = LOSS_TOLERANCE) -> Recommendation | None:
+    """The rule of the module docstring over measurements with ``effective_samples_per_s`` set.
+
+    ``straggler``: a worker was slowed on purpose, so a synchronous strategy's waiting is
+    the straggler's doing (the reasons say so), not the network's.
+    """
+    ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
+    if not ok:
+        return None
+    ref = compare_losses(ok)
+    set_speeds(ok)
+    by_label = {m.label: m for m in ok}
+    parallel = [m for m in ok if m.workers > 1]
+    best = max(parallel, key=lambda m: m.speed) if parallel else None
+    allreduce = by_label.get("allreduce")
+    single = by_label.get("single")
+    if single is not None and (best is None or single.speed >= best.speed):
+        pick = single
+        why = (f"one process reaches the loss sooner than the best parallel strategy ({best.label}: "
+               f"{best.speed / single.speed:.2f}x its speed): parallelism does not pay here"
+               if best is not None else "the only strategy that ran")
+    elif allreduce is not None and best is not None and (
+            single is None or allreduce.speed > single.speed) and (
+            waiting_share(allreduce) < comm_floor or best.speed < allreduce.speed * (1 + margin)):
+        pick = allreduce
+        if waiting_share(allreduce) < comm_floor:
+            why = (f"communication and waiting are only {waiting_share(allreduce):.0%} of its step: no other "
+                   "strategy has much to save, and allreduce keeps the exact gradient of the global batch")
+        else:
+            why = (f"no other strategy is {margin:.0%} faster ({best.label}: "
+                   f"{best.speed / allreduce.speed:.2f}x its speed); allreduce keeps "
+                   "the exact gradient of the global batch")
+    elif best is not None:
+        pick = best
+        why = _why_faster(best, allreduce or ref, straggler)
+    else:
+        pick = ok[0]
+        why = "the only strategy that ran"
+    others = {m.label: _why_not(m, pick, ref, loss_tolerance) for m in measurements if m.label != pick.label}
+    return Recommendation(pick.label, why, others)
+
+
+def set_speeds(ok: list[Measurement]) -> float:
+    """Set each measurement's ``time_to_loss`` and ``speed`` (see the module docstring); return the
+    target loss (NaN when the windows have no loss curves)."""
+    lows = sorted(min(v for _, v in m.curve) for m in ok if m.curve and m.curve_s)
+    target = lows[len(lows) // 2] if lows and len(lows) == len(ok) else math.nan
+    start = max((m.curve[0][1] for m in ok if m.curve), default=math.nan)
+    if not target < (1 - MIN_PROGRESS) * start:  # the windows barely trained: their times say nothing
+        target = math.nan
+    for m in ok:
+        slowdown = m.samples_per_s / m.effective_samples_per_s if m.effective_samples_per_s > 0 else math.nan
+        m.time_to_loss = time_to_reach(m.curve_s, [v for _, v in m.curve], target) * slowdown
+        if target != target:
+            m.speed = m.effective_samples_per_s
+        else:
+            m.speed = 1 / m.time_to_loss if m.time_to_loss > 0 else (0.0 if m.time_to_loss != m.time_to_loss
+                                                                     else math.inf)
+    return target
+
+
+def time_to_reach(seconds: list[float], losses: list[float], target: float) -> float:
+    """Seconds until ``losses`` first reaches ``target`` (linear within an epoch); NaN if never."""
+    for i in range(1, min(len(seconds), len(losses))):
+        if losses[i] <= target:
+            before = losses[i - 1]
+            if before <= target or before == losses[i]:
+                return seconds[i]
+            return seconds[i - 1] + (seconds[i] - seconds[i - 1]) * (before - target) / (before - losses[i])
+    return math.nan
+
+
+def _why_faster(best: Measurement, base: Measurement | None, straggler: bool = False) -> str:
+    if base is None or base is best:
+        return "the fastest strategy measured"
+    speedup = best.speed / base.speed if base.speed > 0 else math.inf
+    share = waiting_share(base)
+    if straggler and not synchronous(best) and synchronous(base):
+        return (f"{base.label} waits for the slowest worker at every step ({share:.0%} of its step): "
+                f"{best.label} does not, {speedup:.2f}x the speed to the target loss")
+    if best.bytes_per_sample < base.bytes_per_sample * 0.5 and share >= COMM_FLOOR:
+        cut = (f"cuts the bytes per sample {base.bytes_per_sample / best.bytes_per_sample:.0f}x"
+               if best.bytes_per_sample > 0 else "sends no bytes")
+        return (f"comm is {share:.0%} of {base.label}'s step: {best.label} {cut}, {speedup:.2f}x the speed "
+                "to the target loss")
+    return f"{speedup:.2f}x the speed of {base.label} to the target loss"
+
+
+def synchronous(m: Measurement) -> bool:
+    """Every step applies the exact gradient of its global batch, and waits for every worker."""
+    if m.strategy == "ps":
+        return not math.isinf(float(m.options.get("staleness", 0)))
+    return m.strategy in ("allreduce", "pipeline", "single")
+
+
+def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_tolerance: float) -> str:
+    """One line: why ``m`` loses to ``pick``."""
+    if not m.ok:
+        return f"{m.status}: {m.reason}"
+    if m.speed == 0:
+        return "never reached the target loss in its window"
+    ratio = m.speed / pick.speed if pick.speed else math.nan
+    shares = m.shares()
+    wait = waiting_share(m)
+    if ratio >= 1:
+        reason = "as fast, but the pick keeps the exact gradient and needs no tuning"
+    elif m.loss_ratio > 1 + loss_tolerance and ref is not None and not synchronous(m):
+        reason = (f"its loss at equal samples is {m.loss_ratio - 1:.0%} above {ref.label}'s "
+                  "(stale or local updates cost convergence)")
+    elif m.strategy == "pipeline" and shares["bubble"] == shares["bubble"] and shares["bubble"] >= 0.2:
+        reason = f"the pipeline bubble is {shares['bubble']:.0%} of its step"
+    elif wait >= 0.25:
+        reason = f"comm and waiting are {wait:.0%} of its step ({m.bytes_per_sample:,.0f} bytes/sample)"
+    elif m.workers == 1:
+        reason = "one process uses one share of the cores"
+    else:
+        reason = f"compute is {shares['compute']:.0%} of its step"
+    return f"{ratio:.2f}x the pick's speed: {reason}"

@@ -1,0 +1,211 @@
+"""How a comparison is shown: the ranked table, the advice, the prediction; compare.json/.csv/.png."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from typing import Any
+
+from ..scaling import FORMULAS, THROUGHPUT
+from ..tables import format_table
+from .measure import Measurement
+from .options import bandwidth_text
+from .run import CompareResult
+
+COLUMNS = ("strategy", "workers", "samples/s", "s to target", "data", "compute", "comm", "bubble",
+           "bytes/sample", "loss/single", "loss/allreduce", "peak MB")
+
+
+def ranked(result: CompareResult) -> list[Measurement]:
+    """Measured strategies by the rule's speed (to the target loss, under the what-if link), fastest
+    first, then the skipped and failed ones."""
+    ok = sorted((m for m in result.measurements if m.ok), key=lambda m: (-_speed(m), -_rate(m)))
+    return ok + [m for m in result.measurements if not m.ok]
+
+
+def _speed(m: Measurement) -> float:
+    return m.speed if m.speed == m.speed else -1.0
+
+
+def _rate(m: Measurement) -> float:
+    v = m.effective_samples_per_s
+    return v if v == v else -1.0
+
+
+def _times(v: float) -> str:
+    return "-" if v != v else f"{v:.2f}x"
+
+
+def _pct(v: float) -> str:
+    return "-" if v != v else f"{v:.0%}"
+
+
+def table_rows(result: CompareResult) -> list[list[Any]]:
+    rows: list[list[Any]] = []
+    pick = result.recommendation.pick if result.recommendation else None
+    for m in ranked(result):
+        label = f"{m.label} *" if m.label == pick else m.label
+        if not m.ok:
+            continue  # listed under the table with the reason
+        shares = m.shares()
+        if m.simulated_comm_s > m.comm_s:  # the what-if link: its comm replaces the measured one
+            step = m.data_s + m.compute_s + m.simulated_comm_s
+            shares = {"data": m.data_s / step, "compute": m.compute_s / step, "comm": m.simulated_comm_s / step,
+                      "bubble": m.bubble_s / step}
+        rows.append([label, m.workers, float(round(m.effective_samples_per_s)), m.time_to_loss, _pct(shares["data"]),
+                     _pct(shares["compute"]), _pct(shares["comm"]),
+                     _pct(shares["bubble"]) if m.strategy == "pipeline" else "-",
+                     float(round(m.bytes_per_sample)), _times(m.loss_vs_single),
+                     _times(m.loss_ratio) if result.measurement("allreduce") else "-", m.peak_rss_mb])
+    return rows
+
+
+def format_result(result: CompareResult) -> str:
+    """Everything a person reads on the terminal, as one text."""
+    lines = []
+    what_if = []
+    if result.straggler:
+        what_if.append(f"straggler {result.straggler.text()}")
+    if result.bandwidth:
+        what_if.append(f"bandwidth {bandwidth_text(result.bandwidth)} (simulated from measured bytes)")
+    head = (f"partrain compare: {result.workers} workers, batch {result.batch_size} per worker, model "
+            f"{result.model_bytes / 2**20:.2f} MB; {result.elapsed_s:.0f} s of a {result.budget_s:.0f} s budget")
+    lines.append(head + (f"; what if: {', '.join(what_if)}" if what_if else ""))
+    lines.append("")
+    lines.append(format_table(COLUMNS, table_rows(result)))
+    for m in result.measurements:
+        if not m.ok:
+            lines.append(f"{m.label}: {m.status}: {m.reason}")
+    target = result.target_loss
+    ranked_by = (f"s to target: training seconds to test loss {target:.4g} (the median of the windows' lowest), "
+                 "what the rank follows" if target == target else
+                 "ranked by samples/s (the windows did not train far enough to time a target loss)")
+    lines.append(f"{ranked_by}; data/compute/comm: shares of a worker's step; loss/X: test loss at equal samples "
+                 "over X's; * recommended")
+    rec = result.recommendation
+    if rec is not None:
+        lines += ["", f"recommended: {rec.pick} - {rec.why}"]
+        for label, why in rec.others.items():
+            if not why.startswith(("skipped", "failed")):  # those are listed under the table
+                lines.append(f"  {label}: {why}")
+    if result.constants is not None:
+        c = result.constants
+        lines += ["", "predicted scaling (constants from the single window: t1 = "
+                  f"{c.step_s * 1e3:.2f} ms per step of b = {c.batch}, S = {c.model_bytes / 2**20:.2f} MB, "
+                  "a = 20 us per message)"]
+        for name in ("allreduce", "ps", "localsgd"):
+            lines.append(f"  {name}: {FORMULAS[name]}")
+        lines.append(f"  {THROUGHPUT}")
+        workers = sorted({p.workers for p in result.predictions})
+        headers = ["strategy", "link"] + [f"{w} workers" for w in workers]
+        rows = []
+        for key in dict.fromkeys((p.strategy, p.bandwidth) for p in result.predictions):
+            cells = {p.workers: p for p in result.predictions if (p.strategy, p.bandwidth) == key}
+            rows.append([key[0], bandwidth_text(key[1])] +
+                        [f"{cells[w].samples_per_s:,.0f}/s ({cells[w].efficiency:.0%})" for w in workers])
+        if rows:
+            lines.append(format_table(headers, rows))
+    v = result.validation
+    if v:
+        lines += ["", f"check of the model here: {int(v['workers'])}-worker allreduce predicted from one worker "
+                  f"and the local link {v['predicted']:,.0f} samples/s, measured {v['measured']:,.0f} "
+                  f"(error {v['error']:.0%})"]
+    return "\n".join(lines)
+
+
+def to_json(result: CompareResult) -> dict[str, Any]:
+    def clean(v: Any) -> Any:
+        if isinstance(v, float):
+            return None if not math.isfinite(v) else v
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    rec = result.recommendation
+    return clean({
+        "budget_s": result.budget_s, "elapsed_s": result.elapsed_s, "workers": result.workers,
+        "target_loss": result.target_loss,
+        "batch_size": result.batch_size, "model_bytes": result.model_bytes,
+        "straggler": result.straggler.text() if result.straggler else None,
+        "bandwidth": result.bandwidth,
+        "link": {"bandwidth": result.link[0], "latency_s": result.link[1]} if result.link else None,
+        "recommendation": {"pick": rec.pick, "why": rec.why, "others": rec.others} if rec else None,
+        "strategies": [_measurement_json(m) for m in ranked(result)],
+        "constants": vars(result.constants) if result.constants else None,
+        "formulas": {**FORMULAS, "throughput": THROUGHPUT},
+        "predictions": [vars(p) for p in result.predictions],
+        "validation": result.validation or None,
+    })
+
+
+def _measurement_json(m: Measurement) -> dict[str, Any]:
+    out = {k: getattr(m, k) for k in ("label", "strategy", "workers", "status", "reason", "processes", "steps",
+                                      "samples", "window_s", "wall_s", "samples_per_s", "effective_samples_per_s",
+                                      "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
+                                      "bytes_per_step", "bytes_per_sample", "loss_ratio", "loss_vs_single",
+                                      "time_to_loss", "speed", "peak_rss_mb")}
+    out["options"] = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in m.options.items()}
+    out["curve"] = [list(p) for p in m.curve]
+    return out
+
+
+CSV_FIELDS = ("label", "strategy", "workers", "status", "reason", "steps", "samples", "samples_per_s",
+              "effective_samples_per_s", "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
+              "bytes_per_sample", "loss_ratio", "loss_vs_single", "peak_rss_mb", "time_to_loss", "speed")
+
+
+def write_outputs(result: CompareResult, out_dir: str) -> dict[str, str]:
+    """``compare.json``, ``compare.csv`` and ``compare.png`` in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {k: os.path.join(out_dir, f"compare.{k}") for k in ("json", "csv", "png")}
+    target = result.target_loss
+    with open(paths["json"] + ".tmp", "w") as f:
+        json.dump(to_json(result), f, indent=2, allow_nan=False)
+    os.replace(paths["json"] + ".tmp", paths["json"])
+    with open(paths["csv"] + ".tmp", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for m in ranked(result):
+            w.writerow({k: getattr(m, k) for k in CSV_FIELDS})
+    os.replace(paths["csv"] + ".tmp", paths["csv"])
+    plot(result, paths["png"], target)
+    return paths
+
+
+def plot(result: CompareResult, path: str, target: float) -> None:
+    """Three panels: samples/s per strategy, seconds to a common loss, predicted scaling curves."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [m for m in ranked(result) if m.ok]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    labels = [m.label for m in ok]
+    pick = result.recommendation.pick if result.recommendation else None
+    colors = ["tab:green" if m.label == pick else "tab:blue" for m in ok]
+    axes[0].barh(labels, [m.effective_samples_per_s for m in ok], color=colors)
+    axes[0].set(title="samples/s (recommended in green)", xlabel="samples/s")
+    axes[0].invert_yaxis()
+    times = [m.time_to_loss for m in ok]
+    axes[1].barh(labels, [t if t == t else 0 for t in times], color=colors)
+    axes[1].set(title=f"seconds to test loss {target:.3g}", xlabel="seconds of training")
+    axes[1].invert_yaxis()
+    for key in dict.fromkeys((p.strategy, p.bandwidth) for p in result.predictions):
+        pts = sorted((p.workers, p.efficiency) for p in result.predictions if (p.strategy, p.bandwidth) == key)
+        axes[2].plot([w for w, _ in pts], [e for _, e in pts], marker="o",
+                     label=f"{key[0]}, {bandwidth_text(key[1])}")
+    axes[2].set(title="predicted scaling efficiency", xlabel="workers", ylabel="efficiency", xscale="log",
+                ylim=(0, 1.05))
+    if result.predictions:
+        axes[2].legend(fontsize=7)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=90)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)

@@ -1,0 +1,428 @@
+"""`compare`: measure every applicable strategy on the user's model within a time budget.
+
+The budget is the wall time of the whole comparison: processes, windows, evaluations.
+How it is split: the strategies run one after another (``single`` first: it gives the
+one-worker step time the others' windows are sized from; then ``allreduce``, the
+reference); each gets an equal share of what is left when it starts, minus the start-up
+the previous windows cost. Each strategy first runs a calibration window of
+`WARMUP_STEPS` + `MIN_MEASURED_STEPS` steps (its steady step time corrects the estimate
+made from the one-worker step, the straggler's slowdown and the bytes on the probed local
+link). Its window is then as many whole epochs (of the same size for every strategy) as
+the rest of its share pays for, at least `MIN_EPOCHS` and that many steps: the warm-up steps are left out of the throughput, so every
+measured step is past the first collective, DDP's buckets and the allocator's growth. A
+strategy whose share cannot pay for that is skipped and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ..errors import UsageError
+from ..pool import WorkerPool
+from ..scaling import Constants, Link, allreduce_seconds, ps_seconds, samples_per_s
+from .decide import Recommendation, recommend, set_speeds, simulate_link
+from .measure import (
+    FIRST_EPOCHS,
+    MIN_EPOCHS,
+    MIN_MEASURED_STEPS,
+    TEST_SAMPLES,
+    WARMUP_STEPS,
+    Candidate,
+    Job,
+    Measurement,
+    link_probe,
+    measure,
+    parameter_bytes,
+)
+from .options import Straggler, parse_bandwidth, parse_budget, parse_links, parse_straggler
+
+PIPELINE = Candidate("pipeline", "pipeline", {"stages": 2, "microbatches": 4})
+CANDIDATES: tuple[Candidate, ...] = (
+    Candidate("single", "single", {}, workers=1),
+    Candidate("allreduce", "allreduce", {}),
+    Candidate("ps sync", "ps", {"staleness": 0}),
+    Candidate("ps async", "ps", {"staleness": math.inf}),
+    Candidate("hogwild", "hogwild", {}),
+    Candidate("localsgd H=8", "localsgd", {"period": 8}),
+    Candidate("diloco H=8", "localsgd", {"period": 8, "outer": "nesterov", "outer_lr": 0.8, "outer_momentum": 0.3}),
+    PIPELINE,
+)
+SCALE_WORKERS = (8, 64, 512)
+DEFAULT_LINKS = "10Gbit,100Gbit"
+#: start-up of one window (a process group, the model, the data) before the first one measured it
+FIRST_OVERHEAD_S = 0.8
+#: the share of a window's time its plan fills (steps on a loaded machine run long as often as short)
+SAFETY = 0.75
+#: a window's step over its estimate, before one was measured
+FIRST_CORRECTION = 2.0
+#: a pipeline's step over a data-parallel one's, before one was measured (micro-batches, messages)
+PIPELINE_FACTOR = 2.0
+#: kept back from the windows for the end: the decision, and the files (a chart) when asked for
+FINISH_S = 0.3
+FILES_S = 1.5
+
+
+@dataclass
+class Prediction:
+    """Predicted samples/s and efficiency of one strategy at ``workers`` on a link of ``bandwidth``."""
+
+    strategy: str
+    workers: int
+    bandwidth: float
+    samples_per_s: float
+    efficiency: float
+
+
+@dataclass
+class CompareResult:
+    """Everything one comparison measured, decided and predicted (`report` prints and writes it)."""
+
+    measurements: list[Measurement]
+    recommendation: Recommendation | None
+    budget_s: float
+    elapsed_s: float
+    workers: int
+    batch_size: int
+    model_bytes: int
+    straggler: Straggler | None = None
+    bandwidth: float | None = None
+    link: tuple[float, float] | None = None  # the local link: bandwidth bytes/s, latency s
+    constants: Constants | None = None
+    predictions: list[Prediction] = field(default_factory=list)
+    #: the 2-worker check of the model: predicted from one worker, and measured
+    validation: dict[str, float] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    #: the test loss the rule times every strategy to (NaN without loss curves)
+    target_loss: float = math.nan
+
+    @property
+    def budget_overrun(self) -> float:
+        return self.elapsed_s / self.budget_s - 1
+
+    def measurement(self, label: str) -> Measurement | None:
+        return next((m for m in self.measurements if m.label == label), None)
+
+
+def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable[..., torch.optim.Optimizer], *,
+            strategies: Sequence[str] | None = None, workers: int | None = None, budget: str | float = 60.0,
+            batch_size: int = 32, loss_fn: Any = "auto", straggler: str | Straggler | None = None,
+            bandwidth: str | float | None = None, links: str | list[float] = DEFAULT_LINKS,
+            scale: Sequence[int] = SCALE_WORKERS, out_dir: str | None = None, threads: int | None = None,
+            timeout: float = 120.0, seed: int = 0, device: str | None = None,
+            progress: Callable[[str], None] | None = None) -> CompareResult:
+    """Measure each applicable strategy on ``model_fn``/``data``/``optimizer_fn`` within ``budget``.
+
+    Args:
+        strategies: labels among `CANDIDATES` (``single``, ``allreduce``, ``ps sync``,
+            ``ps async``, ``hogwild``, ``localsgd H=8``, ``diloco H=8``, ``pipeline``);
+            None: all that apply.
+        workers: processes of the parallel strategies (default: the cores, at least 2).
+        budget: total seconds (``60s``, ``2m``) for the whole comparison.
+        straggler: ``worker=1,slowdown=2``: that worker runs this many times slower.
+        bandwidth: ``1Gbit``: communication simulated on such a link from measured bytes.
+        links: link speeds of the scaling prediction.
+        out_dir: where ``compare.json``, ``compare.csv`` and ``compare.png`` go (None: nowhere).
+        threads: intra-op threads per process (default: the cores divided among the workers,
+            the same for every strategy, ``single`` included, so the one-worker figures are a
+            worker's).
+    """
+    from ..env import available_cores
+    from .report import write_outputs
+
+    started = time.perf_counter()
+    say = progress or (lambda _text: None)
+    budget_s = parse_budget(budget)
+    strag = parse_straggler(straggler)
+    bw = parse_bandwidth(bandwidth)
+    link_speeds = parse_links(links)
+    cores = available_cores()
+    n = workers if workers is not None else max(2, cores)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UsageError(f"Expected a positive number of workers. Received: workers={workers!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise UsageError(f"Expected a positive batch size. Received: batch_size={batch_size!r}")
+    if strag is not None and strag.worker >= n:
+        raise UsageError(f"Expected the straggler to be a worker index below workers={n}. "
+                         f"Received: worker={strag.worker}")
+    if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in scale):
+        raise UsageError(f"Expected worker counts >= 1 to predict. Received: {list(scale)}")
+    per_process = threads or max(1, cores // n)
+    job = Job(model_fn, data, optimizer_fn, batch_size=batch_size, loss_fn=loss_fn, seed=seed,
+              threads=per_process, timeout=timeout, device=device)
+    model, train_ds, test_ds, task = _inspect(job)
+    model_bytes = parameter_bytes(model)
+    chosen, skipped = applicable(strategies, model, n, batch_size, device)
+    # the first point of every loss curve: the held-out samples the windows evaluate
+    initial = initial_loss(model, test_ds if test_ds is not None else train_ds, task, limit=TEST_SAMPLES)
+    step_guess = _time_steps(model, train_ds, task, optimizer_fn, batch_size, per_process)
+    measurements: list[Measurement] = list(skipped)
+    result = CompareResult(measurements, None, budget_s, 0.0, n, batch_size, model_bytes, strag, bw)
+    processes = max([c.build().extra_processes(c.workers or n) + (c.workers or n) for c in chosen] + [2])
+    pool = WorkerPool.current()
+    own_pool = pool is None or pool.processes < processes
+    with WorkerPool(processes) if own_pool else contextlib.nullcontext():
+        if n > 1:  # starts every process the windows need (counted in the budget), then probes the link
+            from ..launch import launch
+
+            launch(warm_up, job.data, workers=processes, strategy="allreduce", timeout=timeout,
+                   threads=per_process)
+            result.link = link_probe(model_bytes, timeout=timeout, threads=per_process)
+            say(f"{_clock(started)} processes ready; local link {result.link[0] / 1e6:,.0f} MB/s, "
+                f"latency {result.link[1] * 1e6:.0f} us")
+        overheads: list[float] = []
+        finish = FINISH_S + (FILES_S if out_dir else 0.0)
+        learned: dict[str, float] = {}  # label -> measured step over estimated step
+        epoch_samples = 0  # set by the first window: the same epoch for every strategy
+        for i, cand in enumerate(chosen):
+            workers_c = cand.workers or n
+            global_batch = batch_size * workers_c
+            left = budget_s - (time.perf_counter() - started) - finish
+            overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
+            window = left / (len(chosen) - i) - overhead
+            base = _estimate_step(cand, n, result, step_guess, model_bytes, strag)
+            calib = None
+            if window > (WARMUP_STEPS + MIN_MEASURED_STEPS) * base * _correction(cand, n, learned):
+                # a short calibration window: fixed per-step costs (Python, hooks, messages, a server's
+                # round trip) make a guess from one process's step unreliable
+                steps = WARMUP_STEPS + MIN_MEASURED_STEPS
+                calib = measure(job, cand, n, steps * global_batch, 1, strag, initial)
+                if not calib.ok:  # the window would fail alike
+                    measurements.append(calib)
+                    continue
+                steady = global_batch / calib.samples_per_s if calib.samples_per_s > 0 else math.nan
+                learned[cand.label] = (steady if steady == steady else calib.window_s / max(calib.steps, 1)) / base
+                overheads.append(max(0.0, calib.wall_s - calib.window_s))
+                window -= calib.wall_s
+            step = base * _correction(cand, n, learned)
+            # samples; planned short of the share: a window longer than estimated eats the next ones' time
+            planned = SAFETY * window / step * global_batch if step > 0 and window > 0 else 0.0
+            if not epoch_samples:
+                # a multiple of every global batch (1 and n workers): each epoch is whole steps
+                unit = batch_size * n
+                epoch_samples = max(1, round(planned / FIRST_EPOCHS / unit)) * unit
+            epochs = int(planned // epoch_samples)
+            steps = epochs * epoch_samples // global_batch
+            if epochs < MIN_EPOCHS or steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
+                need = MIN_EPOCHS * epoch_samples / global_batch * step
+                if calib is not None:  # no room for more: the calibration window is the measurement
+                    measurements.append(calib)
+                    say(f"{_clock(started)} {cand.label}: {calib.samples_per_s:,.0f} samples/s "
+                        "(the calibration window: no budget left for a longer one)")
+                    continue
+                measurements.append(Measurement(cand.label, cand.strategy, dict(cand.options), workers_c,
+                                                status="skipped", reason=f"over budget: {max(window, 0):.1f} s "
+                                                f"left, {MIN_EPOCHS} epochs take ~{need:.1f} s"))
+                continue
+            say(f"{_clock(started)} {cand.label}: {epochs} epochs of {epoch_samples} samples, {steps} steps "
+                f"(~{steps * step:.1f} s)")
+            m = measure(job, cand, n, epoch_samples, epochs, strag, initial)
+            measurements.append(m)
+            if m.ok:
+                overheads.append(max(0.0, m.wall_s - m.window_s))
+                if m.steps:
+                    learned[cand.label] = m.window_s / m.steps / base
+                say(f"{_clock(started)} {cand.label}: {m.samples_per_s:,.0f} samples/s "
+                    f"({m.window_s:.1f} s window, {m.wall_s:.1f} s in all)")
+            else:
+                say(f"{_clock(started)} {cand.label}: {m.status}: {m.reason}")
+    for m in measurements:
+        simulate_link(m, bw)
+    result.recommendation = recommend(measurements, straggler=strag is not None)
+    result.target_loss = set_speeds([m for m in measurements if m.ok])
+    _predict(result, link_speeds, scale)
+    if out_dir:
+        result.files = write_outputs(result, out_dir)
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+#: what the windows import in the workers: imported once, up front, by every process (seconds each
+#: on a loaded machine, which would otherwise land in the first window of each process)
+WORKER_MODULES = ("partrain.train.loop", "torch.nn.parallel", "partrain.strategies.allreduce",
+                  "partrain.strategies.local_sgd", "partrain.strategies.hogwild",
+                  "partrain.strategies.parameter_server", "partrain.strategies.pipeline", "partrain.compare.probe",
+                  "tqdm")
+
+
+def warm_up(strategy: Any, data: Any) -> None:
+    """Start the pool's processes, import what every window needs, and load the data once."""
+    import importlib
+
+    for name in WORKER_MODULES:
+        importlib.import_module(name)
+    from ..train.loop import resolve_data
+
+    resolve_data(data)
+    # every rank connected before any returns: under heavy load a rank that returns at once can close
+    # the job while a peer is still connecting its process group (gloo's connectFullMesh fails then)
+    strategy.barrier()
+
+
+def _clock(started: float) -> str:
+    return f"[{time.perf_counter() - started:5.1f} s]"
+
+
+def applicable(labels: Sequence[str] | None, model: nn.Module, workers: int, batch_size: int,
+               device: str | None) -> tuple[list[Candidate], list[Measurement]]:
+    """The candidates to run, and a skipped `Measurement` with its reason for each of the others."""
+    known = {c.label: c for c in CANDIDATES}
+    if labels is not None:
+        unknown = [s for s in labels if s not in known]
+        if unknown or not labels:
+            raise UsageError(f"Expected strategies among {list(known)}. Received: {list(labels)}")
+    wanted = [known[s] for s in labels] if labels is not None else list(CANDIDATES)
+    chosen, skipped = [], []
+    children = len(list(model.children()))
+    for c in wanted:
+        reason = ""
+        if c.workers is None and workers < 2:
+            reason = "needs 2 or more workers (--workers)"
+        elif c.strategy == "hogwild" and device not in (None, "cpu", "auto"):
+            reason = "hogwild shares host memory: CPU only"
+        elif c.strategy == "hogwild" and device == "auto" and torch.cuda.is_available():
+            reason = "hogwild shares host memory: CPU only"
+        elif c.strategy == "pipeline":
+            stages = int(c.options["stages"])
+            if children < stages:
+                reason = (f"the model has {children} top-level children; a pipeline of {stages} stages cuts "
+                          "between them")
+            elif workers % stages:
+                reason = f"{workers} workers do not divide into {stages} stages"
+            elif batch_size < int(c.options["microbatches"]):
+                reason = f"a batch of {batch_size} cannot make {c.options['microbatches']} micro-batches"
+        if reason:
+            skipped.append(Measurement(c.label, c.strategy, dict(c.options), c.workers or workers,
+                                       status="skipped", reason=reason))
+        else:
+            chosen.append(c)
+    order = {"single": 0, "allreduce": 1}
+    chosen.sort(key=lambda c: order.get(c.label, 2))
+    return chosen, skipped
+
+
+def _inspect(job: Job) -> tuple[nn.Module, Any, Any, Any]:
+    """The model (built as worker 0 builds it), the data and the task, checked before anything runs."""
+    from ..train.loop import _task_from, check_model_takes, resolve_data
+
+    for name, fn in (("model_fn", job.model_fn), ("optimizer_fn", job.optimizer_fn)):
+        if not callable(fn):
+            raise UsageError(f"Expected {name} to be callable. Received: {type(fn).__name__}")
+    train_ds, test_ds = resolve_data(job.data)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(job.seed)
+        model = job.model_fn()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"Expected model_fn to return a torch.nn.Module. Received: {type(model).__name__}")
+    task = check_model_takes(model, train_ds, task=_task_from(None, job.loss_fn, None, None, None, "fp32"))
+    return model, train_ds, test_ds, task
+
+
+def _loader(ds: Any, batch_size: int, task: Any) -> DataLoader:
+    from ..train.prepare import collate
+
+    return DataLoader(ds, batch_size=batch_size, shuffle=False, collate_fn=lambda s: collate(s, task.collate_fn))
+
+
+def initial_loss(model: nn.Module, ds: Any, task: Any, limit: int = TEST_SAMPLES) -> float:
+    """The untrained model's mean loss on (up to ``limit`` samples of) ``ds``: each curve's first point."""
+    total, count = 0.0, 0
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in _loader(ds, limit, task):
+            inputs, target = task.split(batch)
+            total += float(task.loss(task.forward(model, inputs), target).double().sum())
+            count += int(target.shape[0]) if isinstance(target, torch.Tensor) else len(target)
+            if count >= limit:
+                break
+    model.train(was)
+    return total / count if count else math.nan
+
+
+def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[..., Any], batch_size: int,
+                threads: int, steps: int = 3) -> float:
+    """Seconds of one training step here, on a copy of the model: the first guess of a window's step."""
+    import copy
+
+    net = copy.deepcopy(model).train()
+    opt = optimizer_fn(net.parameters())
+    batch = next(iter(_loader(ds, batch_size, task)))
+    inputs, target = task.split(batch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for _ in range(steps + 1):
+            t0 = time.perf_counter()
+            task.loss(task.forward(net, inputs), target).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times[1:])
+
+
+def _correction(c: Candidate, n: int, learned: dict[str, float]) -> float:
+    """What the estimate of a window's step is multiplied by: what the same strategy's (else the
+    slowest other's) window measured over its estimate; before any, `FIRST_CORRECTION`. Several
+    processes on few cores, and a pipeline's many small messages, make steps slower than one
+    process's step plus the link's transfer time."""
+    factor = learned.get(c.label, max(learned.values(), default=FIRST_CORRECTION))
+    return factor * (PIPELINE_FACTOR if c.strategy == "pipeline" and c.label not in learned else 1.0)
+
+
+def _estimate_step(c: Candidate, n: int, result: CompareResult, guess: float, model_bytes: int,
+                   straggler: Straggler | None) -> float:
+    """The wall seconds one optimizer step of ``c`` should take (to size its window)."""
+    single = result.measurement("single")
+    step = guess
+    if single is not None and single.ok and single.samples_per_s > 0:
+        step = result.batch_size / single.samples_per_s
+    if straggler is not None and (c.workers or n) > 1:
+        step *= straggler.slowdown  # every worker runs max_steps: the window ends with the slowest
+    if result.link is not None and (c.workers or n) > 1:
+        link = Link(*result.link)
+        if c.strategy == "allreduce":
+            step += allreduce_seconds(n, model_bytes, link)
+        elif c.strategy == "ps":
+            step += ps_seconds(n, model_bytes, link, 1)
+        elif c.strategy == "localsgd":
+            step += allreduce_seconds(n, model_bytes, link) / float(c.options.get("period", 8))
+    return step
+
+
+def _predict(result: CompareResult, links: list[float], scale: Sequence[int]) -> None:
+    """Fit the scaling model's constants from the one-worker window and predict (see `partrain.scaling`)."""
+    single = result.measurement("single")
+    if single is None or not single.ok or not single.samples_per_s > 0:
+        return
+    c = Constants(result.batch_size / single.samples_per_s, result.batch_size, float(result.model_bytes))
+    result.constants = c
+    allreduce = result.measurement("allreduce")
+    if result.link is not None and allreduce is not None and allreduce.ok:
+        link = Link(*result.link)
+        predicted = samples_per_s("allreduce", allreduce.workers, c, link)
+        result.validation = {"workers": float(allreduce.workers), "predicted": predicted,
+                             "measured": allreduce.samples_per_s,
+                             "error": abs(predicted - allreduce.samples_per_s) / allreduce.samples_per_s}
+    kinds = [("allreduce", {}), ("ps", {}), ("localsgd", {"period": 8})]
+    for bandwidth in links:
+        link = Link(bandwidth)
+        for name, options in kinds:
+            for w in scale:
+                x = samples_per_s(name, w, c, link, **options)
+                result.predictions.append(Prediction(name, w, bandwidth, x, x / (w * c.batch / c.step_s)))
+
+
+__all__ = ["CANDIDATES", "CompareResult", "Prediction", "applicable", "compare"]

@@ -1,0 +1,125 @@
+"""The recommendation rule and the what-if link, on hand-made measurements (no process starts).
+
+Start at `test_comm_bound_picks_the_strategy_that_sends_less`: each scenario of issue 16
+(communication-bound, a straggler, compute-bound) as the figures a window would measure,
+and the strategy and the one-line reason the rule must give. The simulated link is checked
+against the ring formula computed by hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from partrain.compare.decide import compare_losses, loss_at, recommend, simulate_link, waiting_share
+from partrain.compare.measure import Measurement
+
+
+def window(label, strategy, rate, data=0.0, compute=1.0, comm=0.0, bytes_per_sample=0.0, workers=2,
+           curve=((0.0, 2.3), (1000.0, 1.0)), **options):
+    m = Measurement(label, strategy, options, workers, samples_per_s=rate, data_s=data, compute_s=compute,
+                    comm_s=comm, bytes_per_sample=bytes_per_sample, bytes_per_step=bytes_per_sample * 32,
+                    curve=list(curve))
+    simulate_link(m, None)
+    return m
+
+
+def test_comm_bound_picks_the_strategy_that_sends_less():
+    allreduce = window("allreduce", "allreduce", 100.0, compute=0.4, comm=0.6, bytes_per_sample=8000.0)
+    localsgd = window("localsgd H=8", "localsgd", 220.0, compute=0.4, comm=0.08, bytes_per_sample=1000.0, period=8,
+                      curve=((0.0, 2.3), (1000.0, 0.95)))
+    rec = recommend([allreduce, localsgd])
+    assert rec.pick == "localsgd H=8"
+    assert rec.why.startswith("comm is 60% of allreduce's step: localsgd H=8 cuts the bytes per sample 8x")
+    assert rec.others["allreduce"].startswith("0.45x the pick's speed: comm and waiting are 60%")
+
+
+def test_a_straggler_picks_an_asynchronous_strategy():
+    # a 3x straggler: allreduce's fast worker waits 2 of every 3 units, the slow one none
+    allreduce = window("allreduce", "allreduce", 67.0, compute=1.0, comm=1.0)
+    ps_sync = window("ps sync", "ps", 60.0, compute=1.0, comm=1.1, staleness=0)
+    hogwild = window("hogwild", "hogwild", 133.0, compute=1.0, comm=0.0, curve=((0.0, 2.3), (1000.0, 1.05)))
+    rec = recommend([allreduce, ps_sync, hogwild], straggler=True)
+    assert rec.pick == "hogwild"
+    assert rec.why.startswith("allreduce waits for the slowest worker at every step (50% of its step)")
+
+
+def test_compute_bound_keeps_allreduce():
+    allreduce = window("allreduce", "allreduce", 100.0, compute=0.97, comm=0.03, bytes_per_sample=100.0)
+    localsgd = window("localsgd H=8", "localsgd", 110.0, compute=0.99, comm=0.004, bytes_per_sample=12.5, period=8)
+    single = window("single", "single", 55.0, workers=1)
+    rec = recommend([single, allreduce, localsgd])
+    assert rec.pick == "allreduce"
+    assert rec.why.startswith("communication and waiting are only 3% of its step")
+    assert rec.others["single"].startswith("0.55x the pick's speed: one process")
+
+
+def test_a_fast_strategy_that_does_not_learn_loses_on_time_to_the_target_loss():
+    # with loss curves the rule ranks by the time to the target loss (the upper median of the
+    # lowest losses: 1.3): allreduce gets there in 7 s (2.0 -> 1.0 over 10 s), hogwild in 10 s
+    allreduce = window("allreduce", "allreduce", 100.0, compute=0.5, comm=0.5, curve=((0.0, 2.0), (1000.0, 1.0)))
+    allreduce.curve_s = [0.0, 10.0]
+    hogwild = window("hogwild", "hogwild", 300.0, curve=((0.0, 2.0), (3000.0, 1.3)))
+    hogwild.curve_s = [0.0, 10.0]
+    rec = recommend([allreduce, hogwild])
+    assert allreduce.time_to_loss == pytest.approx(7.0) and hogwild.time_to_loss == pytest.approx(10.0)
+    assert hogwild.loss_ratio == pytest.approx((2.0 - 0.7 / 3) / 1.0)  # at 1000 samples
+    assert rec.pick == "allreduce"
+    assert rec.others["hogwild"] == ("0.70x the pick's speed: its loss at equal samples is 77% above allreduce's "
+                                     "(stale or local updates cost convergence)")
+
+
+def test_single_wins_when_parallelism_does_not_pay():
+    single = window("single", "single", 500.0, workers=1)
+    allreduce = window("allreduce", "allreduce", 200.0, compute=0.3, comm=0.7)
+    rec = recommend([single, allreduce])
+    assert rec.pick == "single" and "parallelism does not pay" in rec.why
+
+
+def test_skipped_and_failed_windows_say_why_and_nothing_measured_is_no_advice():
+    skipped = Measurement("pipeline", "pipeline", {}, 2, status="skipped", reason="the model has 1 top-level child")
+    allreduce = window("allreduce", "allreduce", 100.0)
+    rec = recommend([allreduce, skipped])
+    assert rec.others["pipeline"] == "skipped: the model has 1 top-level child"
+    assert recommend([skipped]) is None
+
+
+def test_simulated_link_is_the_ring_formula_on_measured_bytes():
+    # 2 workers, 1e6 bytes per step each, 1e7 bytes/s, 1e-3 s latency: 2(n-1)/n S/B + 2(n-1) a = 0.1 + 0.002
+    m = Measurement("allreduce", "allreduce", {}, 2, samples_per_s=64.0, data_s=0.1, compute_s=0.4, comm_s=0.01,
+                    bytes_per_step=1e6)
+    simulate_link(m, 1e7, latency_s=1e-3)
+    assert m.simulated_comm_s == pytest.approx(0.102)
+    assert m.effective_samples_per_s == pytest.approx(64.0 * 0.51 / (0.5 + 0.102))
+    assert waiting_share(m) == pytest.approx(0.102 / 0.602)
+    # local SGD with period 4: a quarter of the latency per step, bytes already per step
+    local = Measurement("localsgd", "localsgd", {"period": 4}, 2, samples_per_s=64.0, data_s=0.0, compute_s=0.5,
+                        comm_s=0.0, bytes_per_step=2.5e5)
+    simulate_link(local, 1e7, latency_s=1e-3)
+    assert local.simulated_comm_s == pytest.approx(0.025 + 0.0005)
+    # one worker, or no what-if: the measured rate stands
+    single = Measurement("single", "single", {}, 1, samples_per_s=50.0, data_s=0.0, compute_s=0.5, comm_s=0.0)
+    simulate_link(single, 1e7)
+    assert single.effective_samples_per_s == 50.0 and single.simulated_comm_s == 0.0
+
+
+def test_loss_at_equal_samples_interpolates_the_curves():
+    curve = [(0.0, 2.0), (100.0, 1.0), (300.0, 0.5)]
+    assert loss_at(curve, 50.0) == 1.5 and loss_at(curve, 200.0) == 0.75
+    assert math.isnan(loss_at(curve, 301.0))
+    ref = window("allreduce", "allreduce", 1.0, curve=[(0.0, 2.0), (200.0, 1.0)])
+    other = window("localsgd H=8", "localsgd", 1.0, curve=[(0.0, 2.0), (100.0, 1.2), (400.0, 0.4)])
+    assert compare_losses([ref, other]) is ref
+    # at 200 samples (the shorter curve's end): 1.2 - 0.8 * 100/300 over 1.0
+    assert other.loss_ratio == pytest.approx(1.2 - 0.8 / 3)
+
+
+def test_allreduce_no_faster_than_one_process_gives_way_to_a_faster_strategy():
+    # the figures of a loaded 2-core machine: two allreduce workers no faster than one process
+    single = window("single", "single", 1243.0, workers=1)
+    allreduce = window("allreduce", "allreduce", 1240.0, compute=0.84, comm=0.16)
+    ps_async = window("ps async", "ps", 1430.0, compute=0.88, comm=0.12, staleness=math.inf)
+    rec = recommend([single, allreduce, ps_async])
+    assert rec.pick == "ps async"
+    assert rec.others["single"].startswith("0.87x the pick's speed")
