@@ -59,6 +59,12 @@ def run_in_process(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Str
             dist.init_process_group(env.backend, store=store, rank=env.rank, world_size=env.world_size,
                                     timeout=datetime.timedelta(seconds=timeout))
             own_group = True
+            if env.backend == "gloo":
+                # gloo connects every pair when the group is made; a rank whose body needs no
+                # collective could return and close its sockets while a peer still connects to
+                # it ("Gloo connectFullMesh failed" under load). Past this barrier every rank's
+                # mesh is up. (NCCL connects at the first collective: nothing to wait for.)
+                dist.barrier()
     try:
         strat.setup(env, store=store, timeout=timeout)
         role = strat.role
