@@ -76,7 +76,7 @@ def _learner_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=float, default=None,
                    help="stop once the mean return of the last 20 episodes reaches this (CartPole-v1: 475)")
     p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
-    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--unroll", type=int, default=16, help="steps per segment")
     p.add_argument("--batch-segments", type=int, default=2, help="segments per update (= per version)")
     p.add_argument("--max-queue", type=int, default=64,

@@ -96,7 +96,7 @@ class Learner:
     def __init__(self, model: nn.Module, algorithm: Algorithm | None = None,
                  optimizer: torch.optim.Optimizer | None = None, *, obs_shape: tuple[int, ...],
                  num_actions: int, unroll: int = 16, batch_segments: int = 2, max_queue: int = 64,
-                 max_lag: int = 50, lr: float = 3e-3, env: str | None = None,
+                 max_lag: int = 50, lr: float = 1e-3, env: str | None = None,
                  checkpoint: str | None = None, checkpoint_every: int = 100, resume: bool = False,
                  window: int = 20, seed: int = 0, model_spec: dict[str, Any] | None = None):
         for name, value in (("unroll", unroll), ("batch_segments", batch_segments), ("max_queue", max_queue),

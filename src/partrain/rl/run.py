@@ -33,7 +33,7 @@ class LearnerConfig:
 
     env: str = "CartPole-v1"
     hidden: int = 64
-    lr: float = 3e-3
+    lr: float = 1e-3
     unroll: int = 16
     batch_segments: int = 2
     max_queue: int = 64

@@ -34,7 +34,7 @@ def mean_recent(returns: deque[float]) -> float:
     return sum(returns) / len(returns) if returns else float("nan")
 
 
-def train_single(env: str = "CartPole-v1", *, num_envs: int = 16, unroll: int = 16, lr: float = 3e-3,
+def train_single(env: str = "CartPole-v1", *, num_envs: int = 16, unroll: int = 16, lr: float = 1e-3,
                  hidden: int = 64, seed: int = 0, max_frames: int = 200_000, target: float | None = 475.0,
                  window: int = 20, algorithm: Algorithm | None = None, timeout: float = 600.0) -> RunResult:
     """Train an `ActorCritic` on ``env`` in this process until the recent mean return reaches ``target``."""
