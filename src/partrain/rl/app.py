@@ -40,6 +40,7 @@ from .wire import CONTENT_TYPE, VERSION_HEADER, decode_segment
 
 POLICY = "policy"  # the OIP model name of central inference
 MAX_SEGMENT_BYTES = 256 * 1024 * 1024
+QUEUE_WAIT = 1.0  # seconds a segment may wait for room in a full experience queue
 
 
 def policy_model(learner: Learner, max_batch_size: int = 256, max_queue: int = 4096) -> ServedModel:
@@ -103,7 +104,8 @@ def create_learner_app(learner: Learner, *, token: str | None = None, max_batch_
             decoder.feed(chunk)
         segment = decode_segment(decoder.finish(), learner.obs_shape, learner.num_actions)
         try:
-            version = learner.offer(segment)
+            # back-pressure: hold the actor up to QUEUE_WAIT s for room before "retry later"
+            version = await asyncio.to_thread(learner.offer, segment, QUEUE_WAIT)
         except TrainingDone as exc:
             return error_response(410, str(exc))
         except StaleWeights as exc:

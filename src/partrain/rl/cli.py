@@ -79,9 +79,9 @@ def _learner_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--unroll", type=int, default=16, help="steps per segment")
     p.add_argument("--batch-segments", type=int, default=2, help="segments per update (= per version)")
-    p.add_argument("--max-queue", type=int, default=64,
+    p.add_argument("--max-queue", type=int, default=8,
                    help="segments that may wait; beyond, actors are told to retry later (503)")
-    p.add_argument("--max-lag", type=int, default=50,
+    p.add_argument("--max-lag", type=int, default=10,
                    help="versions a segment's weights may lag before the actor is told to pull (409)")
     p.add_argument("--hidden", type=int, default=64, help="hidden units of the policy and value MLPs")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and of central sampling")

@@ -95,8 +95,8 @@ class Learner:
 
     def __init__(self, model: nn.Module, algorithm: Algorithm | None = None,
                  optimizer: torch.optim.Optimizer | None = None, *, obs_shape: tuple[int, ...],
-                 num_actions: int, unroll: int = 16, batch_segments: int = 2, max_queue: int = 64,
-                 max_lag: int = 50, lr: float = 1e-3, env: str | None = None,
+                 num_actions: int, unroll: int = 16, batch_segments: int = 2, max_queue: int = 8,
+                 max_lag: int = 10, lr: float = 1e-3, env: str | None = None,
                  checkpoint: str | None = None, checkpoint_every: int = 100, resume: bool = False,
                  window: int = 20, seed: int = 0, model_spec: dict[str, Any] | None = None):
         for name, value in (("unroll", unroll), ("batch_segments", batch_segments), ("max_queue", max_queue),
@@ -162,8 +162,11 @@ class Learner:
 
     # ------------------------------------------------------------------ experience
 
-    def offer(self, segment: Segment) -> int:
-        """Queue one segment for training (never blocks); the current version.
+    def offer(self, segment: Segment, wait: float = 0.0) -> int:
+        """Queue one segment for training, waiting at most ``wait`` s for room; the current version.
+
+        The wait is the actors' back-pressure: a queue that stays short keeps the policy lag
+        short (a segment waits ``max_queue / batch_segments`` updates at most).
 
         Raises `TrainingDone`, `StaleWeights` (acted by weights older than ``max_lag``
         versions) or `ExperienceFull` (the queue holds ``max_queue`` segments).
@@ -184,7 +187,7 @@ class Learner:
                                f"(at most {self.max_lag} behind {version}). Received: version "
                                f"{segment.version}; pull the latest weights")
         try:
-            self._queue.put_nowait(segment)
+            self._queue.put(segment, timeout=wait) if wait > 0 else self._queue.put_nowait(segment)
         except queue.Full:
             self.stats.rejected_full += 1
             raise ExperienceFull(f"Expected room in the experience queue. Received: a segment while "

@@ -36,8 +36,8 @@ class LearnerConfig:
     lr: float = 1e-3
     unroll: int = 16
     batch_segments: int = 2
-    max_queue: int = 64
-    max_lag: int = 50
+    max_queue: int = 8
+    max_lag: int = 10
     gamma: float = 0.99
     entropy_coef: float = 0.0
     seed: int = 0
