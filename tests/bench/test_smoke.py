@@ -29,6 +29,7 @@ GOALS = {
     "engines": {"engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"},
     "pipeline": {"pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"},
     "stream": {"stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"},
+    "rl": {"rl.time_to_475_vs_sb3", "rl.fps_vs_sb3", "rl.policy_lag_p50"},
 }
 # what each toy run must print besides its goals (a line of its main table)
 TABLE_LINE = {
@@ -40,12 +41,16 @@ TABLE_LINE = {
     "engines": "partrain.launch",
     "pipeline": "1f1b m=8",
     "stream": "hand queue",
+    "rl": "partrain 1 local",
 }
 
 
 def _needs(name: str) -> None:
     if name == "serve":  # the serve extra: the server and the load generator
         for module in ("uvicorn", "starlette", "httpx"):
+            pytest.importorskip(module)
+    if name == "rl":  # the rl extra: environments, the learner's server and the actors' client
+        for module in ("gymnasium", "safetensors", "uvicorn", "httpx"):
             pytest.importorskip(module)
 
 

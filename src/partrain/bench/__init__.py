@@ -20,4 +20,5 @@ BENCHMARKS = {
     "engines": "partrain.bench.engines",
     "pipeline": "partrain.bench.pipeline",
     "stream": "partrain.bench.stream",
+    "rl": "partrain.bench.rl",
 }

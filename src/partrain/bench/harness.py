@@ -58,6 +58,7 @@ GOALS: dict[str, tuple[str, ...]] = {
     "engines": ("engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"),
     "pipeline": ("pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"),
     "stream": ("stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"),
+    "rl": ("rl.time_to_475_vs_sb3", "rl.fps_vs_sb3", "rl.policy_lag_p50"),
 }
 
 SMOKE_NOTE = "smoke run: figures are noise"

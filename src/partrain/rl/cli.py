@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -201,6 +202,7 @@ def run_act(args: argparse.Namespace) -> int:
     except (ConnectionError, RuntimeError) as exc:
         raise UsageError(str(exc)) if "HTTP 4" in str(exc) else exc from None
     print(f"partrain rl act: {name}: {stats.frames} frames, {stats.segments} segments, {stats.episodes} "
-          f"episodes, {stats.pulls} weight pulls ({stats.unchanged} unchanged), {stats.dropped} stale",
+          f"episodes, {stats.pulls} weight pulls ({stats.unchanged} unchanged), {stats.dropped} stale"
+          + (f", infer p50 {1000 * statistics.median(stats.infer_seconds):.3f} ms" if stats.infer_seconds else ""),
           flush=True)
     return 0

@@ -80,14 +80,15 @@ def serving(learner: Learner, *, host: str = "127.0.0.1", port: int = 0, token: 
 
 
 def start_actor(url: str, env: str, *, num_envs: int, mode: str, seed: int, token: str | None,
-                name: str) -> subprocess.Popen:
+                name: str, capture: bool = False) -> subprocess.Popen:
     """``python -m partrain rl act URL``: an actor process, as anyone could start one."""
     cmd = [sys.executable, "-m", "partrain", "rl", "act", url, "--env", env, "--num-envs", str(num_envs),
            "--mode", mode, "--seed", str(seed), "--name", name]
     env_vars = dict(os.environ)
     if token:
         env_vars[TOKEN_ENV] = token
-    return subprocess.Popen(cmd, env=env_vars, stdin=subprocess.DEVNULL)
+    out = subprocess.PIPE if capture else None  # capture: the caller reads it once the actor ended
+    return subprocess.Popen(cmd, env=env_vars, stdin=subprocess.DEVNULL, stdout=out, stderr=out, text=True)
 
 
 def stop_actors(procs: list[subprocess.Popen], timeout: float = 10.0) -> list[int | None]:
