@@ -29,7 +29,7 @@ $(VENV)/.base: pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(UV) -e '.[dev,serve,ray]'
+	$(UV) -e '.[dev,serve,ray,rl]'
 	touch $@
 
 run: $(VENV)/.base
