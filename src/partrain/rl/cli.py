@@ -118,7 +118,7 @@ def _config(args: argparse.Namespace) -> Any:
 
 def _train(args: argparse.Namespace, learner: Any, server: Any, prog: str, idle_timeout: float | None) -> int:
     from ..train.metrics import MetricsWriter
-    from .run import check_trained, curve_rows, format_row, summary
+    from .run import curve_rows, format_row, summary
 
     writer = MetricsWriter(args.out, resume=args.resume)
     batcher = server.app.state.batchers["policy"]
@@ -139,7 +139,10 @@ def _train(args: argparse.Namespace, learner: Any, server: Any, prog: str, idle_
         writer.close()
         if learner.stats.segments:
             learner.save(os.path.join(args.out, "checkpoint.pt"))
-    check_trained(learner, lambda: "no actor connected")
+    if learner.stats.segments == 0:  # nothing trained is a failed run, never status 0
+        print(f"{prog}: error: Expected segments from actors. Received: none"
+              + (f" for {idle_timeout:g} s" if learner.stats.idle else ""), file=sys.stderr)
+        return 1
     result = summary(learner)
     result["batch_sizes"] = {str(k): v for k, v in sorted(batcher.stats.batch_sizes.items())}
     solved = result["solved_seconds"]
@@ -199,8 +202,13 @@ def run_act(args: argparse.Namespace) -> int:
         stats = run_actor(args.url, args.env, num_envs=args.num_envs, mode=args.mode,
                           pull_every=args.pull_every, token=args.token, seed=args.seed,
                           max_frames=args.max_frames, name=name, reconnect_timeout=args.reconnect_timeout)
-    except (ConnectionError, RuntimeError) as exc:
-        raise UsageError(str(exc)) if "HTTP 4" in str(exc) else exc from None
+    except ConnectionError as exc:  # no learner (or it stayed away longer than --reconnect-timeout)
+        print(f"partrain rl act: error: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        if "HTTP 4" not in str(exc):  # a 4xx is bad input (token, environment): one line, status 2
+            raise
+        raise UsageError(str(exc)) from None
     print(f"partrain rl act: {name}: {stats.frames} frames, {stats.segments} segments, {stats.episodes} "
           f"episodes, {stats.pulls} weight pulls ({stats.unchanged} unchanged), {stats.dropped} stale"
           + (f", infer p50 {1000 * statistics.median(stats.infer_seconds):.3f} ms" if stats.infer_seconds else ""),

@@ -213,6 +213,14 @@ def run_actor(url: str, env: str | None = None, *, num_envs: int = 8, mode: str 
     if not env_name:
         raise UsageError("Expected --env NAME (the learner names none). Received: no environment")
     runner = EnvRunner(env_name, num_envs, seed=seed)
+    want = (list(actor.info["obs_shape"]), int(actor.info["num_actions"]))
+    got = ([int(runner.obs.shape[1])], int(runner.envs[0].action_space.n))
+    if want != got:
+        runner.close()
+        actor.close()
+        raise UsageError(f"Expected an environment with the learner's observation shape {want[0]} and "
+                         f"{want[1]} actions ({actor.info.get('env')}). Received: {env_name} with {got[0]} "
+                         f"and {got[1]} actions")
     unroll = int(actor.info["unroll"])
     sent = 0
     try:

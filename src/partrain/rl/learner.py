@@ -66,6 +66,7 @@ class LearnerStats:
     started: float = field(default_factory=time.perf_counter)
     solved_at: float | None = None  # seconds from start to the target mean return
     solved_frames: int | None = None
+    idle: bool = False  # train() ended because no segment came for idle_timeout seconds
     last_update: dict[str, float] = field(default_factory=dict)
 
     def mean_return(self) -> float:
@@ -232,7 +233,8 @@ class Learner:
                 if max_frames is not None and st.frames >= max_frames:
                     break
                 if idle_timeout is not None and now - last_segment > idle_timeout:
-                    raise TimeoutError(f"Expected segments from actors. Received: none for {idle_timeout:g} s")
+                    st.idle = True  # no actor for idle_timeout seconds: the run ends, the caller says so
+                    break
                 if now >= next_report:
                     self._record(on_report)
                     next_report = now + report_every

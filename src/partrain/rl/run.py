@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,9 +144,3 @@ def summary(learner: Learner) -> dict[str, Any]:
             "fps": st.frames / seconds if seconds > 0 else 0.0, "mean_return": st.mean_return(),
             "episodes": st.episodes, "solved_seconds": st.solved_at, "solved_frames": st.solved_frames,
             "lag_p50": percentile(st.lags, 50), "lag_p99": percentile(st.lags, 99)}
-
-
-def check_trained(learner: Learner, what: Callable[[], str]) -> None:
-    """A run that trained nothing is an error, never exit 0 (``what`` says why it ended)."""
-    if learner.stats.segments == 0:
-        raise RuntimeError(f"Expected segments from actors. Received: none ({what()})")
