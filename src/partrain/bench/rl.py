@@ -58,7 +58,7 @@ class Size:
     sb3: bool = True  # the toy size (the test suite's) leaves SB3 out: importing it costs seconds of CI
 
 
-FULL = Size(8.0, (1, 2, 4), ("local", "central"), 2, 1, 300_000)
+FULL = Size(5.0, (1, 2, 4), ("local", "central"), 2, 1, 300_000)
 QUICK = Size(3.0, (2,), ("local", "central"), 1, 0, 0)
 TOY = Size(0.5, (1,), ("local",), 1, 0, 0, sb3=False)
 
