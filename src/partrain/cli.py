@@ -35,6 +35,7 @@ SUBCOMMANDS = {
     "population": "partrain.population.cli",
     "serve": "partrain.serve.cli",
     "stream": "partrain.stream.cli",
+    "rl": "partrain.rl.cli",
     "loadtest": "partrain.serve.loadtest_cli",
     "bench": "partrain.bench.cli",
     "compare": "partrain.compare.cli",

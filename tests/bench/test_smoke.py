@@ -31,6 +31,7 @@ GOALS = {
     "stream": {"stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"},
     "data": {"data.overlap_speedup", "data.resident_vs_dataloader", "data.padding_vs_random"},
     "compare": {"compare.regret_max", "compare.prediction_error", "compare.budget_overrun"},
+    "rl": {"rl.time_to_475_vs_sb3", "rl.fps_vs_sb3", "rl.policy_lag_p50"},
 }
 # what each toy run must print besides its goals (a line of its main table)
 TABLE_LINE = {
@@ -44,12 +45,16 @@ TABLE_LINE = {
     "stream": "hand queue",
     "data": "fit data_on_device + compile",
     "compare": "fastest to target",
+    "rl": "partrain 1 local",
 }
 
 
 def _needs(name: str) -> None:
     if name == "serve":  # the serve extra: the server and the load generator
         for module in ("uvicorn", "starlette", "httpx"):
+            pytest.importorskip(module)
+    if name == "rl":  # the rl extra: environments, the learner's server and the actors' client
+        for module in ("gymnasium", "safetensors", "uvicorn", "httpx"):
             pytest.importorskip(module)
 
 

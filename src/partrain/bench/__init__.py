@@ -22,4 +22,5 @@ BENCHMARKS = {
     "stream": "partrain.bench.stream",
     "data": "partrain.bench.data",
     "compare": "partrain.bench.compare",
+    "rl": "partrain.bench.rl",
 }

@@ -60,6 +60,7 @@ GOALS: dict[str, tuple[str, ...]] = {
     "stream": ("stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"),
     "data": ("data.overlap_speedup", "data.resident_vs_dataloader", "data.padding_vs_random"),
     "compare": ("compare.regret_max", "compare.prediction_error", "compare.budget_overrun"),
+    "rl": ("rl.time_to_475_vs_sb3", "rl.fps_vs_sb3", "rl.policy_lag_p50"),
 }
 
 SMOKE_NOTE = "smoke run: figures are noise"

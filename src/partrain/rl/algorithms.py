@@ -1,0 +1,145 @@
+"""Learner algorithms: one update of the model from a batch of trajectory segments.
+
+The runtime (`partrain.rl.Learner`) is algorithm-agnostic. An *algorithm* is any
+object with ``update(model, optimizer, batch) -> dict[str, float]``: it trains the
+model on ``batch`` (see `Batch`) and returns figures worth logging. Each call makes
+one new weights version; what happens inside (one gradient step, several PPO epochs)
+is the algorithm's business.
+
+Vocabulary: a *segment* is ``T`` consecutive steps of ``E`` environments of one actor;
+tensors are time-major (``[T, E, ...]``). ``obs`` has ``T + 1`` rows: the last is the
+observation after the segment, whose value bootstraps the returns. ``logp`` is the
+log-probability of the action taken under the *behaviour* policy (the weights that
+acted), which may lag the learner's: V-trace corrects for that lag.
+
+The model contract: ``model(obs) -> (logits, value)`` with ``logits`` ``[N, A]`` for
+a discrete action space and ``value`` ``[N]``. `ActorCritic` is a small MLP that keeps it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Batch = dict[str, Tensor]
+"""``obs [T+1, E, *obs_shape]``, ``actions [T, E]`` int64, ``logp [T, E]``, ``rewards [T, E]``,
+``dones [T, E]`` (1.0 where the episode ended at that step), ``versions [T, E]`` int64."""
+
+
+class Algorithm(Protocol):
+    """What `Learner` needs of an algorithm: one update per call, figures back."""
+
+    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> dict[str, float]:
+        ...
+
+
+class ActorCritic(nn.Module):
+    """A policy MLP and a value MLP over flat observations: ``forward(obs) -> (logits, value)``.
+
+    Two separate bodies, as stable-baselines3 builds them: with one shared body the
+    value loss (returns of ~100 on CartPole) dwarfs the policy gradient, and gradient
+    clipping then all but stops the policy from learning.
+    """
+
+    def __init__(self, obs_dim: int, num_actions: int, hidden: int = 64):
+        super().__init__()
+        self.obs_dim, self.num_actions, self.hidden = obs_dim, num_actions, hidden
+        self.policy = _mlp(obs_dim, hidden, num_actions, last_gain=0.01)  # a near-uniform first policy
+        self.value = _mlp(obs_dim, hidden, 1, last_gain=1.0)
+
+    def forward(self, obs: Tensor) -> tuple[Tensor, Tensor]:
+        return self.policy(obs), self.value(obs).squeeze(-1)
+
+    def spec(self) -> dict[str, int | str]:
+        """What an actor needs to build the same module (``GET /rl/v1/info``)."""
+        return {"kind": "ActorCritic", "obs_dim": self.obs_dim, "num_actions": self.num_actions,
+                "hidden": self.hidden}
+
+
+def _mlp(inputs: int, hidden: int, outputs: int, last_gain: float) -> nn.Sequential:
+    net = nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                        nn.Linear(hidden, outputs))
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            nn.init.orthogonal_(layer.weight, 2 ** 0.5)
+            nn.init.zeros_(layer.bias)
+    nn.init.orthogonal_(net[-1].weight, last_gain)
+    return net
+
+
+def vtrace(behaviour_logp: Tensor, target_logp: Tensor, rewards: Tensor, values: Tensor,
+           bootstrap: Tensor, discounts: Tensor, rho_bar: float = 1.0, c_bar: float = 1.0,
+           ) -> tuple[Tensor, Tensor]:
+    """V-trace targets ``vs`` and policy-gradient advantages (Espeholt et al. 2018, eq. 1 and 4).
+
+    All inputs ``[T, E]`` except ``bootstrap`` (``[E]``, the value after the last step);
+    ``discounts`` is ``gamma * (1 - done)``. With ``rho_t = min(rho_bar, pi/mu)`` and
+    ``c_t = min(c_bar, pi/mu)``::
+
+        delta_t = rho_t (r_t + discount_t V(x_{t+1}) - V(x_t))
+        vs_t    = V(x_t) + delta_t + discount_t c_t (vs_{t+1} - V(x_{t+1}))
+        adv_t   = rho_t (r_t + discount_t vs_{t+1} - V(x_t))
+
+    No gradient flows through the result.
+    """
+    with torch.no_grad():
+        ratio = torch.exp(target_logp - behaviour_logp)
+        rho = ratio.clamp(max=rho_bar)
+        c = ratio.clamp(max=c_bar)
+        next_values = torch.cat([values[1:], bootstrap.unsqueeze(0)], dim=0)
+        deltas = rho * (rewards + discounts * next_values - values)
+        acc = torch.zeros_like(bootstrap)
+        corrections = []
+        for t in range(values.shape[0] - 1, -1, -1):  # vs_t - V(x_t), backwards in time
+            acc = deltas[t] + discounts[t] * c[t] * acc
+            corrections.append(acc)
+        vs = values + torch.stack(corrections[::-1])
+        next_vs = torch.cat([vs[1:], bootstrap.unsqueeze(0)], dim=0)
+        advantages = rho * (rewards + discounts * next_vs - values)
+    return vs, advantages
+
+
+@dataclass
+class VTrace:
+    """IMPALA's actor-critic with V-trace off-policy corrections: one gradient step per update.
+
+    Tolerates policy lag: segments acted by older weights are reweighted by the
+    truncated importance ratios ``rho``/``c`` instead of being thrown away.
+    """
+
+    gamma: float = 0.99
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    rho_bar: float = 1.0
+    c_bar: float = 1.0
+    max_grad_norm: float = 0.5
+    normalize_advantages: bool = True  # per batch: the step size stops depending on the return's scale
+
+    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> dict[str, float]:
+        """One gradient step of the V-trace actor-critic loss on ``batch``."""
+        obs = batch["obs"]
+        steps, envs = batch["actions"].shape
+        logits, values = model(obs.reshape(-1, *obs.shape[2:]))
+        logits = logits.reshape(steps + 1, envs, -1)[:-1]
+        values = values.reshape(steps + 1, envs)
+        log_probs = F.log_softmax(logits, dim=-1)
+        target_logp = log_probs.gather(-1, batch["actions"].unsqueeze(-1)).squeeze(-1)
+        discounts = self.gamma * (1.0 - batch["dones"])
+        vs, advantages = vtrace(batch["logp"], target_logp.detach(), batch["rewards"], values[:-1].detach(),
+                                values[-1].detach(), discounts, self.rho_bar, self.c_bar)
+        if self.normalize_advantages and advantages.numel() > 1:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        pg_loss = -(target_logp * advantages).mean()
+        value_loss = 0.5 * (vs - values[:-1]).pow(2).mean()
+        entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
+        loss = pg_loss + self.value_coef * value_loss - self.entropy_coef * entropy
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
+        optimizer.step()
+        return {"loss": loss.item(), "pg_loss": pg_loss.item(), "value_loss": value_loss.item(),
+                "entropy": entropy.item(), "grad_norm": grad_norm.item()}

@@ -1,0 +1,240 @@
+"""The actor side: `connect(URL)` from any process, then act, send segments, pull weights.
+
+Two modes, chosen per actor:
+
+- ``"local"``: the actor keeps a copy of the policy and runs it itself. `Actor.pull`
+  asks for the weights with ``If-None-Match: "V"`` (its version): an unchanged version
+  costs one empty 304 answer, a new one its safetensors bytes, so each version is
+  downloaded at most once. `run_actor` pulls every ``pull_every`` segments.
+- ``"central"``: the actor sends observations to the learner's Open Inference Protocol
+  endpoint and gets actions back; the learner batches every actor's requests.
+
+Every wait is bounded. A learner that is restarting (connection refused) is retried
+until ``reconnect_timeout``; a full experience queue (503) is retried after its
+``Retry-After``; a segment refused as too stale (409) is dropped and the weights are
+pulled at once; a learner that finished training (410) ends `run_actor` normally.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UsageError
+from ..serve.protocol import HEADER, decode_infer_response, encode_request
+from .algorithms import ActorCritic
+from .envs import EnvRunner, sample_actions
+from .wire import CONTENT_TYPE, decode_weights, encode_segment
+
+MODES = ("local", "central")
+
+
+class LearnerDone(RuntimeError):
+    """The learner answered 410: training ended, no more segments are wanted."""
+
+
+@dataclass
+class ActorStats:
+    """What one actor did: frames, segments sent, pulls, stale notices, retries, inference latency."""
+
+    frames: int = 0
+    segments: int = 0
+    dropped: int = 0  # segments refused as stale
+    pulls: int = 0  # weights downloads (200 answers)
+    unchanged: int = 0  # conditional pulls answered 304
+    pulled_versions: list[int] = field(default_factory=list)
+    retries: int = 0
+    episodes: int = 0
+    infer_seconds: list[float] = field(default_factory=list)  # central mode: per request
+
+
+class Actor:
+    """A connection to a learner (see `connect`)."""
+
+    def __init__(self, url: str, *, token: str | None = None, mode: str = "local",
+                 model: nn.Module | None = None, name: str = "", reconnect_timeout: float = 60.0,
+                 request_timeout: float = 30.0, seed: int = 0):
+        import httpx
+
+        if mode not in MODES:
+            raise UsageError(f"Expected mode 'local' or 'central'. Received: {mode!r}")
+        self.url = url.rstrip("/")
+        self.mode = mode
+        self.name = name
+        self.reconnect_timeout = reconnect_timeout
+        self.stats = ActorStats()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=request_timeout)
+        self._generator = torch.Generator().manual_seed(seed)
+        self.info = self._request("GET", "/rl/v1/info").json()
+        self.version = -1
+        self.model: nn.Module | None = None
+        if mode == "local":
+            self.model = model if model is not None else _build(self.info.get("model"))
+            self.model.eval()
+            self.pull()
+
+    # ------------------------------------------------------------------ HTTP with bounded retries
+
+    def _request(self, method: str, path: str, **kw: Any) -> Any:
+        """One request; connection failures retried until ``reconnect_timeout``; 401/400 raise."""
+        import httpx
+
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.05
+        while True:
+            try:
+                response = self._http.request(method, path, **kw)
+            except httpx.TransportError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise ConnectionError(f"Expected a learner at {self.url}. Received: no answer for "
+                                          f"{self.reconnect_timeout:g} s ({type(exc).__name__})") from None
+                self.stats.retries += 1
+                time.sleep(delay)  # a bounded back-off between attempts, not a synchronisation
+                delay = min(1.0, delay * 2)
+                continue
+            status = response.status_code
+            if status == 503 and time.monotonic() < deadline:  # queue full: retry later, as told
+                self.stats.retries += 1
+                time.sleep(min(float(response.headers.get("retry-after", "1")), 1.0) * 0.1)
+                continue
+            if status == 410:
+                raise LearnerDone(_error_text(response))
+            if status >= 400 and status != 409:  # 409 (stale) is the caller's to handle
+                raise RuntimeError(f"{method} {path}: HTTP {status}: {_error_text(response)}")
+            return response
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Actor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ weights
+
+    def pull(self) -> bool:
+        """Fetch the weights if their version changed (one conditional request); True if new."""
+        assert self.model is not None, "pull() is for local-inference actors"
+        response = self._request("GET", "/rl/v1/weights", headers={"If-None-Match": f'"{self.version}"'})
+        if response.status_code == 304:
+            self.stats.unchanged += 1
+            return False
+        state, version = decode_weights(response.content)
+        self.model.load_state_dict(state)
+        self.version = version
+        self.stats.pulls += 1
+        self.stats.pulled_versions.append(version)
+        return True
+
+    # ------------------------------------------------------------------ acting
+
+    def act(self, obs: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Actions for a batch of observations: ``(actions, logp, version)``."""
+        if self.model is not None:
+            with torch.inference_mode():
+                logits, _ = self.model(obs)
+            actions, logp = sample_actions(logits, self._generator)
+            return actions, logp, self.version
+        body, headers = encode_request({"obs": obs.float()}, binary=True, binary_output=True,
+                                       outputs=["action", "logp", "version"])
+        t0 = time.perf_counter()
+        response = self._request("POST", f"/v2/models/{self.info['policy_model']}/infer", content=body,
+                                 headers=headers)
+        self.stats.infer_seconds.append(time.perf_counter() - t0)
+        out = decode_infer_response(response.content, response.headers.get(HEADER)).outputs
+        version = int(out["version"].min())
+        self.version = version
+        return out["action"], out["logp"], version
+
+    # ------------------------------------------------------------------ experience
+
+    def send(self, segment: dict[str, Tensor], episode_returns: list[float]) -> bool:
+        """Send one segment; False when the learner refused it as too stale (weights pulled then)."""
+        response = self._request("POST", "/rl/v1/segments", content=encode_segment(segment, episode_returns,
+                                                                                  self.name),
+                                 headers={"Content-Type": CONTENT_TYPE})
+        if response.status_code == 409:  # our weights are too old: this segment is lost, catch up
+            self.stats.dropped += 1
+            if self.model is not None:
+                self.pull()
+            return False
+        self.stats.segments += 1
+        self.stats.frames += int(segment["actions"].numel())
+        self.stats.episodes += len(episode_returns)
+        return True
+
+
+def _error_text(response: Any) -> str:
+    try:
+        return str(response.json().get("error", response.text))
+    except ValueError:
+        return response.text[:200]
+
+
+def _build(spec: dict[str, Any] | None) -> nn.Module:
+    if not spec or spec.get("kind") != "ActorCritic":
+        raise UsageError(f"Expected the learner's model spec of kind 'ActorCritic', or a model passed to "
+                         f"connect(model=...). Received: {spec!r}")
+    return ActorCritic(int(spec["obs_dim"]), int(spec["num_actions"]), int(spec["hidden"]))
+
+
+def connect(url: str, *, token: str | None = None, mode: str = "local", model: nn.Module | None = None,
+            name: str = "", reconnect_timeout: float = 60.0, seed: int = 0) -> Actor:
+    """Connect to the learner at ``url`` from any process; see `Actor`.
+
+    ``mode``: ``"local"`` (keep a copy of the policy; ``model`` builds it when the
+    learner's model is not an `ActorCritic`) or ``"central"`` (the learner acts).
+    """
+    return Actor(url, token=token, mode=mode, model=model, name=name, reconnect_timeout=reconnect_timeout,
+                 seed=seed)
+
+
+def run_actor(url: str, env: str | None = None, *, num_envs: int = 8, mode: str = "local", pull_every: int = 1,
+              token: str | None = None, seed: int = 0, max_frames: int | None = None, name: str = "",
+              reconnect_timeout: float = 60.0, on_segment: Callable[[Actor], None] | None = None) -> ActorStats:
+    """Act on ``num_envs`` copies of ``env`` (default: the learner's) until the learner finishes.
+
+    Each segment (the learner's ``unroll`` steps) is sent with the version that acted;
+    local-inference actors pull new weights every ``pull_every`` segments.
+    """
+    if pull_every < 1:
+        raise UsageError(f"Expected pull_every >= 1. Received: pull_every={pull_every}")
+    torch.set_num_threads(1)  # a tiny policy: one thread, so that actors do not fight over cores
+    actor = connect(url, token=token, mode=mode, name=name, reconnect_timeout=reconnect_timeout, seed=seed)
+    env_name = env or actor.info.get("env")
+    if not env_name:
+        raise UsageError("Expected --env NAME (the learner names none). Received: no environment")
+    runner = EnvRunner(env_name, num_envs, seed=seed)
+    want = (list(actor.info["obs_shape"]), int(actor.info["num_actions"]))
+    got = ([int(runner.obs.shape[1])], int(runner.envs[0].action_space.n))
+    if want != got:
+        runner.close()
+        actor.close()
+        raise UsageError(f"Expected an environment with the learner's observation shape {want[0]} and "
+                         f"{want[1]} actions ({actor.info.get('env')}). Received: {env_name} with {got[0]} "
+                         f"and {got[1]} actions")
+    unroll = int(actor.info["unroll"])
+    sent = 0
+    try:
+        while max_frames is None or actor.stats.frames < max_frames:
+            segment, finished = runner.rollout(actor.act, unroll)
+            actor.send(segment, finished)
+            sent += 1
+            if actor.model is not None and sent % pull_every == 0:
+                actor.pull()
+            if on_segment is not None:
+                on_segment(actor)
+    except LearnerDone:
+        pass
+    finally:
+        runner.close()
+        actor.close()
+    return actor.stats

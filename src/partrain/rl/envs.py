@@ -1,0 +1,114 @@
+"""Stepping environments into trajectory segments: the one loop every actor runs.
+
+`EnvRunner` holds ``E`` gymnasium environments and their current observations;
+``rollout(act, T)`` steps all of them ``T`` times with actions chosen by ``act``
+(local weights, a central inference server, or the learner's own model in the
+single-process loop) and returns a segment (see `partrain.rl.algorithms.Batch`)
+plus the returns of the episodes that ended in it. Environments reset themselves
+when an episode ends; the segment's ``dones`` marks where.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import UsageError
+
+ActFn = Callable[[Tensor], tuple[Tensor, Tensor, int]]
+"""``act(obs [E, *obs_shape] float32) -> (actions [E] int64, logp [E] float32, version)``."""
+
+
+def make_env(name: str, seed: int | None = None) -> Any:
+    """``gymnasium.make(name)``, with one clear line when gymnasium or the name is missing."""
+    try:
+        import gymnasium
+    except ImportError:
+        raise UsageError("Expected gymnasium for RL environments (pip install 'partrain[rl]'). "
+                         "Received: no module named 'gymnasium'") from None
+    try:
+        env = gymnasium.make(name)
+    except gymnasium.error.Error as exc:
+        raise UsageError(f"Expected a gymnasium environment id such as CartPole-v1. Received: {name!r} "
+                         f"({type(exc).__name__}: {exc})") from None
+    if not hasattr(env.action_space, "n"):
+        raise UsageError(f"Expected an environment with discrete actions. Received: {name!r} with "
+                         f"action space {env.action_space}")
+    env.reset(seed=seed)
+    env.action_space.seed(seed)
+    return env
+
+
+def env_spec(name: str) -> tuple[int, int]:
+    """``(obs_dim, num_actions)`` of environment ``name`` (flat observations)."""
+    env = make_env(name)
+    try:
+        return int(np.prod(env.observation_space.shape)), int(env.action_space.n)
+    finally:
+        env.close()
+
+
+class EnvRunner:
+    """``num_envs`` copies of one environment, stepped in lock-step into segments."""
+
+    def __init__(self, name: str, num_envs: int, seed: int = 0):
+        if num_envs < 1:
+            raise UsageError(f"Expected num_envs >= 1. Received: num_envs={num_envs}")
+        self.envs = [make_env(name) for _ in range(num_envs)]
+        first = [env.reset(seed=seed + i)[0] for i, env in enumerate(self.envs)]
+        self.obs = torch.as_tensor(np.stack(first), dtype=torch.float32).reshape(num_envs, -1)
+        self.returns = np.zeros(num_envs)
+        self.frames = 0
+
+    def rollout(self, act: ActFn, steps: int) -> tuple[dict[str, Tensor], list[float]]:
+        """``steps`` steps of every environment; the segment and the returns of finished episodes."""
+        num_envs = len(self.envs)
+        obs = torch.empty(steps + 1, *self.obs.shape)
+        actions = torch.empty(steps, num_envs, dtype=torch.int64)
+        logp = torch.empty(steps, num_envs)
+        rewards = torch.empty(steps, num_envs)
+        dones = torch.empty(steps, num_envs)
+        versions = torch.empty(steps, num_envs, dtype=torch.int64)
+        finished: list[float] = []
+        for t in range(steps):
+            obs[t] = self.obs
+            a, lp, version = act(self.obs)
+            actions[t], logp[t], versions[t] = a, lp, version
+            nxt = []
+            for i, env in enumerate(self.envs):
+                o, r, terminated, truncated, _ = env.step(int(a[i]))
+                self.returns[i] += r
+                rewards[t, i] = float(r)
+                # A time limit (truncated) is not an end: the return goes on from the next
+                # episode's first state, whose value stands in for the cut-off state's (both are
+                # ~1 / (1 - gamma) for a policy good enough to reach the limit). Marking it an end
+                # would teach the value that identical states are worth 0 near the limit, and
+                # destabilises a policy that already reaches it.
+                done = terminated
+                dones[t, i] = float(done)
+                if terminated or truncated:
+                    finished.append(float(self.returns[i]))
+                    self.returns[i] = 0.0
+                    o, _ = env.reset()
+                nxt.append(o)
+            self.obs = torch.as_tensor(np.stack(nxt), dtype=torch.float32).reshape(num_envs, -1)
+        obs[steps] = self.obs
+        self.frames += steps * num_envs
+        segment = {"obs": obs, "actions": actions, "logp": logp, "rewards": rewards, "dones": dones,
+                   "versions": versions}
+        return segment, finished
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+def sample_actions(logits: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Actions drawn from ``softmax(logits)`` and their log-probabilities."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    actions = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+    return actions, log_probs.gather(-1, actions.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,325 @@
+"""The learner: holds the model, trains on incoming segments, publishes every update as a version.
+
+Threads of a learner process and what each owns:
+
+- the *training* thread (whoever calls `Learner.train`): takes segments off the
+  bounded experience queue, runs ``algorithm.update`` on ``model``, publishes;
+- the HTTP server (`partrain.rl.app`, uvicorn on its own event-loop thread) and the
+  central-inference `Batcher`'s worker thread: they read the *acting* copy of the
+  model, never ``model`` itself, so an update in progress is never seen half-done.
+
+`publish` copies ``model``'s weights into the acting copy and increments the version
+under one lock: an answer and its version always agree. Weights are serialised for
+local-inference actors lazily, once per version, when the first actor asks.
+
+Versions are monotonic, across restarts too: a checkpoint is written every
+``checkpoint_every`` versions, so a run that crashed had reached fewer than
+``checkpoint_every`` versions past its last checkpoint; the resumed run starts at
+that checkpoint's version plus ``checkpoint_every``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UsageError
+from ..train.checkpoint import load_checkpoint, save_checkpoint
+from .algorithms import Algorithm, VTrace
+from .envs import sample_actions
+from .wire import Segment, encode_weights, stack_segments
+
+
+class ExperienceFull(RuntimeError):
+    """The experience queue is full: the actor should retry later (HTTP 503 + Retry-After)."""
+
+
+class StaleWeights(RuntimeError):
+    """A segment acted by weights older than ``max_lag`` versions (HTTP 409: pull new weights)."""
+
+
+class TrainingDone(RuntimeError):
+    """The learner has stopped training and accepts no more segments (HTTP 410)."""
+
+
+@dataclass
+class LearnerStats:
+    """Running figures of one learner (``GET /rl/v1/stats``)."""
+
+    frames: int = 0  # environment frames in accepted segments
+    segments: int = 0
+    rejected_full: int = 0
+    rejected_stale: int = 0
+    episodes: int = 0
+    returns: deque[float] = field(default_factory=lambda: deque(maxlen=20))
+    lags: list[int] = field(default_factory=list)  # learner version - segment version, per segment trained
+    started: float = field(default_factory=time.perf_counter)
+    solved_at: float | None = None  # seconds from start to the target mean return
+    solved_frames: int | None = None
+    idle: bool = False  # train() ended because no segment came for idle_timeout seconds
+    last_update: dict[str, float] = field(default_factory=dict)
+
+    def mean_return(self) -> float:
+        return sum(self.returns) / len(self.returns) if self.returns else math.nan
+
+
+def percentile(values: list[int] | list[float], q: float) -> float:
+    """The ``q``-th percentile (nearest rank) of ``values``; nan when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
+    return float(ordered[rank])
+
+
+class Learner:
+    """Trains ``model`` with ``algorithm`` on segments sent by actors; serves weights and actions.
+
+    ``model(obs) -> (logits, value)`` (see `partrain.rl.algorithms`). ``unroll``: the
+    segment length every actor must send; ``batch_segments``: segments per update;
+    ``max_queue``: segments that may wait before actors are told to retry later;
+    ``max_lag``: how many versions old a segment's weights may be before the actor is
+    told to pull new ones. ``checkpoint``: a path written every ``checkpoint_every``
+    versions and read back with ``resume=True``. ``model_spec``: what actors need to build
+    the model for local inference (`ActorCritic.spec` when the model has one).
+    """
+
+    def __init__(self, model: nn.Module, algorithm: Algorithm | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, *, obs_shape: tuple[int, ...],
+                 num_actions: int, unroll: int = 16, batch_segments: int = 2, max_queue: int = 8,
+                 max_lag: int = 10, lr: float = 1e-3, env: str | None = None,
+                 checkpoint: str | None = None, checkpoint_every: int = 100, resume: bool = False,
+                 window: int = 20, seed: int = 0, model_spec: dict[str, Any] | None = None):
+        for name, value in (("unroll", unroll), ("batch_segments", batch_segments), ("max_queue", max_queue),
+                            ("max_lag", max_lag), ("checkpoint_every", checkpoint_every), ("window", window)):
+            if not isinstance(value, int) or value < 1:
+                raise UsageError(f"Expected {name} >= 1. Received: {name}={value!r}")
+        self.model = model
+        self.algorithm: Algorithm = algorithm if algorithm is not None else VTrace()
+        self.optimizer = optimizer if optimizer is not None else torch.optim.Adam(model.parameters(), lr=lr)
+        self.obs_shape = tuple(int(d) for d in obs_shape)
+        self.num_actions = int(num_actions)
+        self.unroll, self.batch_segments, self.max_lag = unroll, batch_segments, max_lag
+        self.env = env
+        self.checkpoint, self.checkpoint_every = checkpoint, checkpoint_every
+        spec = getattr(model, "spec", None)
+        self.model_spec = model_spec if model_spec is not None else (spec() if callable(spec) else None)
+        self.stats = LearnerStats(returns=deque(maxlen=window))
+        self.history: list[dict[str, Any]] = []
+        self.version = 0
+        self.finished = False
+        self.acting = copy.deepcopy(model).eval()
+        for p in self.acting.parameters():
+            p.requires_grad_(False)
+        self._lock = threading.Lock()  # acting copy, version and the weights cache change together
+        self._weights: tuple[int, bytes] | None = None
+        self._queue: queue.Queue[Segment] = queue.Queue(maxsize=max_queue)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._stop = threading.Event()
+        self._seen: dict[str, float] = {}  # actor name -> when its last segment arrived
+        self._told: set[str] = set()  # actors answered "training ended"
+        if resume:
+            if checkpoint is None:
+                raise UsageError("Expected a checkpoint path with resume=True. Received: checkpoint=None")
+            self._resume(checkpoint)
+        self.publish(increment=False)
+
+    # ------------------------------------------------------------------ versions and weights
+
+    def publish(self, increment: bool = True) -> int:
+        """Copy the trained weights into the acting copy as the next version; return it."""
+        with self._lock, torch.no_grad():
+            for dst, src in zip(self.acting.state_dict().values(), self.model.state_dict().values()):
+                dst.copy_(src)
+            if increment:
+                self.version += 1
+            self._weights = None
+            return self.version
+
+    def weights(self) -> tuple[int, bytes]:
+        """``(version, safetensors bytes)`` of the acting weights; serialised once per version."""
+        with self._lock:
+            if self._weights is None or self._weights[0] != self.version:
+                self._weights = (self.version, encode_weights(self.acting.state_dict(), self.version))
+            return self._weights
+
+    def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Central inference on a batch: ``(actions, logp, logits, value, version)`` row by row."""
+        with self._lock:
+            logits, value = self.acting(obs)
+            version = self.version
+        actions, logp = sample_actions(logits, self._generator)
+        return actions, logp, logits, value, torch.full_like(actions, version)
+
+    # ------------------------------------------------------------------ experience
+
+    def offer(self, segment: Segment, wait: float = 0.0) -> int:
+        """Queue one segment for training, waiting at most ``wait`` s for room; the current version.
+
+        The wait is the actors' back-pressure: a queue that stays short keeps the policy lag
+        short (a segment waits ``max_queue / batch_segments`` updates at most).
+
+        Raises `TrainingDone`, `StaleWeights` (acted by weights older than ``max_lag``
+        versions) or `ExperienceFull` (the queue holds ``max_queue`` segments).
+        """
+        now = time.monotonic()
+        self._seen[segment.actor] = now
+        if self.finished:
+            self._told.add(segment.actor)
+            raise TrainingDone("Expected a learner that is training. Received: a segment after training ended")
+        steps = int(segment.tensors["actions"].shape[0])
+        if steps != self.unroll:
+            raise ValueError(f"Expected segments of {self.unroll} steps (the learner's unroll). "
+                             f"Received: {steps} steps")
+        version = self.version
+        if segment.version < version - self.max_lag:
+            self.stats.rejected_stale += 1
+            raise StaleWeights(f"Expected a segment acted by weights version >= {version - self.max_lag} "
+                               f"(at most {self.max_lag} behind {version}). Received: version "
+                               f"{segment.version}; pull the latest weights")
+        try:
+            self._queue.put(segment, timeout=wait) if wait > 0 else self._queue.put_nowait(segment)
+        except queue.Full:
+            self.stats.rejected_full += 1
+            raise ExperienceFull(f"Expected room in the experience queue. Received: a segment while "
+                                 f"{self._queue.maxsize} wait; retry later") from None
+        return version
+
+    def actors_still_sending(self, within: float = 3.0) -> bool:
+        """True while an actor that sent a segment in the last ``within`` s was not told training ended."""
+        now = time.monotonic()
+        return any(now - t < within and name not in self._told for name, t in list(self._seen.items()))
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    # ------------------------------------------------------------------ training
+
+    def stop(self) -> None:
+        """Ask `train` to return after the update in progress."""
+        self._stop.set()
+
+    def train(self, *, max_frames: int | None = None, target: float | None = None,
+              timeout: float | None = None, idle_timeout: float | None = None,
+              on_report: Callable[[dict[str, Any]], None] | None = None,
+              report_every: float = 2.0) -> LearnerStats:
+        """Train until ``max_frames`` frames, the recent mean return reaches ``target``, ``timeout``
+        seconds, ``stop()``, or ``idle_timeout`` seconds without a segment (all optional).
+
+        ``on_report(row)`` gets a row of figures every ``report_every`` seconds and at the end.
+        """
+        st = self.stats
+        st.started = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last_segment = time.monotonic()
+        next_report = time.monotonic() + report_every
+        pending: list[Segment] = []
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    break
+                if max_frames is not None and st.frames >= max_frames:
+                    break
+                if idle_timeout is not None and now - last_segment > idle_timeout:
+                    st.idle = True  # no actor for idle_timeout seconds: the run ends, the caller says so
+                    break
+                if now >= next_report:
+                    self._record(on_report)
+                    next_report = now + report_every
+                try:
+                    segment = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                last_segment = time.monotonic()
+                pending.append(segment)
+                st.frames += segment.frames
+                st.segments += 1
+                for r in segment.episode_returns:
+                    st.returns.append(r)
+                    st.episodes += 1
+                if len(pending) < self.batch_segments:
+                    continue
+                self._update(pending)
+                pending = []
+                if (target is not None and st.solved_at is None and len(st.returns) == st.returns.maxlen
+                        and st.mean_return() >= target):
+                    st.solved_at = time.perf_counter() - st.started
+                    st.solved_frames = st.frames
+                    break
+        finally:
+            self.finished = True
+            self._record(on_report)
+        return st
+
+    def _update(self, segments: list[Segment]) -> None:
+        for s in segments:
+            self.stats.lags.append(self.version - s.version)
+        batch = stack_segments(segments)
+        self.model.train()
+        self.stats.last_update = self.algorithm.update(self.model, self.optimizer, batch)
+        version = self.publish()
+        if self.checkpoint is not None and version % self.checkpoint_every == 0:
+            self.save(self.checkpoint)
+
+    def report(self) -> dict[str, Any]:
+        """One row of figures: frames, frames/s, return, policy lag, queue, last update's losses."""
+        st = self.stats
+        seconds = time.perf_counter() - st.started
+        lags = st.lags[-1000:]
+        row: dict[str, Any] = {
+            "version": self.version, "seconds": round(seconds, 3), "frames": st.frames,
+            "fps": st.frames / seconds if seconds > 0 else 0.0, "episodes": st.episodes,
+            "mean_return": st.mean_return(), "lag_p50": percentile(lags, 50), "lag_p99": percentile(lags, 99),
+            "queue": self.queue_depth, "rejected_full": st.rejected_full, "rejected_stale": st.rejected_stale,
+        }
+        row.update(st.last_update)
+        return row
+
+    def _record(self, on_report: Callable[[dict[str, Any]], None] | None) -> None:
+        row = self.report()
+        self.history.append(row)
+        if on_report is not None:
+            on_report(row)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, path: str) -> None:
+        """An atomic checkpoint of the model, optimizer and version (read with weights_only=True)."""
+        save_checkpoint(path, {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "model_spec": self.model_spec, "step": self.version,
+            "config": {"checkpoint_every": self.checkpoint_every, "env": self.env},
+            "rl": {"version": self.version, "frames": self.stats.frames, "episodes": self.stats.episodes,
+                   "returns": list(self.stats.returns)},
+        })
+
+    def _resume(self, path: str) -> None:
+        state = load_checkpoint(path)
+        if "rl" not in state:
+            raise UsageError(f"Expected a checkpoint written by partrain.rl.Learner. Received: {path!r} "
+                             f"without an 'rl' entry")
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise UsageError(f"Expected a checkpoint of this model. Received: {path!r} "
+                             f"({str(exc).splitlines()[0]})") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        rl = state["rl"]
+        every = int(state.get("config", {}).get("checkpoint_every", self.checkpoint_every))
+        # the crashed run reached fewer than `every` versions past this checkpoint
+        self.version = int(rl["version"]) + every
+        self.stats.frames = int(rl["frames"])
+        self.stats.episodes = int(rl["episodes"])
+        self.stats.returns.extend(float(r) for r in rl["returns"])

@@ -1,0 +1,146 @@
+"""A learner process on a gymnasium environment: build, serve, train, report, linger, stop.
+
+What ``partrain rl serve`` and ``partrain rl train`` share. ``rl train`` also starts
+``--actors`` processes with `subprocess` running ``partrain rl act URL``: each
+connects by URL exactly as an outside process would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .algorithms import ActorCritic, VTrace
+from .app import LearnerServer
+from .envs import env_spec
+from .learner import Learner, percentile
+
+TOKEN_ENV = "PARTRAIN_RL_TOKEN"
+
+
+@dataclass
+class LearnerConfig:
+    """Settings of one learner on a gymnasium environment (the CLI's options)."""
+
+    env: str = "CartPole-v1"
+    hidden: int = 64
+    lr: float = 1e-3
+    unroll: int = 16
+    batch_segments: int = 2
+    max_queue: int = 8
+    max_lag: int = 10
+    gamma: float = 0.99
+    entropy_coef: float = 0.0
+    seed: int = 0
+    checkpoint: str | None = None
+    checkpoint_every: int = 100
+    resume: bool = False
+    max_batch_size: int = 256
+    threads: int = 1
+
+
+def build_learner(cfg: LearnerConfig) -> Learner:
+    # a small policy: one torch thread. More would spin-wait against the actors for the cores
+    # (OpenMP's busy-waiting under oversubscription made updates 100x slower on 2 cores).
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    obs_dim, num_actions = env_spec(cfg.env)
+    model = ActorCritic(obs_dim, num_actions, cfg.hidden)
+    return Learner(model, VTrace(gamma=cfg.gamma, entropy_coef=cfg.entropy_coef), obs_shape=(obs_dim,),
+                   num_actions=num_actions, unroll=cfg.unroll, batch_segments=cfg.batch_segments,
+                   max_queue=cfg.max_queue, max_lag=cfg.max_lag, lr=cfg.lr, env=cfg.env,
+                   checkpoint=cfg.checkpoint, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
+                   seed=cfg.seed)
+
+
+@contextlib.contextmanager
+def serving(learner: Learner, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+            max_batch_size: int = 256, linger: float = 5.0) -> Iterator[LearnerServer]:
+    """Serve ``learner`` for the duration of the block; afterwards answer 410 to the actors still
+    sending (at most ``linger`` seconds) so that they end on their own, then stop the server."""
+    server = LearnerServer(learner, host=host, port=port, token=token, max_batch_size=max_batch_size)
+    server.start()
+    try:
+        yield server
+    finally:
+        learner.finished = True
+        deadline = time.monotonic() + linger
+        while time.monotonic() < deadline and learner.actors_still_sending(within=3.0):
+            time.sleep(0.05)  # polling the condition (actors told), bounded by `linger`
+        server.stop()
+
+
+def start_actor(url: str, env: str, *, num_envs: int, mode: str, seed: int, token: str | None,
+                name: str, capture: bool = False) -> subprocess.Popen:
+    """``python -m partrain rl act URL``: an actor process, as anyone could start one."""
+    cmd = [sys.executable, "-m", "partrain", "rl", "act", url, "--env", env, "--num-envs", str(num_envs),
+           "--mode", mode, "--seed", str(seed), "--name", name]
+    env_vars = dict(os.environ)
+    if token:
+        env_vars[TOKEN_ENV] = token
+    out = subprocess.PIPE if capture else None  # capture: the caller reads it once the actor ended
+    return subprocess.Popen(cmd, env=env_vars, stdin=subprocess.DEVNULL, stdout=out, stderr=out, text=True)
+
+
+def stop_actors(procs: list[subprocess.Popen], timeout: float = 10.0) -> list[int | None]:
+    """Wait for actors to end (bounded), then terminate, then kill; their exit codes."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(5.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5.0)
+    return [p.returncode for p in procs]
+
+
+def format_row(row: dict[str, Any], batch_sizes: dict[int, int] | None = None) -> str:
+    """One progress line: version, frames, frames/s, return, policy lag, inference batches."""
+    ret = row["mean_return"]
+    line = (f"version {row['version']:>6}  frames {row['frames']:>8}  fps {row['fps']:>8.0f}  "
+            f"return {'-' if math.isnan(ret) else f'{ret:.1f}':>6}  lag p50/p99 "
+            f"{_num(row['lag_p50'])}/{_num(row['lag_p99'])}")
+    if batch_sizes:
+        rows = sum(k * v for k, v in batch_sizes.items())
+        calls = sum(batch_sizes.values())
+        line += f"  infer batch mean {rows / calls:.1f} (max {max(batch_sizes)})"
+    return line
+
+
+def _num(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:g}"
+
+
+def curve_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The learner's reports in `partrain.train.metrics.MetricsWriter`'s shape (``epoch`` = report)."""
+    rows = []
+    for i, r in enumerate(history, 1):
+        rows.append({"epoch": i, "seconds": r["seconds"], "frames": r["frames"], "version": r["version"],
+                     "train_loss": r.get("loss", math.nan), "train_return": r["mean_return"],
+                     "train_fps": r["fps"], "train_lag_p50": r["lag_p50"], "lag_p99": r["lag_p99"],
+                     "episodes": r["episodes"], "rejected_full": r["rejected_full"],
+                     "rejected_stale": r["rejected_stale"]})
+    return rows
+
+
+def summary(learner: Learner) -> dict[str, Any]:
+    st = learner.stats
+    seconds = time.perf_counter() - st.started
+    return {"versions": learner.version, "frames": st.frames, "seconds": seconds,
+            "fps": st.frames / seconds if seconds > 0 else 0.0, "mean_return": st.mean_return(),
+            "episodes": st.episodes, "solved_seconds": st.solved_at, "solved_frames": st.solved_frames,
+            "lag_p50": percentile(st.lags, 50), "lag_p99": percentile(st.lags, 99)}

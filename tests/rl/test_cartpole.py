@@ -1,0 +1,79 @@
+"""End to end: a learner and actor processes started with subprocess (not by partrain) solve CartPole.
+
+The learner is ``python -m partrain rl serve --port 0``; actors are ``python -m
+partrain rl act URL``, started here exactly as an outside program would. Once
+training is under way one actor is SIGKILLed (it loses its unsent segment only) and
+another joins; the learner must still reach a mean return of 475 over the last 20
+episodes within a bounded number of frames (a frame bound, never a time bound: on a
+slow machine it only takes longer), and every process must end on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.waiting import wait_until
+
+pytest.importorskip("gymnasium")
+
+MAX_FRAMES = 300_000  # runs solve in ~70-130k frames; the bound leaves room for unlucky ones
+PYTHON = [sys.executable, "-m", "partrain", "rl"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PARTRAIN_RL_TOKEN"] = "t0ken"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def start_actor(url: str, seed: int, name: str) -> subprocess.Popen:
+    return subprocess.Popen([*PYTHON, "act", url, "--num-envs", "8", "--seed", str(seed), "--name", name],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.timeout(600)
+def test_learner_and_outside_actors_solve_cartpole_despite_a_killed_actor(tmp_path):
+    summary = tmp_path / "summary.json"
+    learner = subprocess.Popen(
+        [*PYTHON, "serve", "--port", "0", "--target", "475", "--max-frames", str(MAX_FRAMES), "--seed", "0",
+         "--out", str(tmp_path / "run"), "--json", str(summary), "--report-every", "5"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    actors: list[subprocess.Popen] = []
+    try:
+        assert learner.stdout is not None
+        first = learner.stdout.readline()
+        match = re.search(r"at (http://\S+)", first)
+        assert match, first
+        url = match.group(1)
+        actors = [start_actor(url, 1, "a1"), start_actor(url, 2, "a2")]
+        stats = lambda: httpx.get(f"{url}/rl/v1/stats", headers={"Authorization": "Bearer t0ken"},  # noqa: E731
+                                  timeout=30).json()
+        wait_until(lambda: stats()["version"] >= 20, "20 versions", timeout=300, interval=0.2)
+        actors[0].send_signal(signal.SIGKILL)  # mid-run: it loses its unsent segment, nothing else
+        actors[0].wait(30)
+        at_kill = stats()["version"]
+        actors.append(start_actor(url, 3, "a3"))  # a newcomer joins a running learner
+        out, _ = learner.communicate(timeout=500)
+        assert learner.returncode == 0, out
+        result = json.loads(summary.read_text())
+        assert result["solved_frames"] is not None and result["solved_frames"] <= MAX_FRAMES, out
+        assert result["mean_return"] >= 475
+        assert result["versions"] > at_kill
+        for actor in actors[1:]:  # told "training ended" (410): they end on their own, status 0
+            actor_out, _ = actor.communicate(timeout=60)
+            assert actor.returncode == 0, actor_out
+        assert (tmp_path / "run" / "curves.png").exists() and (tmp_path / "run" / "metrics.csv").exists()
+    finally:
+        for p in [learner, *actors]:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)

@@ -1,0 +1,169 @@
+"""The learner over HTTP: versions, conditional pulls, central inference, bad requests, faults.
+
+One in-process learner served by uvicorn on a free port (the real server, real
+sockets); the test plays the actor with `partrain.rl.connect` and with raw HTTP, as
+an outside process would. Start reading at `test_versions_are_monotonic...`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from partrain.rl import ActorCritic, Learner, LearnerServer, connect
+from partrain.rl.envs import EnvRunner
+from partrain.rl.wire import CONTENT_TYPE, decode_weights, encode_segment
+from partrain.serve.protocol import HEADER, decode_infer_response, encode_request
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def make_learner(**kw) -> Learner:
+    torch.manual_seed(0)
+    options = {"obs_shape": (4,), "num_actions": 2, "unroll": 4, "batch_segments": 1, "env": "CartPole-v1"}
+    options.update(kw)
+    return Learner(ActorCritic(4, 2, hidden=16), **options)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Learner, str]]:
+    learner = make_learner()
+    server = LearnerServer(learner, token=TOKEN)
+    url = server.start()
+    try:
+        yield learner, url
+    finally:
+        learner.stop()
+        server.stop()
+
+
+def segment(version: int, steps: int = 4, envs: int = 2) -> dict[str, torch.Tensor]:
+    return {"obs": torch.zeros(steps + 1, envs, 4), "actions": torch.zeros(steps, envs, dtype=torch.int64),
+            "logp": torch.full((steps, envs), math.log(0.5)), "rewards": torch.ones(steps, envs),
+            "dones": torch.zeros(steps, envs), "versions": torch.full((steps, envs), version, dtype=torch.int64)}
+
+
+def test_versions_are_monotonic_and_each_is_pulled_at_most_once(served):
+    """A local-inference actor acts, sends and pulls while the learner trains on its segments."""
+    learner, url = served
+    trainer = threading.Thread(target=learner.train, kwargs={"max_frames": 12 * 4 * 3, "timeout": 120})
+    trainer.start()
+    runner = EnvRunner("CartPole-v1", 3, seed=1)
+    with connect(url, token=TOKEN, name="a0") as actor:
+        assert actor.stats.pulled_versions == [0]
+        while trainer.is_alive() and actor.stats.segments < 12:
+            seg, done = runner.rollout(actor.act, 4)
+            assert int(seg["versions"].min()) == actor.version  # every step carries the acting version
+            if not actor.send(seg, done):
+                break
+            actor.pull()
+            actor.pull()  # unchanged (the learner trains one batch per segment): a 304, no download
+        trainer.join(60)
+        pulled = actor.stats.pulled_versions
+        assert pulled == sorted(set(pulled)), pulled  # strictly increasing: never twice, never back
+        assert actor.stats.unchanged >= actor.stats.segments  # the second pull of each round is a 304
+        assert pulled[-1] <= learner.version
+    runner.close()
+    assert learner.version >= 2 and learner.stats.segments >= 2
+
+
+def test_central_inference_answers_equal_the_model(served):
+    """Any OIP client (plain JSON here) gets the acting model's logits, a sampled action and its version."""
+    learner, url = served
+    obs = torch.randn(5, 4)
+    request = {"inputs": [{"name": "obs", "shape": [5, 4], "datatype": "FP32", "data": obs.flatten().tolist()}]}
+    r = httpx.post(f"{url}/v2/models/policy/infer", json=request, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    out = {o["name"]: o for o in r.json()["outputs"]}
+    logits = torch.tensor(out["logits"]["data"], dtype=torch.float32).reshape(5, 2)
+    with torch.inference_mode():
+        want, _ = learner.acting(obs)  # the same 5 rows in one call: the same arithmetic
+    assert torch.equal(logits, want)
+    actions = torch.tensor(out["action"]["data"])
+    logp = torch.tensor(out["logp"]["data"], dtype=torch.float32)
+    assert torch.equal(logp, torch.log_softmax(want, -1).gather(-1, actions.unsqueeze(-1)).squeeze(-1))
+    assert out["version"]["data"] == [learner.version] * 5
+
+    # the binary tensor extension, through the actor's central mode
+    with connect(url, token=TOKEN, mode="central") as actor:
+        a, lp, version = actor.act(obs)
+        assert a.shape == (5,) and version == learner.version and actor.model is None
+
+
+def test_bad_requests_get_a_4xx_and_the_learner_keeps_serving(served):
+    learner, url = served
+    http = httpx.Client(base_url=url, timeout=30)
+    infer = "/v2/models/policy/infer"
+
+    def oip(shape, datatype="FP32"):
+        body, headers = encode_request({"obs": torch.zeros(shape, dtype=torch.float64 if datatype == "FP64"
+                                                            else torch.float32)}, binary=True)
+        return http.post(infer, content=body, headers={**headers, **AUTH})
+
+    assert http.get("/rl/v1/weights").status_code == 401
+    assert http.get("/rl/v1/weights", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert http.post(infer, json={}).status_code == 401
+    assert http.get("/v2/health/live").status_code == 200  # probes stay open
+    bad_shape = oip((2, 3))
+    assert bad_shape.status_code == 400 and "Expected" in bad_shape.json()["error"]
+    bad_dtype = oip((2, 4), "FP64")
+    assert bad_dtype.status_code == 400 and "FP32" in bad_dtype.json()["error"]
+    for body in (b"not safetensors", encode_segment({**segment(0), "obs": torch.zeros(5, 2, 3)}, [])):
+        r = http.post("/rl/v1/segments", content=body, headers={**AUTH, "Content-Type": CONTENT_TYPE})
+        assert r.status_code == 400 and r.json()["error"].startswith("Expected"), r.text
+    wrong_unroll = http.post("/rl/v1/segments", content=encode_segment(segment(0, steps=3), []), headers=AUTH)
+    assert wrong_unroll.status_code == 400 and "4 steps" in wrong_unroll.json()["error"]
+    # still serving: a good inference and a good segment
+    good = oip((2, 4))
+    assert good.status_code == 200
+    assert decode_infer_response(good.content, good.headers.get(HEADER)).outputs["action"].shape == (2,)
+    assert http.post("/rl/v1/segments", content=encode_segment(segment(0), [1.0]), headers=AUTH).json() == {
+        "version": learner.version}
+    http.close()
+
+
+def test_full_queue_says_retry_later_and_stale_weights_are_told():
+    learner = make_learner(max_queue=1, max_lag=2)
+    server = LearnerServer(learner)
+    url = server.start()
+    try:
+        post = lambda v: httpx.post(f"{url}/rl/v1/segments", content=encode_segment(segment(v), []),  # noqa: E731
+                                    timeout=30)
+        assert post(0).status_code == 200
+        full = post(0)  # nobody trains: the one slot is taken
+        assert full.status_code == 503 and full.headers["retry-after"] and "retry later" in full.json()["error"]
+        for _ in range(3):
+            learner.publish()  # three updates later, version-0 weights are 3 > max_lag behind
+        stale = post(0)
+        assert stale.status_code == 409 and stale.headers["x-partrain-version"] == "3"
+        assert "pull the latest weights" in stale.json()["error"]
+        assert learner.stats.rejected_full == 1 and learner.stats.rejected_stale == 1
+        learner.finished = True
+        assert post(3).status_code == 410
+    finally:
+        server.stop()
+
+
+def test_checkpoint_resume_keeps_weights_and_versions_monotonic(tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    learner = make_learner(checkpoint=path, checkpoint_every=5)
+    for _ in range(7):
+        learner.publish()
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(1.0)
+    learner.save(path)
+    resumed = make_learner(checkpoint=path, checkpoint_every=5, resume=True)
+    # a crashed run reached < 5 versions past its checkpoint: 7 + 5 is beyond anything it published
+    assert resumed.version == 12
+    version, blob = resumed.weights()
+    state, v = decode_weights(blob)
+    assert version == v == 12
+    for name, value in learner.model.state_dict().items():
+        assert torch.equal(state[name], value)
