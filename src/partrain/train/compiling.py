@@ -14,6 +14,11 @@ failure would leave a strategy's collectives half done. So a trial compiles a co
 the model on one batch first (forward and backward, under a forked random state, the
 real model untouched); when that fails the run trains eagerly and says why in one line.
 The trial's compiled code is reused by the real model (same class, same shapes).
+
+With the training set resident on the device (``data_on_device=True``) the whole step is
+compiled as one function instead, where it can be (`FusedStep`: gather, forward, gradient,
+the optimizer's update, the epoch's sums); `fused_blocker` and `optimizer_blocker` say why
+not, and then the forward alone is compiled as above.
 """
 
 from __future__ import annotations
