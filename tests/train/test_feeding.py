@@ -2,10 +2,14 @@
 
 - the loader (inline, threads, processes) changes nothing in the result: each is
   compared with the inline run, float64;
-- a device-resident compiled epoch (``data_on_device=True, compile=...``) equals the plain
-  eager loop, float64 (the cheap ``aot_eager`` backend: the check is that compiling and
-  gathering on the device change nothing, not inductor's code generation, which the
-  benchmark runs); a backend that fails falls back to eager with one line;
+- a device-resident compiled epoch (``data_on_device=True, compile=...``: one compiled call
+  per step, the optimizer's update in it) equals the plain eager loop, float64, for SGD with
+  momentum and for Adam under a per-step schedule: parameters, optimizer state, the epoch's
+  figures (the cheap ``aot_eager`` backend: the check is that compiling and gathering on the
+  device change nothing, not inductor's code generation, which the benchmark runs); a step
+  it does not cover (clipping) says so in one line and trains as the eager loop; a
+  non-finite loss stops it before any checkpoint; a backend that fails falls back to eager
+  with one line;
 - a loader that raises stops `fit` with the loader's traceback;
 - Ctrl-C during training with loader processes leaves none of them behind;
 - an LSTM on variable-length sequences (bucketed, padded, packed) under all-reduce with
@@ -80,16 +84,69 @@ def test_background_loaders_train_exactly_as_the_inline_loop(loader, inline):
     assert result.final["loader"].startswith(loader)
 
 
-def test_a_device_resident_compiled_epoch_equals_the_eager_loop():
+def adam(params):
+    return torch.optim.Adam(params, lr=0.02, weight_decay=1e-3)
+
+
+def nesterov(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4, nesterov=True)
+
+
+def _optimizer_state(run_dir):
+    return torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["optimizer"]["state"]
+
+
+@pytest.mark.parametrize("opt, options", [
+    (sgd, dict(drop_last=True)),  # momentum, weight decay; one batch shape
+    (adam, dict(lr_schedule="cosine", warmup_steps=3)),  # a learning rate per step; a short last batch
+])
+def test_a_device_resident_compiled_epoch_equals_the_eager_loop(opt, options, tmp_path, capfd):
+    """One compiled call per step (gather, forward, backward, the optimizer's update, the
+    sums) trains as the eager loop: parameters, optimizer state, the epoch's figures."""
     from torch._dynamo.utils import counters
 
-    # drop_last: one batch shape, one compilation for training (and one for evaluation)
-    eager = fit(regressor64, regression64, sgd, drop_last=True, **ONE)
+    common = dict(ONE, quiet=False, **options)
+    eager = fit(regressor64, regression64, opt, out_dir=str(tmp_path / "eager"), **common)
     graphs = counters["stats"]["unique_graphs"]
-    result = fit(regressor64, regression64, sgd, data_on_device=True, compile="aot_eager", drop_last=True, **ONE)
+    result = fit(regressor64, regression64, opt, data_on_device=True, compile="aot_eager",
+                 out_dir=str(tmp_path / "fused"), **common)
     assert counters["stats"]["unique_graphs"] > graphs  # compiled indeed, not eager under another name
+    assert "not fused" not in capfd.readouterr().err
     assert_states_close(result.model_state, eager.model_state)
-    assert result.final["loader"] == "device"
+    fused_state, eager_state = _optimizer_state(tmp_path / "fused"), _optimizer_state(tmp_path / "eager")
+    assert fused_state.keys() == eager_state.keys()
+    for k in eager_state:
+        assert_states_close(fused_state[k], eager_state[k])
+    for mine, theirs in zip(result.history, eager.history):
+        for name in ("train_loss", "train_mse", "train_mae", "test_loss", "lr", "samples", "step"):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-12, abs=0), name
+    assert result.final["loader"] == "device" and result.final["compile_seconds"] > 0
+
+
+def test_a_step_the_fused_path_does_not_cover_says_why_and_trains_as_the_eager_loop(capfd):
+    # the "eager" backend: traces the forward, generates no code (the cheapest check of the path)
+    eager = fit(regressor64, regression64, sgd, clip_grad=0.5, **dict(ONE, epochs=1))
+    result = fit(regressor64, regression64, sgd, data_on_device=True, compile="eager", clip_grad=0.5,
+                 **dict(ONE, quiet=False, epochs=1))
+    lines = [line for line in capfd.readouterr().err.splitlines() if "not fused" in line]
+    assert lines == ["partrain: data_on_device with compile: the step is not fused (clip_grad is set); "
+                     "only the forward is compiled"]
+    assert_states_close(result.model_state, eager.model_state)
+
+
+def nan_target():
+    train, test = regression64()
+    train.tensors[1][40] = float("nan")
+    return train, test
+
+
+def test_a_non_finite_loss_stops_a_fused_epoch_before_any_checkpoint(tmp_path):
+    from partrain.train.loop import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"Non-finite loss in epoch 1 between optimizer steps 1 and 6 "):
+        fit(regressor64, nan_target, sgd, data_on_device=True, compile="aot_eager", drop_last=True,
+            out_dir=str(tmp_path / "run"), **ONE)
+    assert not os.path.exists(tmp_path / "run" / "checkpoint.pt")
 
 
 def test_a_compiler_that_fails_falls_back_to_eager_with_one_line(inline, capfd):

@@ -12,7 +12,8 @@ thread for every variant (the same compute for all):
   plain loop) >= 1.8 (the limit is 2.0: the step and the read fully overlapped).
 - *data in memory, small model*: the usual loop (``DataLoader(TensorDataset, shuffle=True,
   batch_size=32)``, forward, backward, step), `fit` with its default (in-memory gathers),
-  and `fit(data_on_device=True, compile=True)` (inductor on CPU; CUDA graphs on CUDA).
+  and `fit(data_on_device=True, compile=True)` (inductor on CPU; CUDA graphs on CUDA): one
+  compiled call per step (gather, forward, backward, SGD update, sums; `FusedStep`).
   Goal ``data.resident_vs_dataloader`` (compiled resident epoch / usual loop, samples/s) >= 2.
   The compile time (`fit`'s ``compile_seconds``, first round) is printed apart.
 - *variable length*: an LSTM classifier over sequences of 1 to ``--max-length`` steps,
@@ -184,13 +185,15 @@ def usual_loop(size: Size) -> float:
     return len(train) / (time.perf_counter() - start)
 
 
-def fit_memory(size: Size, resident: bool) -> tuple[float, float]:
-    """samples/s of a steady epoch, and the seconds `fit` spent compiling (0 when it did not)."""
+def fit_memory(size: Size, resident: bool) -> tuple[float, float, str]:
+    """samples/s of a steady epoch, the seconds `fit` spent compiling (0 when it did not) and
+    what it compiled (``step``: the whole step as one function; ``forward``; ``-``: nothing)."""
     data = functools.partial(memory_data, size.memory_samples)
     options = dict(data_on_device=True, compile=size.compile) if resident else {}
     result = fit(small_mlp, data, _sgd, strategy="single", workers=1, threads=1, epochs=2, batch_size=MEM_BATCH,
                  quiet=True, return_state=False, **options)
-    return result.history[1]["samples_per_s"], result.final.get("compile_seconds", 0.0)
+    return (result.history[1]["samples_per_s"], result.final.get("compile_seconds", 0.0),
+            result.final.get("compiled", "-"))
 
 
 # --------------------------------------------------------------------------- part 3: variable length
@@ -274,9 +277,9 @@ def run(args: argparse.Namespace) -> Report:
     ], title="slow reader (I/O-bound): median (min-max) over rounds")
 
     usual = results["DataLoader loop"]
-    default = [v for v, _ in results["fit default"]]
-    resident = [v for v, _ in results["fit resident + compiled"]]
-    compile_s = results["fit resident + compiled"][0][1]
+    default = [v for v, _, _ in results["fit default"]]
+    resident = [v for v, _, _ in results["fit resident + compiled"]]
+    _, compile_s, compiled = results["fit resident + compiled"][0]
     vs_default = paired_ratio(default, usual)
     vs_resident = paired_ratio(resident, usual)
     report.table(["variant", "samples/s", "vs DataLoader loop"], [
@@ -284,8 +287,8 @@ def run(args: argparse.Namespace) -> Report:
         ["fit default (in-memory gathers)", Spread.of(default).cell(), vs_default.cell()],
         ["fit data_on_device + compile", Spread.of(resident).cell(), vs_resident.cell()],
     ], title=f"data in memory, small MLP ({size.memory_samples} samples): steady epochs")
-    report.say(f"compile time (fit's trial compilation, first round; later rounds reuse the cache): "
-               f"{compile_s:.1f} s")
+    report.say(f"compiled: the {'whole step (one call per batch)' if compiled == 'step' else compiled}; "
+               f"compile time (fit's trial compilation, first round): {compile_s:.1f} s")
 
     pad_random = epoch_padding(size, args.max_length, False)
     pad_bucket = epoch_padding(size, args.max_length, True)

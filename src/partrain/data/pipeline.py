@@ -166,12 +166,18 @@ class Feeder:
             return f"{self.kind} x{self.workers}, prefetch {self.prefetch * self.workers}"
         return self.kind
 
+    def resident(self) -> DeviceBatches:
+        """The training set on the device (``device`` loader), copied there at the first call."""
+        if self.kind != "device":
+            raise RuntimeError(f"the {self.kind} loader keeps no resident copy")
+        if self._resident is None:
+            self._resident = DeviceBatches(self.ds, self.device)  # type: ignore[arg-type]
+        return self._resident
+
     def epoch(self, sampler: Any, skip: int = 0) -> Iterable[Any]:
         """The batches of one epoch on the device, in ``sampler``'s order, without the first ``skip``."""
         if self.kind == "device":
-            if self._resident is None:
-                self._resident = DeviceBatches(self.ds, self.device)  # type: ignore[arg-type]
-            return self._resident.epoch(sampler, skip)
+            return self.resident().epoch(sampler, skip)
         if self.kind == "generator":
             from .generated import GeneratedBatches
 

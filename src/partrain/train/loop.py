@@ -30,6 +30,7 @@ then per epoch `train_epoch` (every micro-batch through ``Strategy.train_step``)
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import os
 import pickle
@@ -50,12 +51,12 @@ from ..data.bucketing import BucketBatchSampler, lengths_of
 from ..data.generated import Generated, GeneratedSampler
 from ..data.pipeline import Feeder, InlineBatches
 from ..env import available_cores, external_launcher, global_rank_from_environ
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..launch import launch
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
 from ..strategies.base import Strategy, get_strategy
 from .checkpoint import fit_weights, load_checkpoint, save_checkpoint
-from .compiling import compile_model, compile_settings
+from .compiling import FusedStep, compile_model, compile_settings, fused_blocker, optimizer_blocker
 from .config import FitConfig, LaunchConfig, split_options
 from .metrics import MetricsWriter, StepTimes
 from .prepare import (
@@ -305,6 +306,8 @@ class _Parts:
     tuned: str | None = None
     #: seconds the trial compilation took (``compile``; None: not compiled)
     compile_seconds: float | None = None
+    #: the whole step compiled as one function (``data_on_device`` with ``compile``; None: not fused)
+    fused: FusedStep | None = None
 
 
 @dataclass
@@ -397,7 +400,11 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
     feeder = Feeder(train_ds, strategy.device, cfg.loader_settings(), task.collate_fn, on_device=cfg.data_on_device)
     settings = compile_settings(cfg.compile, strategy.device)
     compile_seconds = None
-    if settings is not None:
+    # data on the device and compile: the whole step as one compiled function when it can be
+    blocker = fused_blocker(strategy, model, cfg) if settings is not None and cfg.data_on_device else None
+    if blocker is None and cfg.bucket is not False and lengths_of(train_ds) is not None:
+        blocker = "batches bucketed by length"
+    if settings is not None and not cfg.data_on_device:
         t_compile = time.perf_counter()
         if compile_model(model, settings, _trial_batch(feeder, strategy, cfg), task,
                          quiet=cfg.quiet or not strategy.is_main):
@@ -409,6 +416,9 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
             if "initial_lr" in group:
                 group["initial_lr"] = group["lr"]
     model, optimizer = strategy.prepare(model, optimizer)
+    fused = None
+    if settings is not None and cfg.data_on_device:
+        fused, compile_seconds = _fuse(strategy, model, optimizer, feeder, task, settings, cfg, blocker)
     scheduler = scheduler_fn(optimizer) if scheduler_fn else None
     if isinstance(train_ds, Generated):  # its length counts batches per worker
         batches = len(train_ds)
@@ -422,7 +432,37 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
                   schedule=parse_schedule(cfg.lr_schedule, cfg.warmup_steps),
                   base_lrs=[g["lr"] for g in optimizer.param_groups],
                   steps_per_epoch=steps_per_epoch, total_steps=total, feeder=feeder, compile_seconds=compile_seconds,
+                  fused=fused,
                   lengths=lengths_of(train_ds) if cfg.bucket is not False else None)
+
+
+def _fuse(strategy: Strategy, model: nn.Module, optimizer: Optimizer, feeder: Feeder, task: Task,
+          settings: dict[str, Any], cfg: FitConfig, blocker: str | None) -> tuple[FusedStep | None, float | None]:
+    """The fused step (compiled now, on copies, for the epoch's batch sizes), or when it cannot
+    be had the forward compiled alone, with one line saying why. Also: the compile seconds."""
+    quiet = cfg.quiet or not strategy.is_main
+    t_compile = time.perf_counter()
+    reason = blocker or optimizer_blocker(optimizer, model)
+    if reason is None:
+        try:
+            step = FusedStep(model, optimizer, task, settings)
+            tensors = feeder.resident().tensors
+            n, b = len(tensors[0]), cfg.batch_size
+            sizes = [min(n, b)] + ([n % b] if n > b and n % b and not cfg.drop_last else [])
+            sums = [torch.zeros(1, dtype=torch.float64, device=strategy.device),
+                    torch.zeros(len(task.metric_names), dtype=torch.float64, device=strategy.device)]
+            device = strategy.device
+            with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+                step.trial(tensors, sizes, sums)
+            return step, time.perf_counter() - t_compile
+        except Exception as exc:  # any compiler error: the usual path, which says why once
+            reason = f"it did not compile: {type(exc).__name__}: {first_line(exc)[:160]}"
+    if compile_model(model, settings, _trial_batch(feeder, strategy, cfg), task, quiet=quiet):
+        if not quiet:
+            print(f"partrain: data_on_device with compile: the step is not fused ({reason}); only the "
+                  "forward is compiled", file=sys.stderr, flush=True)
+        return None, time.perf_counter() - t_compile
+    return None, None
 
 
 def _trial_batch(feeder: Feeder, strategy: Strategy, cfg: FitConfig) -> Any:
@@ -537,6 +577,8 @@ class _UpdateGuard:
 def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
                 position: _Position) -> _EpochTotals:
     """One epoch of this worker's batches; advances ``position.step``."""
+    if parts.fused is not None:
+        return _fused_epoch(strategy, parts, cfg, epoch, position)
     device = strategy.device
     task = parts.task
     torch.manual_seed(cfg.seed * 7919 + epoch * 1009 + strategy.rank)
@@ -616,6 +658,84 @@ def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
     return totals
 
 
+#: fused epochs read the device's loss sum (the finiteness check) every this many steps
+CHECK_EVERY = 64
+
+
+def _fused_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, position: _Position) -> _EpochTotals:
+    """`train_epoch` with one compiled call per batch (`FusedStep`): the epoch's order is on the
+    device, each call gets a slice of it; the loss and metric sums stay on the device. The host
+    per step: the slice, the learning rates (a schedule), the step count. ``on_nan="stop"``
+    reads the loss sum every `CHECK_EVERY` steps and at the end (a non-finite step makes it
+    non-finite): the run stops then, before any checkpoint is written. The time is all
+    compute (the gathers are inside the step)."""
+    fused, device = parts.fused, strategy.device
+    assert fused is not None and parts.feeder is not None
+    torch.manual_seed(cfg.seed * 7919 + epoch * 1009 + strategy.rank)
+    sampler = _train_sampler(strategy, parts, cfg)
+    sampler.set_epoch(epoch)
+    first = position.batch
+    totals = _EpochTotals(torch.zeros((), dtype=torch.float64, device=device),
+                          torch.zeros(len(parts.task.metric_names), dtype=torch.float64, device=device), 0,
+                          StepTimes(), strategy.comm_bytes)
+    if position.rng is not None and position.sums is not None:
+        torch.set_rng_state(position.rng)
+        totals.restore(position.sums)
+    position.batch, position.rng, position.sums = 0, None, None
+    parts.model.train()
+    tensors = parts.feeder.resident().tensors
+    order = sampler.order().to(device)
+    spans = list(itertools.islice(sampler.spans(), first, None))
+    clock = _CheckpointClock(strategy, cfg) if cfg.checkpoint_every or cfg.checkpoint_seconds else None
+    scheduled = parts.schedule.kind != "constant" or parts.schedule.warmup_steps > 0
+    sums = [totals.loss_sum.view(1), totals.metric_sums]  # 1 element: see FusedStep.state
+    n_batches = len(sampler)
+    t_epoch = time.perf_counter()
+    bar = _progress(len(spans), epoch, cfg.epochs) if _show_bar(strategy, cfg) else None
+    totals.times.start()
+    fused.begin_epoch()
+    checked = position.step
+    for i, (a, b) in enumerate(spans, start=first):
+        if scheduled:
+            _set_lr(parts, position.step)
+            fused.set_lrs()
+        fused(tensors, order[a:b], sums)
+        totals.seen += b - a
+        position.step += 1
+        if cfg.on_nan == "stop" and position.step - checked >= CHECK_EVERY:
+            _check_fused(totals, parts, epoch, checked, position.step)
+            checked = position.step
+        if bar is not None:
+            bar.update(1)
+            if i % 10 == 0 or i + 1 == n_batches:
+                bar.set_postfix(loss=f"{totals.loss_sum.item() / max(totals.seen, 1):.4f}", refresh=False)
+        if cfg.max_steps is not None and position.step >= cfg.max_steps:
+            break
+        if clock is not None and i + 1 < n_batches and clock.due(position.step):
+            if cfg.on_nan == "stop":
+                _check_fused(totals, parts, epoch, checked, position.step)
+                checked = position.step
+            save_within_epoch(strategy, parts, cfg, position, epoch, i + 1, totals)
+    if cfg.on_nan == "stop":
+        _check_fused(totals, parts, epoch, checked, position.step)
+    totals.times.step_done(0.0)
+    if bar is not None:
+        bar.close()
+    if parts.scheduler is not None:
+        parts.scheduler.step()
+    strategy.barrier()
+    totals.seconds += time.perf_counter() - t_epoch
+    return totals
+
+
+def _check_fused(totals: _EpochTotals, parts: _Parts, epoch: int, since: int, step: int) -> None:
+    if not bool(torch.isfinite(totals.loss_sum)):
+        lr = parts.optimizer.param_groups[0].get("lr")
+        raise NonFiniteError(f"Non-finite loss in epoch {epoch + 1} between optimizer steps {since + 1} and "
+                             f"{step} (lr {lr}); stopped before writing a checkpoint (on_nan='skip' drops such "
+                             "steps; it trains without the fused step)")
+
+
 def _cores_left(strategy: Strategy) -> int:
     """Cores of this machine that the training processes' threads leave free (loader processes)."""
     local = max(1, min(strategy.num_workers, available_cores()))
@@ -684,6 +804,7 @@ def record(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, step: 
         row["loader_tuned"] = parts.tuned
     if parts.compile_seconds is not None:
         row["compile_seconds"] = parts.compile_seconds
+        row["compiled"] = "step" if parts.fused is not None else "forward"
     if strategy.device.type == "cuda":
         row["device_utilization"] = _utilization(strategy.device)
     if cfg.on_nan == "skip":
