@@ -73,3 +73,17 @@ def test_asynchronous_strategies_refuse_mid_epoch_checkpoints_before_spawning(mo
     monkeypatch.setattr("partrain.train.loop.launch", no_launch)
     with pytest.raises(UsageError, match=r"Received: strategy 'hogwild', which checkpoints at epoch ends only"):
         fit(FailsOnCall, regression64, sgd, strategy="hogwild", **RUN)
+
+
+def test_a_run_stopped_by_max_steps_inside_an_epoch_resumes_where_it_stopped(tmp_path, full):
+    """max_steps = 6 stops in the middle of epoch 2 (4 optimizer steps per epoch): its checkpoint
+    continues that epoch, and a resume without the limit equals the uninterrupted run."""
+    part = str(tmp_path / "part")
+    stopped = fit(FailsOnCall, regression64, sgd, out_dir=part, max_steps=6, **RUN)
+    assert stopped.stopped == "max_steps" and stopped.history[-1]["step"] == 6
+    ckpt = load_checkpoint(os.path.join(part, "checkpoint.pt"))
+    assert ckpt["epoch"] == 1 and ckpt["within_epoch"]["batch"] == 4  # windows (0, 1), (2, 3) of epoch 2 done
+    resumed = fit(FailsOnCall, regression64, sgd, out_dir=part, resume="auto", **RUN)
+    assert_states_close(resumed.model_state, full.model_state, atol=0)
+    assert [row["step"] for row in resumed.history] == [row["step"] for row in full.history]
+    assert resumed.history[-1]["train_loss"] == full.history[-1]["train_loss"]

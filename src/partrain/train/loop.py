@@ -335,6 +335,8 @@ class _EpochTotals:
     comm_bytes: int
     seconds: float = 0.0
     skipped: int = 0
+    #: the micro-batch ``max_steps`` stopped the epoch before (None: the epoch ran to its end)
+    stopped_at: int | None = None
     #: when this epoch's part before a mid-epoch checkpoint began (its seconds count too)
     started: float = field(default_factory=time.perf_counter)
 
@@ -367,6 +369,14 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
                 stopped = "max_steps"
                 break
             totals = train_epoch(strategy, parts, cfg, epoch, position)
+            if totals.stopped_at is not None and strategy.checkpoints_within_epoch:
+                # max_steps ended the run inside this epoch: the checkpoint continues the epoch (a
+                # resume with more steps then equals one run), the row reports the part that ran
+                save_within_epoch(strategy, parts, cfg, position, epoch, totals.stopped_at, totals)
+                position.history.append(record(strategy, parts, cfg, epoch, position.step, totals))
+                save(strategy, parts, cfg, position, writer, checkpoint=False)
+                stopped = "max_steps"
+                break
             position.history.append(record(strategy, parts, cfg, epoch, position.step, totals))
             position.epoch = epoch + 1
             save(strategy, parts, cfg, position, writer)
@@ -638,6 +648,8 @@ def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
             if i % 10 == 0 or i + 1 == n_batches:
                 bar.set_postfix(loss=f"{totals.loss_sum.item() / max(totals.seen, 1):.4f}", refresh=False)
         if update and cfg.max_steps is not None and position.step >= cfg.max_steps:
+            if i + 1 < n_batches:
+                totals.stopped_at = i + 1
             break
         if update and clock is not None and i + 1 < n_batches and clock.due(position.step):
             totals.skipped = guard.skipped
@@ -648,7 +660,7 @@ def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
         position.step += 1
     if bar is not None:
         bar.close()
-    if parts.scheduler is not None:
+    if parts.scheduler is not None and totals.stopped_at is None:  # a stopped epoch is not over
         parts.scheduler.step()
     strategy.barrier()  # the epoch lasts until its slowest worker is done
     totals.seconds += time.perf_counter() - t_epoch
@@ -710,6 +722,8 @@ def _fused_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, 
             if i % 10 == 0 or i + 1 == n_batches:
                 bar.set_postfix(loss=f"{totals.loss_sum.item() / max(totals.seen, 1):.4f}", refresh=False)
         if cfg.max_steps is not None and position.step >= cfg.max_steps:
+            if i + 1 < n_batches:
+                totals.stopped_at = i + 1
             break
         if clock is not None and i + 1 < n_batches and clock.due(position.step):
             if cfg.on_nan == "stop":
@@ -721,7 +735,7 @@ def _fused_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, 
     totals.times.step_done(0.0)
     if bar is not None:
         bar.close()
-    if parts.scheduler is not None:
+    if parts.scheduler is not None and totals.stopped_at is None:  # a stopped epoch is not over
         parts.scheduler.step()
     strategy.barrier()
     totals.seconds += time.perf_counter() - t_epoch
@@ -861,9 +875,9 @@ def _state(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Positio
 
 
 def save(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Position,
-         writer: MetricsWriter | None) -> None:
+         writer: MetricsWriter | None, checkpoint: bool = True) -> None:
     """The end of an epoch: checkpoint, metrics files and the epoch line (worker 0 writes)."""
-    path = _checkpoint_path(cfg)
+    path = _checkpoint_path(cfg) if checkpoint else None
     state = _state(strategy, parts, cfg, position) if path is not None else None
     if strategy.is_main:
         if writer is not None:
