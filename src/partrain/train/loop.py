@@ -369,10 +369,9 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
                 stopped = "max_steps"
                 break
             totals = train_epoch(strategy, parts, cfg, epoch, position)
-            if totals.stopped_at is not None and strategy.checkpoints_within_epoch:
-                # max_steps ended the run inside this epoch: the checkpoint continues the epoch (a
-                # resume with more steps then equals one run), the row reports the part that ran
-                save_within_epoch(strategy, parts, cfg, position, epoch, totals.stopped_at, totals)
+            if totals.stopped_at is not None:
+                # max_steps ended the run inside this epoch, whose checkpoint is written: the row
+                # reports the part that ran
                 position.history.append(record(strategy, parts, cfg, epoch, position.step, totals))
                 save(strategy, parts, cfg, position, writer, checkpoint=False)
                 stopped = "max_steps"
@@ -648,8 +647,11 @@ def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
             if i % 10 == 0 or i + 1 == n_batches:
                 bar.set_postfix(loss=f"{totals.loss_sum.item() / max(totals.seen, 1):.4f}", refresh=False)
         if update and cfg.max_steps is not None and position.step >= cfg.max_steps:
-            if i + 1 < n_batches:
-                totals.stopped_at = i + 1
+            if i + 1 < n_batches and strategy.checkpoints_within_epoch:
+                # the run ends inside the epoch: its checkpoint continues the epoch, so that a
+                # resume with more steps equals one run (taken before the epoch-end scheduler step)
+                totals.stopped_at, totals.skipped = i + 1, guard.skipped
+                save_within_epoch(strategy, parts, cfg, position, epoch, i + 1, totals)
             break
         if update and clock is not None and i + 1 < n_batches and clock.due(position.step):
             totals.skipped = guard.skipped
@@ -660,7 +662,7 @@ def train_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int,
         position.step += 1
     if bar is not None:
         bar.close()
-    if parts.scheduler is not None and totals.stopped_at is None:  # a stopped epoch is not over
+    if parts.scheduler is not None:
         parts.scheduler.step()
     strategy.barrier()  # the epoch lasts until its slowest worker is done
     totals.seconds += time.perf_counter() - t_epoch
@@ -722,8 +724,12 @@ def _fused_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, 
             if i % 10 == 0 or i + 1 == n_batches:
                 bar.set_postfix(loss=f"{totals.loss_sum.item() / max(totals.seen, 1):.4f}", refresh=False)
         if cfg.max_steps is not None and position.step >= cfg.max_steps:
-            if i + 1 < n_batches:
+            if i + 1 < n_batches and strategy.checkpoints_within_epoch:  # as in train_epoch
+                if cfg.on_nan == "stop":
+                    _check_fused(totals, parts, epoch, checked, position.step)
+                    checked = position.step
                 totals.stopped_at = i + 1
+                save_within_epoch(strategy, parts, cfg, position, epoch, i + 1, totals)
             break
         if clock is not None and i + 1 < n_batches and clock.due(position.step):
             if cfg.on_nan == "stop":
@@ -735,7 +741,7 @@ def _fused_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, 
     totals.times.step_done(0.0)
     if bar is not None:
         bar.close()
-    if parts.scheduler is not None and totals.stopped_at is None:  # a stopped epoch is not over
+    if parts.scheduler is not None:
         parts.scheduler.step()
     strategy.barrier()
     totals.seconds += time.perf_counter() - t_epoch
