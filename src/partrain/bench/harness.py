@@ -51,7 +51,8 @@ T = TypeVar("T")
 # The stable goal names of each benchmark (issue 9): tests and readers of --json rely on them.
 GOALS: dict[str, tuple[str, ...]] = {
     "core": ("core.fit_vs_plain", "core.allreduce_vs_ddp", "core.scaling"),
-    "async": ("async.hogwild_scaling", "async.ps_vs_allreduce", "async.ps_straggler_time", "async.diloco_bytes", "async.diloco_loss"),
+    "async": ("async.hogwild_scaling", "async.ps_vs_allreduce", "async.ps_straggler_time", "async.diloco_bytes",
+              "async.diloco_loss"),
     "syncbn": ("syncbn.step_ratio",),
     "serve": ("serve.batched_vs_unbatched", "serve.batched_vs_limit", "serve.p99_over_p50",
               "serve.vs_litserve"),
