@@ -7,10 +7,9 @@ the same ``partrain.fit`` loop with 2 workers of one thread each:
 - ``allreduce`` (the baseline every ratio is taken against, in the same
   straggler setting), ``ps`` with staleness 0, 2 and inf (1 server),
   ``hogwild``, ``localsgd`` with period H (default 8) with and without the
-  outer Nesterov optimizer (DiLoCo; outer lr 0.8, momentum 0.3 at this short
-  period), and DiLoCo with a long period (default 64, DiLoCo's own outer lr
-  0.7 and momentum 0.9: the bytes a long period saves, as DiLoCo is meant
-  to be used);
+  outer Nesterov optimizer (DiLoCo; outer lr 0.8, momentum 0.3), and DiLoCo
+  with a long period (default 64, the strategy's default outer lr 0.8 and
+  momentum 0.3: the bytes a long period saves);
 - each again with a straggler: worker 0 sleeps, before every training step,
   as long as its previous step's forward and backward took (it runs at half
   speed);
@@ -103,6 +102,7 @@ def variants(period: int, long_period: int) -> list[Variant]:
                 {"period": period, "outer": "nesterov", "outer_lr": 0.8, "outer_momentum": 0.3}),
     ]
     if long_period:
+        # the documented defaults (outer lr 0.8, momentum 0.3): tens of syncs per run
         out.append(Variant("diloco-long", f"diloco H={long_period}", "localsgd",
                            {"period": long_period, "outer": "nesterov"}))
     return out
