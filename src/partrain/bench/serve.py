@@ -21,7 +21,7 @@ The batching limit (issue 17): a request costs t_req on the HTTP path whatever
 the batching - measured as 1 / throughput of an adaptive-batching server of a
 no-op model (`NoOp`) at the highest concurrency, in the same alternating rounds - and
 L(1) of model time unbatched, L(c)/c batched (both timed in this process with
-the servers' thread count). At c clients batched / unbatched throughput can be
+the servers' thread count, in CPU seconds: see `model_latency`). At c clients batched / unbatched throughput can be
 at most (t_req + L(1)) / (t_req + L(c)/c).
 
 Models: LeNet-5 and an MLP on 1x28x28, and a compute-heavy CNN on 3x32x32
@@ -288,8 +288,12 @@ def measure_model(name: str, contenders: list[Contender], levels: list[int], siz
 def model_latency(factory: str, shape: tuple[int, ...], rows: int, threads: int, repeats: int) -> float:
     """L(rows): seconds of one forward pass on a batch of ``rows`` requests, in this process.
 
-    Same torch thread count as the servers; the median of ``repeats`` timed calls
-    after two warm-up calls (a median: load from other processes shows as outliers).
+    Same torch thread count as the servers; CPU seconds of this process (all its
+    threads) per call, the median of ``repeats`` calls after two warm-up calls. CPU
+    time, not wall time: on a machine shared with other jobs a 30 ms call is
+    descheduled part of the time and a 0.3 ms one hardly ever, which would bias
+    L(64)/64 against L(1) (both are wall-time costs of the servers alike, so their
+    ratio is what the limit needs).
     """
     import statistics
 
@@ -301,10 +305,10 @@ def model_latency(factory: str, shape: tuple[int, ...], rows: int, threads: int,
         times = []
         with torch.inference_mode():
             for i in range(repeats + 2):
-                start = time.perf_counter()
+                start = time.process_time()
                 model(x)
                 if i >= 2:
-                    times.append(time.perf_counter() - start)
+                    times.append(time.process_time() - start)
     finally:
         torch.set_num_threads(before)
     return statistics.median(times)
