@@ -62,6 +62,8 @@ Group = Any  # torch.distributed.ProcessGroup | None (None = the default group)
 _FOLD_MEAN_LIMIT = 4.0
 # |batch mean - shift| / std beyond which shifted sums give way to Chan's combination
 _SHIFT_LIMIT = 4.0
+# inputs with fewer values than this take the statistics in plain float64 kernels (`shifted_stats`)
+_SMALL_INPUT = 32768
 
 # recent torch releases let an affine batch norm go without bias (``bias=False``)
 _HAS_BIAS_OPTION = "bias" in inspect.signature(_BatchNorm.__init__).parameters
@@ -223,6 +225,11 @@ def _all_reduce_sum(t: torch.Tensor, group: Group) -> torch.Tensor:
     return t
 
 
+def dims_of(x: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions a channel's values span: all but dimension 1."""
+    return (0, *range(2, x.dim()))
+
+
 def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
     return (x.shape[1],) + (1,) * (x.dim() - 2)
 
@@ -248,7 +255,11 @@ def shifted_stats(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> 
     out[0] = count
     xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     shift_x = shift.to(xs.dtype)
-    if bool((shift.abs() > _FOLD_MEAN_LIMIT * scale).any()):
+    if x.numel() < _SMALL_INPUT:
+        # small: float64 throughout, in kernels too small to start a parallel region (the fused
+        # kernel parallelises over channels however few values each holds)
+        var, offset = torch.var_mean(xs.double() - shift.view(_channel_shape(x)), dims_of(x), correction=0)
+    elif bool((shift.abs() > _FOLD_MEAN_LIMIT * scale).any()):
         mean, var = torch.batch_norm_update_stats(xs - shift_x.view(_channel_shape(x)), None, None, 0.0)
         offset = mean.double()
     else:
