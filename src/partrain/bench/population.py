@@ -51,7 +51,7 @@ class Size:
     per_core: bool = True  # measure (and let auto choose) the population split over a process per core
 
 
-FULL = Size(32, (8, 64, 256), 3.0, 2, 3, 4, 0, ("vmap", "loop"), ())
+FULL = Size(32, (8, 64, 256), 2.5, 2, 2, 4, 0, ("vmap", "loop"), (64,))
 QUICK = Size(32, (8, 64, 256), 0.3, 1, 1, 3, 4, ("vmap", "loop"), (8,))
 TOY = Size(4, (4,), 0.05, 1, 1, 1, 2, ("vmap",), (4,), per_core=False)  # CI: two process starts fewer
 
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=None,
                         help="intra-op threads of the population process (default: torch's, one per core)")
     parser.add_argument("--seconds", type=float, default=None,
-                        help="seconds per timing window (default 3; --quick: 0.3)")
+                        help="seconds per timing window (default 2.5; --quick: 0.3)")
     parser.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 4; --quick: 3)")
 
 
