@@ -28,10 +28,12 @@ import partrain
 from partrain.errors import UsageError
 from partrain.nn import SyncBatchNorm, convert_sync_batchnorm
 from partrain.nn.sync_batchnorm import (
+    _global_stats,
     _SyncBatchNormFunction,
     combine_stats,
     local_stats,
     naive_variance,
+    shifted_stats,
 )
 from tests.helpers import F64_ATOL
 
@@ -94,6 +96,36 @@ def test_chan_combination_equals_statistics_of_the_union():
     assert count == 23 * 3
     torch.testing.assert_close(torch.from_numpy(mean), x.mean((0, 2)), rtol=0, atol=1e-12)
     torch.testing.assert_close(torch.from_numpy(m2 / count), x.var((0, 2), unbiased=False), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_part", [1, 1000])  # small parts (plain float64 kernels), large (fused kernel)
+@pytest.mark.parametrize("shift", [0.0, 7.5, 40.0])  # near the mean (direct), far (centred first)
+def test_shifted_sums_of_parts_add_up_to_the_union(shift, per_part):
+    """The one-all-reduce path: element-wise sums of per-rank shifted sums give mean and M2."""
+    torch.manual_seed(0)
+    x = torch.randn(23, 4, 3 * per_part, dtype=torch.float64) * 3 + 7
+    s = torch.full((4,), shift, dtype=torch.float64)
+    rows = [shifted_stats(p, s, torch.ones(4, dtype=torch.float64)) for p in torch.split(x, [5, 0, 1, 17])]
+    total = torch.stack(rows).sum(0)
+    n, s1, s2 = total[0].item(), total[5:9], total[9:]
+    assert n == 23 * 3 * per_part and torch.equal(total[1:5], 4 * s)  # the shift row: every part's shift
+    torch.testing.assert_close(s + s1 / n, x.mean((0, 2)), rtol=0, atol=1e-12)
+    torch.testing.assert_close((s2 - s1 * s1 / n) / n, x.var((0, 2), unbiased=False), rtol=0, atol=1e-10)
+
+
+def test_global_stats_fall_back_to_chan_when_the_shift_is_far(monkeypatch):
+    """Shift (running mean) within a few std of the batch mean: shifted sums; far: Chan's path."""
+    import partrain.nn.sync_batchnorm as sbn
+    calls = []
+    monkeypatch.setattr(sbn, "local_stats", lambda x: calls.append(1) or local_stats(x))
+    x = large_mean_batch().double()
+    exact_mean, exact_var = x.mean((0, 2, 3)), x.var((0, 2, 3), unbiased=False)
+    for running_mean, chan in ((torch.zeros(4), True), (exact_mean.float() + 0.5, False)):
+        calls.clear()
+        n, mean, m2 = _global_stats(x, running_mean.double(), torch.ones(4, dtype=torch.float64), 1e-5, None)
+        assert bool(calls) == chan
+        torch.testing.assert_close(torch.from_numpy(mean), exact_mean, rtol=0, atol=1e-9)
+        torch.testing.assert_close(torch.from_numpy(m2) / n, exact_var, rtol=0, atol=1e-9)
 
 
 def large_mean_batch(n=64, c=4, seed=0):

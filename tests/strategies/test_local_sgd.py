@@ -115,7 +115,7 @@ def test_options_are_checked_and_parsed():
     assert parse_options("localsgd", ["period=4", "outer=nesterov", "outer_lr=1"]) == {
         "period": 4, "outer": "nesterov", "outer_lr": 1.0}
     s = get_strategy("localsgd", period=4, outer="nesterov")
-    assert (s.period, s.outer, s.outer_lr, s.outer_momentum) == (4, "nesterov", 0.7, 0.9)
+    assert (s.period, s.outer, s.outer_lr, s.outer_momentum) == (4, "nesterov", 0.8, 0.3)
     for bad, match in (({"period": 0}, "positive integer period"), ({"outer": "adam"}, "outer among"),
                        ({"outer_lr": 0.0}, "positive outer_lr"), ({"outer_momentum": 1.0}, "outer_momentum")):
         with pytest.raises(UsageError, match=match):

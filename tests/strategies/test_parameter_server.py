@@ -204,6 +204,46 @@ def test_bounded_staleness_never_lets_a_worker_run_more_than_s_ahead():
     assert max(tau for tau, _, _ in slow_trace) >= 1
 
 
+# ----- overlap: the next step computes while the reply to the last push is in flight ---------------
+def _overlap_worker(strategy, steps):
+    torch.manual_seed(0)
+    net = small_mlp64().double()
+    model, opt = strategy.prepare(net, torch.optim.SGD(net.parameters(), lr=0.05))
+    for step in range(steps):
+        x, y = _batch(step, 0)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.clone() for k, v in strategy.model_state_dict(model).items()}
+
+
+def test_overlap_is_sgd_on_the_gradient_one_step_back():
+    """One worker, overlap=True: P[t+1] = P[t] - lr * grad(P[t-1]) (P[-1] = P[0]), in float64.
+
+    The forward of step t runs before the reply to push t-1 is loaded, so each gradient
+    is one update older than without overlap: an independent delayed-SGD loop must agree.
+    """
+    steps = 5
+    (state,) = launch(_overlap_worker, steps, workers=1, strategy=ParameterServer(staleness=math.inf, overlap=True),
+                      timeout=60)
+    torch.manual_seed(0)
+    net = small_mlp64().double()
+    params = [p.detach().clone() for p in net.parameters()]
+    previous = [p.clone() for p in params]
+    for step in range(steps):
+        with torch.no_grad():
+            for p, q in zip(net.parameters(), previous):
+                p.copy_(q)
+        x, y = _batch(step, 0)
+        grads = torch.autograd.grad(F.cross_entropy(net(x), y), list(net.parameters()))
+        previous = [p.clone() for p in params]
+        params = [p - 0.05 * g for p, g in zip(params, grads)]
+    for (name, got), want in zip(state.items(), params):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=name)
+    with pytest.raises(UsageError, match="Expected overlap only with staleness > 0"):
+        ParameterServer(overlap=True)
+
+
 # ----- backup workers ------------------------------------------------------------------------------
 def _wait_for(path):
     wait_until(lambda: os.path.exists(path), path)

@@ -51,10 +51,12 @@ T = TypeVar("T")
 # The stable goal names of each benchmark (issue 9): tests and readers of --json rely on them.
 GOALS: dict[str, tuple[str, ...]] = {
     "core": ("core.fit_vs_plain", "core.allreduce_vs_ddp", "core.scaling"),
-    "async": ("async.hogwild_scaling", "async.ps_straggler_time", "async.diloco_bytes", "async.diloco_loss"),
+    "async": ("async.hogwild_scaling", "async.ps_vs_allreduce", "async.ps_straggler_time", "async.diloco_bytes",
+              "async.diloco_loss"),
     "syncbn": ("syncbn.step_ratio",),
-    "serve": ("serve.batched_vs_unbatched", "serve.vs_litserve"),
-    "population": ("population.auto_vs_best", "population.vs_pool"),
+    "serve": ("serve.batched_vs_unbatched", "serve.batched_vs_limit", "serve.p99_over_p50",
+              "serve.vs_litserve"),
+    "population": ("population.auto_vs_best", "population.vs_pool", "population.memory_vs_pool"),
     "engines": ("engines.torchrun_vs_launch", "engines.ray_vs_launch", "engines.recovery_s"),
     "pipeline": ("pipeline.utilisation_vs_ideal", "pipeline.memory_per_stage", "pipeline.vs_raw_torch"),
     "stream": ("stream.vs_per_item", "stream.vs_hand_queue", "stream.p99_vs_step"),

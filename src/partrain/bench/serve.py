@@ -17,9 +17,23 @@ a small ``max_batch_size`` x ``batch_timeout`` grid and each concurrency keeps
 its best setting (the most favourable comparison for LitServe). LitServe comes
 with the ``bench`` extra; without it that comparison is skipped and said so.
 
-Goals (from the serving issue; the worst model counts): serve.batched_vs_unbatched
-(adaptive / unbatched throughput at the highest concurrency) >= 5,
-serve.vs_litserve (adaptive / LitServe's best there) >= 1.2. Checks: p50
+The batching limit (issue 17): a request costs t_req on the HTTP path - t_b with
+adaptive batching (its per-batch costs amortised), t_u unbatched, each measured
+as 1 / throughput of a server of a no-op model (`NoOp`) at the highest
+concurrency, in the same alternating rounds - and L(1) of model time unbatched,
+L(c)/c batched (both timed in this process with
+the servers' thread count, in CPU seconds: see `model_latency`). At c clients batched / unbatched throughput can be
+at most (t_u + L(1)) / (t_b + L(c)/c). (With t_u = t_b this is the issue's
+(t_req + L(1)) / (t_req + L(c)/c); measured ratios above it showed that batching
+also saves part of the HTTP path's per-request cost.) The toy size skips it.
+
+Models: LeNet-5 and an MLP on 1x28x28, and a compute-heavy CNN on 3x32x32
+(`cnn_factory`, about 8 MFLOP per sample).
+
+Goals (the worst model counts): serve.batched_vs_unbatched (adaptive /
+unbatched throughput at the highest concurrency) >= 5, serve.batched_vs_limit
+(that ratio / its limit) >= 0.8, serve.p99_over_p50 (adaptive, highest
+concurrency) <= 3, serve.vs_litserve (adaptive / LitServe's best there) >= 1.2. Checks: p50
 adaptive - unbatched at the lowest concurrency <= 1 ms; lost + wrong answers = 0.
 """
 
@@ -53,6 +67,44 @@ from .harness import (
 )
 
 IMAGE = (1, 1, 28, 28)  # one request: one 1x28x28 image
+COLOUR = (1, 3, 32, 32)  # one request of the compute-heavy model: one 3x32x32 image
+
+
+class NoOp(nn.Module):
+    """A model that does no work: its first 10 input values as 10 "logits" (the HTTP path alone)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.example_input_shape = shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(1)[:, :10]
+
+
+def noop_image_factory() -> nn.Module:
+    """`NoOp` on 1x28x28 images (t_req of lenet and mlp)."""
+    return NoOp(IMAGE[1:])
+
+
+def noop_colour_factory() -> nn.Module:
+    """`NoOp` on 3x32x32 images (t_req of cnn)."""
+    return NoOp(COLOUR[1:])
+
+
+def cnn_factory() -> nn.Module:
+    """A compute-heavy CNN on 3x32x32 images, about 8 MFLOP per sample, seeded like `lenet_factory`.
+
+    conv 3->16, conv 16->16 (32x32), pool, conv 16->32 (16x16), pool, linear: per-sample
+    cost barely falls with the batch on a CPU, unlike LeNet's, whose batch of one is
+    dominated by per-operator overhead.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+    ).eval()
+    model.example_input_shape = COLOUR[1:]
+    return model
 
 
 def lenet_factory() -> nn.Module:
@@ -74,7 +126,11 @@ def mlp_factory() -> nn.Module:
 MODELS = {
     "lenet": "partrain.bench.serve:lenet_factory",
     "mlp": "partrain.bench.serve:mlp_factory",
+    "cnn": "partrain.bench.serve:cnn_factory",
 }
+# per model: one request's shape, and the no-op model on it that measures the HTTP path alone (t_req)
+REQUEST_SHAPE = {"lenet": IMAGE, "mlp": IMAGE, "cnn": COLOUR}
+NOOPS = {IMAGE: "partrain.bench.serve:noop_image_factory", COLOUR: "partrain.bench.serve:noop_colour_factory"}
 
 
 @dataclass(frozen=True)
@@ -87,8 +143,8 @@ class Size:
     litserve_grid: tuple[tuple[int, float], ...]  # (max_batch_size, batch_timeout s)
 
 
-FULL = Size("lenet,mlp", "1,16,64", 4.0, 1.0, 3, ((16, 0.001), (64, 0.002), (64, 0.005)))
-QUICK = Size("lenet", "1,16,64", 1.0, 0.3, 2, ((16, 0.001), (64, 0.002)))
+FULL = Size("lenet,cnn", "1,16,64", 6.0, 1.0, 3, ((16, 0.001), (64, 0.002), (64, 0.005)))
+QUICK = Size("cnn", "1,64", 1.5, 0.3, 3, ((64, 0.002),))
 TOY = Size("lenet", "1,4", 0.4, 0.1, 1, ((16, 0.001),))
 
 # what the servers print once they listen (partrain serve) or are about to (the LitServe adapter)
@@ -98,14 +154,14 @@ LITSERVE_ANNOUNCE = re.compile(r"litserve: serving .* at (?P<url>https?://[^\s/]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=None,
-                        help=f"comma-separated among {sorted(MODELS)} (default: all; --quick: lenet)")
+                        help=f"comma-separated among {sorted(MODELS)} (default lenet,cnn; --quick: cnn)")
     parser.add_argument("--concurrency", default=None, help="closed-loop client counts (default 1,16,64)")
     parser.add_argument("--duration", type=float, default=None,
-                        help="seconds measured per point, split over the rounds (default 4; --quick 1)")
+                        help="seconds measured per point, split over the rounds (default 6; --quick 1.5)")
     parser.add_argument("--warmup", type=float, default=None, help="seconds of load before measuring "
                         "each server (default 1; --quick 0.3)")
     parser.add_argument("--rounds", type=positive_int, default=None,
-                        help="alternating rounds over all points (default 3; --quick 2)")
+                        help="alternating rounds over all points (default 3; --quick 3)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads of every server (default 1)")
     parser.add_argument("--max-batch-size", type=positive_int, default=64,
                         help="max batch size of partrain serve with adaptive batching (default 64)")
@@ -135,9 +191,10 @@ class Contender:
         return f"partrain {self.server}" if self.server != "litserve" else f"litserve ({self.setting})"
 
 
-def ours(name: str, factory: str, max_batch_size: int, threads: int, binary: bool) -> Contender:
+def ours(name: str, factory: str, max_batch_size: int, threads: int, binary: bool,
+         server: str | None = None) -> Contender:
     """``partrain serve`` as a user would start it, on a port of its choosing (``--port 0``)."""
-    server = "adaptive" if max_batch_size > 1 else "unbatched"
+    server = server or ("adaptive" if max_batch_size > 1 else "unbatched")
     command = (sys.executable, "-m", "partrain", "serve", f"{name}={factory}", "--host", "127.0.0.1",
                "--port", "0", "--max-batch-size", str(max_batch_size),
                "--policy", "adaptive" if max_batch_size > 1 else "none", "--threads", str(threads))
@@ -147,7 +204,7 @@ def ours(name: str, factory: str, max_batch_size: int, threads: int, binary: boo
 def litserve(name: str, factory: str, max_batch_size: int, batch_timeout: float, threads: int) -> Contender:
     """LitServe with the OIP adapter of `partrain.bench._litserve_app` (JSON only)."""
     command = (sys.executable, "-m", "partrain.bench._litserve_app", name, factory,
-               ",".join(map(str, IMAGE[1:])), str(max_batch_size), str(batch_timeout), str(threads))
+               ",".join(map(str, REQUEST_SHAPE[name][1:])), str(max_batch_size), str(batch_timeout), str(threads))
     return Contender("litserve", f"max {max_batch_size}, {batch_timeout * 1e3:g} ms", command,
                      LITSERVE_ANNOUNCE, "/health", False)
 
@@ -209,10 +266,11 @@ def measure_model(name: str, contenders: list[Contender], levels: list[int], siz
     """
     from ..serve.loadtest import AnswerChecker, ModelInfo, TensorSpec, random_inputs
 
-    factory = MODELS[name]
-    info = ModelInfo(name, (TensorSpec("input", "FP32", (-1, *IMAGE[1:])),))
-    samples = random_inputs(info, 64, IMAGE, seed=0)
+    factory, shape = MODELS[name], REQUEST_SHAPE[name]
+    info = ModelInfo(name, (TensorSpec("input", "FP32", (-1, *shape[1:])),))
+    samples = random_inputs(info, 64, shape, seed=0)
     checker = AnswerChecker(build_model(factory), samples)
+    noop_checker = AnswerChecker(build_model(NOOPS[shape]), samples)
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(server_process(c.label, c.command, c.announce, ready_path=c.ready_path,
                                                    env=_server_env(args.threads),
@@ -220,12 +278,43 @@ def measure_model(name: str, contenders: list[Contender], levels: list[int], siz
                 for c in contenders]
         for c, url in zip(contenders, urls):
             _measure(url, name, samples, None, max(levels), size.warmup, c.binary)
-        points = {f"{c.label} c={level}": functools.partial(_measure, url, name, samples, checker, level,
-                                                            size.duration / size.rounds, c.binary)
-                  for c, url in zip(contenders, urls) for level in levels}
+        points = {f"{c.label} c={level}": functools.partial(
+                      _measure, url, name, samples, noop_checker if c.server.startswith("noop") else checker, level,
+                      size.duration / size.rounds, c.binary)
+                  for c, url in zip(contenders, urls) for level in (levels[-1:] if c.server.startswith("noop") else levels)}
         runs = alternate(points, size.rounds, on_result=lambda r, key, res: report.progress(
             f"round {r + 1}: {name} {key}: {res[0].throughput:,.0f} req/s"))
-    return [_point(name, c, level, runs[f"{c.label} c={level}"]) for c in contenders for level in levels]
+    return [_point(name, c, level, runs[f"{c.label} c={level}"]) for c in contenders for level in levels
+            if f"{c.label} c={level}" in runs]
+
+
+def model_latency(factory: str, shape: tuple[int, ...], rows: int, threads: int, repeats: int) -> float:
+    """L(rows): seconds of one forward pass on a batch of ``rows`` requests, in this process.
+
+    Same torch thread count as the servers; CPU seconds of this process (all its
+    threads) per call, the median of ``repeats`` calls after two warm-up calls. CPU
+    time, not wall time: on a machine shared with other jobs a 30 ms call is
+    descheduled part of the time and a 0.3 ms one hardly ever, which would bias
+    L(64)/64 against L(1) (both are wall-time costs of the servers alike, so their
+    ratio is what the limit needs).
+    """
+    import statistics
+
+    model = build_model(factory)
+    x = torch.randn(rows, *shape[1:])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        with torch.inference_mode():
+            for i in range(repeats + 2):
+                start = time.process_time()
+                model(x)
+                if i >= 2:
+                    times.append(time.process_time() - start)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times)
 
 
 def _best_litserve(points: list[Point], levels: list[int]) -> list[Point]:
@@ -271,23 +360,32 @@ def run(args: argparse.Namespace) -> Report:
         report.note("litserve: not installed (pip install 'partrain[bench]'); serve.vs_litserve not measured")
 
     points: list[Point] = []
+    latencies: dict[str, tuple[float, float]] = {}  # model: (L(1), L(highest concurrency)) in seconds
     for name in names:
         report.say(f"{name}: {MODELS[name]}, {args.threads} torch thread(s) per server, {size.duration:g} s per "
                    f"point over {size.rounds} alternating round(s)")
         contenders = []
         if have_ours:
             contenders += [ours(name, MODELS[name], n, args.threads, args.binary) for n in (args.max_batch_size, 1)]
+            if not getattr(args, "toy", False):  # the toy skips the limit: two server starts fewer in CI
+                # the HTTP path alone, batched like the adaptive server and unbatched like the other
+                contenders += [ours(name, NOOPS[REQUEST_SHAPE[name]], n, args.threads, args.binary, server=server)
+                               for n, server in ((args.max_batch_size, "noop"), (1, "noop-unbatched"))]
         if with_litserve:
             contenders += [litserve(name, MODELS[name], n, t, args.threads) for n, t in size.litserve_grid]
         if not contenders:
             continue
         measured = measure_model(name, contenders, levels, size, args, report)
         points += [p for p in measured if p.contender.server != "litserve"] + _best_litserve(measured, levels)
-    _report(report, points, names, levels)
+        repeats = 10 if smoke else 30
+        latencies[name] = (model_latency(MODELS[name], REQUEST_SHAPE[name], 1, args.threads, 10 * repeats),
+                           model_latency(MODELS[name], REQUEST_SHAPE[name], max(levels), args.threads, repeats))
+    _report(report, points, names, levels, latencies)
     return report
 
 
-def _report(report: Report, points: list[Point], names: list[str], levels: list[int]) -> None:
+def _report(report: Report, points: list[Point], names: list[str], levels: list[int],
+            latencies: dict[str, tuple[float, float]]) -> None:
     rows = []
     for p in points:
         rows.append([p.model, p.contender.server, p.contender.setting, p.concurrency, p.throughput.cell(), p.p50,
@@ -309,10 +407,30 @@ def _report(report: Report, points: list[Point], names: list[str], levels: list[
         return paired_ratio(a.throughput.values, b.throughput.values) if a and b else Spread.of([])
 
     hi, lo = max(levels), min(levels)
-    speedups, vs_litserve, p50_costs = [], [], []
-    rows = []
+    speedups, vs_litserve, p50_costs, vs_limit, tails = [], [], [], [], []
+    rows, limit_rows = [], []
     for name in names:
         speedup = ratio(find(name, "adaptive", hi), find(name, "unbatched", hi))
+        noop, noop_unbatched = find(name, "noop", hi), find(name, "noop-unbatched", hi)
+        adaptive = find(name, "adaptive", hi)
+        limit = math.nan
+        if noop and noop_unbatched and name in latencies and noop.throughput.median > 0 \
+                and noop_unbatched.throughput.median > 0:
+            # a request costs t_req on the HTTP path (per batch costs amortised when batched: t_b,
+            # not when unbatched: t_u) plus L(1) of model unbatched or L(hi)/hi batched: the most
+            # batching can give at hi clients is (t_u + L(1)) / (t_b + L(hi)/hi)
+            t_b, t_u = 1.0 / noop.throughput.median, 1.0 / noop_unbatched.throughput.median
+            l_one, l_all = latencies[name]
+            limit = (t_u + l_one) / (t_b + l_all / hi)
+            limit_rows.append([name, t_b * 1e3, t_u * 1e3, l_one * 1e3, l_all / hi * 1e3, limit, speedup.cell(),
+                               speedup.median / limit])
+            report.figure(f"{name}.t_req_batched_ms", t_b * 1e3)
+            report.figure(f"{name}.t_req_unbatched_ms", t_u * 1e3)
+            report.figure(f"{name}.L1_ms", l_one * 1e3)
+            report.figure(f"{name}.L{hi}_per_request_ms", l_all / hi * 1e3)
+            report.figure(f"{name}.batching_limit_c{hi}", limit)
+        vs_limit.append(speedup.median / limit if not math.isnan(limit) else math.nan)
+        tails.append(adaptive.p99 / adaptive.p50 if adaptive and adaptive.p50 > 0 else math.nan)
         vs_lit = ratio(find(name, "adaptive", hi), find(name, "litserve", hi))
         adaptive_alone, unbatched_alone = find(name, "adaptive", lo), find(name, "unbatched", lo)
         p50_cost = adaptive_alone.p50 - unbatched_alone.p50 if adaptive_alone and unbatched_alone else math.nan
@@ -326,6 +444,10 @@ def _report(report: Report, points: list[Point], names: list[str], levels: list[
         vs_litserve.append(vs_lit.median)
         p50_costs.append(p50_cost)
     report.table(["model", "ratio", "median (min-max)"], rows, title="ratios, round by round")
+    report.table(["model", "t_b ms", "t_u ms", "L(1) ms", f"L({hi})/{hi} ms", "limit", "adaptive/unbatched",
+                  "x limit"], limit_rows,
+                 title=f"batching limit at c={hi}: (t_u + L(1)) / (t_b + L({hi})/{hi}); t_b, t_u = 1 / req/s of a "
+                       f"no-op model at c={hi}, adaptive batching and unbatched")
 
     def worst(values: list[float], pick: Any) -> float | None:
         kept = [v for v in values if not math.isnan(v)]
@@ -334,6 +456,10 @@ def _report(report: Report, points: list[Point], names: list[str], levels: list[
 
     report.goal("serve.batched_vs_unbatched", worst(speedups, min), ">=", 5.0,
                 f"adaptive / unbatched req/s at concurrency {hi} (worst model)")
+    report.goal("serve.batched_vs_limit", worst(vs_limit, min), ">=", 0.8,
+                f"adaptive / unbatched at concurrency {hi}, over its limit (worst model)")
+    report.goal("serve.p99_over_p50", worst(tails, max), "<=", 3.0,
+                f"p99 / p50 latency of adaptive batching at concurrency {hi} (worst model)")
     report.goal("serve.vs_litserve", worst(vs_litserve, min), ">=", 1.2,
                 f"adaptive / LitServe's best setting, req/s at concurrency {hi} (worst model)")
     report.check("serve.p50_batching_cost_ms", worst(p50_costs, max), "<=", 1.0,

@@ -49,7 +49,7 @@ class Size:
     rounds: int
 
 
-FULL = Size(batch=32, image_size=16, width=32, steps=10, rounds=7)
+FULL = Size(batch=32, image_size=16, width=32, steps=60, rounds=7)
 QUICK = Size(batch=32, image_size=16, width=32, steps=5, rounds=3)
 TOY = Size(batch=4, image_size=8, width=4, steps=1, rounds=1)
 
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive_int, default=None, help="samples per worker per step (default 32)")
     parser.add_argument("--image-size", type=positive_int, default=None, help="square image side (default 16)")
     parser.add_argument("--width", type=positive_int, default=None, help="channels of the first convolution (default 32)")
-    parser.add_argument("--steps", type=positive_int, default=None, help="timed steps per round (default 10, quick 5)")
+    parser.add_argument("--steps", type=positive_int, default=None, help="timed steps per round (default 60, quick 5)")
     parser.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 7, quick 3)")
     parser.add_argument("--workers", type=positive_int, default=2, help="worker processes (default 2)")
 

@@ -12,15 +12,21 @@ size, possibly 0).
 
 Forward in training mode, per layer call, one collective:
 
-1. each rank computes its local count and per-channel shifted sums around
-   its own mean (`local_stats`), from which its mean and M2 (sum of squared
-   deviations from its mean) follow without loss of precision;
-2. one ``all_gather`` of the flat float64 tensor ``[count, shift, S1, S2]``
-   (3C+1 numbers) gives every rank every rank's statistics;
-3. they are combined with Chan's parallel formula (`combine_stats`),
-   ``M2 = sum(M2_i) + sum(n_i * (mean_i - mean)^2)``, which never subtracts two
-   large numbers: stable when the mean is large against the spread, unlike
-   ``E[x^2] - E[x]^2`` (see `naive_variance` for what that would cost).
+1. each rank computes its count and per-channel shifted sums ``S1 = sum(x - s)``,
+   ``S2 = sum((x - s)^2)`` around a shift ``s`` common to all ranks - the running
+   mean, zeros without running statistics - from PyTorch's fused one-pass
+   statistics kernel (`shifted_stats`);
+2. one ``all_reduce`` of the flat float64 tensor ``[count, s, S1, S2]`` (3C+1
+   numbers) sums them; the global ``mean = s + S1/n`` and ``M2 = S2 - S1^2/n``
+   follow, and the summed shift row checks that ``s`` really was common;
+3. when the batch mean lies far from the shift (more than `_SHIFT_LIMIT` standard
+   deviations: the first steps of a layer whose activations sit far from 0),
+   ``S2 - S1^2/n`` would cancel digits, so every rank - deciding on the same reduced
+   numbers - falls back to the exact path: an ``all_gather`` of each rank's sums
+   around its own mean (`local_stats`) combined with Chan's parallel formula
+   (`combine_stats`), ``M2 = sum(M2_i) + sum(n_i * (mean_i - mean)^2)``, which never
+   subtracts two large numbers: stable when the mean is large against the spread,
+   unlike ``E[x^2] - E[x]^2`` (see `naive_variance` for what that would cost).
 
 Backward, one collective: the per-channel sums of ``grad_out`` and
 ``grad_out * x_hat`` are all-reduced so every input gradient equals that of
@@ -54,6 +60,10 @@ Group = Any  # torch.distributed.ProcessGroup | None (None = the default group)
 
 # |mean| / std beyond which backward forms (x - mean) before scaling it (see the forward pass)
 _FOLD_MEAN_LIMIT = 4.0
+# |batch mean - shift| / std beyond which shifted sums give way to Chan's combination
+_SHIFT_LIMIT = 4.0
+# inputs with fewer values than this take the statistics in plain float64 kernels (`shifted_stats`)
+_SMALL_INPUT = 32768
 
 # recent torch releases let an affine batch norm go without bias (``bias=False``)
 _HAS_BIAS_OPTION = "bias" in inspect.signature(_BatchNorm.__init__).parameters
@@ -215,8 +225,84 @@ def _all_reduce_sum(t: torch.Tensor, group: Group) -> torch.Tensor:
     return t
 
 
+def dims_of(x: torch.Tensor) -> tuple[int, ...]:
+    """The dimensions a channel's values span: all but dimension 1."""
+    return (0, *range(2, x.dim()))
+
+
 def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
     return (x.shape[1],) + (1,) * (x.dim() - 2)
+
+
+def shifted_stats(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """This rank's ``[count, shift (C), S1 (C), S2 (C)]`` around a shift common to all ranks (float64).
+
+    ``S1 = sum(x - shift)`` and ``S2 = sum((x - shift)^2)`` per channel, so that the
+    element-wise sum over ranks gives the global ``mean = shift + S1/n`` and
+    ``M2 = S2 - S1^2/n`` (one all-reduce). They are formed from the rank's own mean
+    ``m`` and variance ``v`` (PyTorch's fused batch-norm statistics kernel, one pass):
+    ``S1 = n (m - shift)``, ``S2 = n (v + (m - shift)^2)``. When the shift is large
+    against ``scale`` (an expected standard deviation) the input is centred on the shift
+    first, so ``m`` is small and its rounding harmless. The shift's own row lets every
+    rank check that the shift really was common (`_global_stats`).
+    """
+    c = x.shape[1]
+    count = x.numel() // c if c else 0
+    out = torch.zeros(3 * c + 1, dtype=torch.float64, device=x.device)
+    out[1 : 1 + c].copy_(shift)
+    if count == 0:
+        return out
+    out[0] = count
+    xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    shift_x = shift.to(xs.dtype)
+    if x.numel() < _SMALL_INPUT:
+        # small: float64 throughout, in kernels too small to start a parallel region (the fused
+        # kernel parallelises over channels however few values each holds)
+        var, offset = torch.var_mean(xs.double() - shift.view(_channel_shape(x)), dims_of(x), correction=0)
+    elif bool((shift.abs() > _FOLD_MEAN_LIMIT * scale).any()):
+        mean, var = torch.batch_norm_update_stats(xs - shift_x.view(_channel_shape(x)), None, None, 0.0)
+        offset = mean.double()
+    else:
+        mean, var = torch.batch_norm_update_stats(xs, None, None, 0.0)
+        offset = mean.double() - shift
+    torch.mul(offset, count, out=out[1 + c : 1 + 2 * c])
+    torch.mul(offset.square_().add_(var.double()), count, out=out[1 + 2 * c :])
+    return out
+
+
+def _global_stats(x: torch.Tensor, running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                  eps: float, group: Group) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(count, mean, M2)`` of the global batch: one all-reduce, Chan's all-gather as the fallback.
+
+    The shift is the running mean (the same on every rank: every rank updates it from
+    the same global statistics, DDP broadcasts buffers, a checkpoint restores the same
+    values), zeros without running statistics. ``M2 = S2 - S1^2/n`` subtracts
+    ``n (mean - shift)^2`` from ``S2``; when the batch mean lies more than
+    ``_SHIFT_LIMIT`` standard deviations from the shift (the first steps of a layer
+    whose activations sit far from 0) that would cost digits, and every rank - deciding
+    on the same reduced numbers - takes the exact path: an ``all_gather`` of
+    `local_stats` combined by `combine_stats`.
+    """
+    c = x.shape[1]
+    if running_mean is not None and running_var is not None:
+        shift = running_mean.detach().double()
+        scale = running_var.detach().double().add(eps).sqrt_()
+    else:
+        shift = torch.zeros(c, dtype=torch.float64, device=x.device)
+        scale = torch.ones(c, dtype=torch.float64, device=x.device)
+    world = _group_size(group)
+    sums = _all_reduce_sum(shifted_stats(x, shift, scale), group).cpu().numpy()
+    own_shift = shift.cpu().numpy()
+    if not np.array_equal(sums[1 : 1 + c], world * own_shift):
+        raise UsageError("Expected the same running_mean on every rank of the group (SyncBatchNorm shifts "
+                         "its sums by it). Received: a rank whose running_mean differs")
+    n = float(sums[0])
+    s1, s2 = sums[1 + c : 1 + 2 * c], sums[1 + 2 * c :]
+    offset = s1 / max(n, 1.0)
+    m2 = np.maximum(s2 - s1 * offset, 0.0)
+    if np.all(np.square(offset) * n <= _SHIFT_LIMIT**2 * (m2 + eps * n)):
+        return int(n), own_shift + offset, m2
+    return combine_stats(_all_gather_flat(local_stats(x), group))
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -226,8 +312,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float,
                 momentum: float, group: Group) -> torch.Tensor:
-        gathered = _all_gather_flat(local_stats(x), group)
-        n, mean64, m264 = combine_stats(gathered)
+        n, mean64, m264 = _global_stats(x, running_mean, running_var, eps, group)
         if n < 2:
             # every rank sees the same counts, so every rank raises: no rank is left waiting
             raise UsageError("Expected more than 1 value per channel over the global batch when training. "

@@ -26,8 +26,14 @@ forward pass of the model (a forward pre-hook), so loading the next batch
 overlaps with the round trip and, in sync mode, with the slowest worker.
 `model_state_dict`, `state_dict`, `metrics`, `close` and the next ``step()``
 also complete an outstanding pull first. ``comm_seconds`` counts only those
-waits. ``staleness_lr=True`` divides a gradient's learning rate by its
-staleness (updates the shard received between the pull the gradient was
+waits. ``overlap=True`` (staleness > 0 only) does not wait at the forward pass: a
+training step computes on the parameters it has while the reply to the previous
+push is still in flight, and that reply is loaded at the next ``step()`` (before
+the push). The round trip and the server's update then overlap a whole forward
+and backward, at the price of one more update of staleness per gradient (with
+one worker: SGD on the gradient of the parameters one step back). Evaluation
+(a forward in eval mode) still waits. ``staleness_lr=True`` divides a gradient's
+learning rate by its staleness (updates the shard received between the pull the gradient was
 computed on and this one; at least 1).
 
 Frozen elements (`partrain.nn.freeze`): the servers run the optimizer, so worker
@@ -73,7 +79,7 @@ class ParameterServer(Strategy):
     name = "ps"
 
     def __init__(self, servers: int = 1, staleness: float = 0, backup_workers: int = 0,
-                 staleness_lr: bool = False) -> None:
+                 staleness_lr: bool = False, overlap: bool = False) -> None:
         super().__init__()
         if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
             raise UsageError(f"Expected a positive number of servers. Received: servers={servers!r}")
@@ -85,8 +91,14 @@ class ParameterServer(Strategy):
         if backup_workers and staleness != 0:
             raise UsageError(f"Expected backup_workers only in sync mode (staleness=0). Received: "
                              f"backup_workers={backup_workers}, staleness={staleness}")
+        if not isinstance(overlap, bool):
+            raise UsageError(f"Expected overlap=true or false. Received: overlap={overlap!r}")
+        if overlap and staleness == 0:
+            raise UsageError("Expected overlap only with staleness > 0 (it computes on parameters one update "
+                             "older). Received: overlap=True, staleness=0")
         self.servers = servers
         self.staleness = staleness
+        self.overlap = overlap
         self.backup_workers = backup_workers
         self.staleness_lr = bool(staleness_lr)
         #: bounded and async modes go on without a worker that died
@@ -185,7 +197,11 @@ class ParameterServer(Strategy):
         return model, self._optimizer
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        self._finish_pull()
+        # overlap: a training forward goes on with the parameters it has; the pull in flight
+        # (the reply to the last push) lands at the next step(), so the round trip and the
+        # server's update overlap this step's forward and backward (one update more stale)
+        if not (self.overlap and module.training):
+            self._finish_pull()
 
     # ----- messages -------------------------------------------------------------------------------
     def _isend(self, s: int, tensors: list[torch.Tensor]) -> None:
