@@ -13,9 +13,7 @@ from ..errors import UsageError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..models import MODELS
-    from ..train.optim import OPTIMIZERS
-    from ..train.task import LOSSES
+    from ..train.cli import add_model_data_arguments, add_optimizer_arguments
     from .run import CANDIDATES, DEFAULT_LINKS
 
     p = sub.add_parser(
@@ -44,23 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--timeout", type=float, default=120.0, help="seconds for rendezvous and every collective")
     c.add_argument("--out", default="runs/compare", help="directory for compare.json, compare.csv, compare.png")
 
-    d = p.add_argument_group("model and data (as partrain train)")
-    d.add_argument("--model", default="cnn", help=f"one of {', '.join(MODELS)} or module:function")
-    d.add_argument("--dataset", default="digits", help="digits, synthetic, a .npz file with x/y, or module:function")
-    d.add_argument("--synthetic-samples", type=int, default=4096, help="samples of --dataset synthetic")
-    d.add_argument("--synthetic-shape", default="1,8,8", help="sample shape of --dataset synthetic")
-    d.add_argument("--synthetic-classes", type=int, default=10, help="classes of --dataset synthetic")
-    d.add_argument("--test-fraction", type=float, default=0.2, help="held-out share for evaluation")
-
-    o = p.add_argument_group("optimization (as partrain train)")
-    o.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
-    o.add_argument("--lr", type=float, default=0.05)
-    o.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
-    o.add_argument("--momentum", type=float, default=0.9, help="for sgd")
-    o.add_argument("--weight-decay", type=float, default=0.0)
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--loss", default="auto", choices=LOSSES,
-                   help="per-sample loss; auto: cross_entropy for integer labels, mse for float targets")
+    add_model_data_arguments(p.add_argument_group("model and data (as partrain train)"))
+    add_optimizer_arguments(p.add_argument_group("optimization (as partrain train)"))
     p.add_argument("--json", action="store_true", help="print compare.json's content instead of the table")
     p.set_defaults(func=run)
 

@@ -28,6 +28,28 @@ DEFAULT_OUT = "runs/train"
 NOT_REPEATED = ("out", "overwrite", "resume", "config", "quiet")
 
 
+def add_model_data_arguments(d: argparse._ArgumentGroup) -> None:
+    """The model and data options (``partrain train`` and ``partrain compare`` share them)."""
+    d.add_argument("--model", default="cnn", help=f"one of {', '.join(MODELS)} or module:function")
+    d.add_argument("--dataset", default="digits", help="digits, synthetic, a .npz file with x/y, or module:function")
+    d.add_argument("--synthetic-samples", type=int, default=4096, help="samples of --dataset synthetic")
+    d.add_argument("--synthetic-shape", default="1,8,8", help="sample shape of --dataset synthetic")
+    d.add_argument("--synthetic-classes", type=int, default=10, help="classes of --dataset synthetic")
+    d.add_argument("--test-fraction", type=float, default=0.2, help="held-out share for evaluation")
+
+
+def add_optimizer_arguments(o: argparse._ArgumentGroup) -> None:
+    """The batch, optimizer, seed and loss options (``partrain train`` and ``partrain compare``)."""
+    o.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
+    o.add_argument("--lr", type=float, default=0.05)
+    o.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    o.add_argument("--momentum", type=float, default=0.9, help="for sgd")
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--loss", default="auto", choices=LOSSES,
+                   help="per-sample loss; auto: cross_entropy for integer labels, mse for float targets")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
@@ -56,12 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--master-port", type=int, default=None, help="port on node 0 (without torchrun)")
 
     d = p.add_argument_group("model and data")
-    d.add_argument("--model", default="cnn", help=f"one of {', '.join(MODELS)} or module:function")
-    d.add_argument("--dataset", default="digits", help="digits, synthetic, a .npz file with x/y, or module:function")
-    d.add_argument("--synthetic-samples", type=int, default=4096, help="samples of --dataset synthetic")
-    d.add_argument("--synthetic-shape", default="1,8,8", help="sample shape of --dataset synthetic")
-    d.add_argument("--synthetic-classes", type=int, default=10, help="classes of --dataset synthetic")
-    d.add_argument("--test-fraction", type=float, default=0.2, help="held-out share for evaluation")
+    add_model_data_arguments(d)
     d.add_argument("--sync-bn", action="store_true", help="convert BatchNorm layers to partrain's SyncBatchNorm")
 
     f = p.add_argument_group("feeding the device (see docs/data.md)")
@@ -79,17 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     o = p.add_argument_group("optimization")
     o.add_argument("--epochs", type=int, default=8)
-    o.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
+    add_optimizer_arguments(o)
     o.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    o.add_argument("--lr", type=float, default=0.05)
     o.add_argument("--scale-lr", action="store_true", help="multiply lr by workers x accumulate (linear scaling rule)")
-    o.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
-    o.add_argument("--momentum", type=float, default=0.9, help="for sgd")
-    o.add_argument("--weight-decay", type=float, default=0.0)
     o.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
-    o.add_argument("--seed", type=int, default=0)
-    o.add_argument("--loss", default="auto", choices=LOSSES,
-                   help="per-sample loss; auto: cross_entropy for integer labels, mse for float targets")
     o.add_argument("--lr-schedule", default="constant", metavar="NAME",
                    help="constant, cosine, linear or step:EPOCHS[:GAMMA], per optimizer step")
     o.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up over these steps")
