@@ -22,7 +22,6 @@ Routes added here (same bearer token as the OIP routes):
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import threading
 from typing import Any
@@ -31,9 +30,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..serve.app import create_app, error_response, json_response
+from ..serve.app import bearer_ok, create_app, error_response, guard, json_response
 from ..serve.body import body_decoder
-from ..serve.protocol import ProtocolError, ServedModel, TensorSpec
+from ..serve.protocol import ServedModel, TensorSpec
 from ..serve.replicas import _bind, serve_app, url_of
 from .learner import ExperienceFull, Learner, StaleWeights, TrainingDone
 from .wire import CONTENT_TYPE, VERSION_HEADER, decode_segment
@@ -66,21 +65,10 @@ def create_learner_app(learner: Learner, *, token: str | None = None, max_batch_
     secret = token.encode() if token else None
 
     def authorized(request: Request) -> bool:
-        if secret is None:
-            return True
-        scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), secret)
+        return bearer_ok(request, secret)
 
     def guarded(handler: Any) -> Any:
-        async def endpoint(request: Request) -> Response:
-            if not authorized(request):
-                return error_response(401, "Expected 'Authorization: Bearer TOKEN'. Received: no valid token",
-                                      {"WWW-Authenticate": "Bearer"})
-            try:
-                return await handler(request)
-            except ProtocolError as exc:
-                return error_response(exc.status, str(exc), exc.headers)
-        return endpoint
+        return guard(authorized, handler)
 
     async def info(request: Request) -> Response:
         return json_response({

@@ -154,10 +154,7 @@ class _Server:
     # ------------------------------------------------------------ helpers
 
     def authorized(self, request: Request) -> bool:
-        if self.token is None:
-            return True
-        scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), self.token)
+        return bearer_ok(request, self.token)
 
     def lookup(self, request: Request) -> ServedModel:
         name = request.path_params["name"]
@@ -276,9 +273,18 @@ class _Server:
         return Response(body_out, headers=headers)
 
 
-def _guard(server: _Server, handler: Handler, open_: bool = False) -> Handler:
+def bearer_ok(request: Request, secret: bytes | None) -> bool:
+    """Whether ``request`` carries ``Authorization: Bearer <secret>`` (always, without a secret)."""
+    if secret is None:
+        return True
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), secret)
+
+
+def guard(authorized: Callable[[Request], bool], handler: Handler, open_: bool = False) -> Handler:
+    """``handler`` behind the bearer token (401 otherwise), its `ProtocolError` as the error response."""
     async def endpoint(request: Request) -> Response:
-        if not open_ and not server.authorized(request):
+        if not open_ and not authorized(request):
             return error_response(401, "Expected 'Authorization: Bearer TOKEN'. Received: no valid token",
                                   {"WWW-Authenticate": "Bearer"})
         try:
@@ -313,7 +319,7 @@ def create_app(models: Mapping[str, ServedModel] | Sequence[ServedModel], *, tok
     server = _Server(items, token, max_body_bytes, registry or CollectorRegistry(), server_name)
 
     def route(path: str, handler: Handler, methods: list[str], open_: bool = False) -> list[Route]:
-        wrapped = _guard(server, handler, open_)
+        wrapped = guard(server.authorized, handler, open_)
         paths = [path]
         if path.startswith("/v2/models/{name}"):
             paths.append(path.replace("/v2/models/{name}", "/v2/models/{name}/versions/{version}"))
