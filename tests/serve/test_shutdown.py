@@ -25,7 +25,7 @@ import torch
 
 from partrain.serve import ServedModel, create_app
 from partrain.serve.protocol import HEADER, decode_response, encode_request
-from partrain.serve.replicas import _bind, serve_app
+from partrain.serve.replicas import bind_socket, serve_app
 
 from ..waiting import wait_until
 from .test_app import _wait_for_url
@@ -76,7 +76,7 @@ def _post(url: str, x: torch.Tensor) -> tuple[int, torch.Tensor | None]:
 def test_in_flight_requests_are_answered_when_uvicorn_stops() -> None:
     model = ServedModel.from_module("slow", Slow(), (3,), max_batch_size=4, policy="none")
     app = create_app([model])
-    sock = _bind("127.0.0.1", 0, reuse_port=False, listen=True)
+    sock = bind_socket("127.0.0.1", 0, reuse_port=False, listen=True)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     servers: list = []
     ready = threading.Event()
@@ -169,7 +169,7 @@ def test_replicas_share_one_port_and_sigterm_loses_nothing(tmp_path) -> None:
 def test_listening_socket_is_tcp_so_asyncio_disables_nagle() -> None:
     """asyncio sets TCP_NODELAY on accepted connections only for proto=IPPROTO_TCP
     sockets; without it every response waited ~40 ms for a delayed ACK."""
-    sock = _bind("127.0.0.1", 0, reuse_port=True, listen=True)
+    sock = bind_socket("127.0.0.1", 0, reuse_port=True, listen=True)
     try:
         assert sock.proto == socket.IPPROTO_TCP
     finally:

@@ -33,7 +33,7 @@ from starlette.routing import Route
 from ..serve.app import bearer_ok, create_app, error_response, guard, json_response
 from ..serve.body import body_decoder
 from ..serve.protocol import ServedModel, TensorSpec
-from ..serve.replicas import _bind, serve_app, url_of
+from ..serve.replicas import bind_socket, serve_app, url_of
 from .learner import ExperienceFull, Learner, StaleWeights, TrainingDone
 from .wire import CONTENT_TYPE, VERSION_HEADER, decode_segment
 
@@ -131,7 +131,7 @@ class LearnerServer:
         self._error: BaseException | None = None
 
     def start(self, timeout: float = 30.0) -> str:
-        sock = _bind(self.host, self.port, reuse_port=False, listen=True)
+        sock = bind_socket(self.host, self.port, reuse_port=False, listen=True)
         port = sock.getsockname()[1]
         ready = threading.Event()
 

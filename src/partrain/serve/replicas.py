@@ -43,7 +43,7 @@ from .protocol import ServedModel
 MakeModels = Callable[..., Sequence[ServedModel]]
 
 
-def _bind(host: str, port: int, *, reuse_port: bool, listen: bool) -> socket.socket:
+def bind_socket(host: str, port: int, *, reuse_port: bool, listen: bool) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP matters: asyncio sets TCP_NODELAY on accepted connections only when
     # the socket says it is TCP; with proto 0, Nagle + delayed ACKs add ~40 ms per response.
@@ -117,7 +117,7 @@ def _replica_main(make_models: MakeModels, index: int, host: str, port: int, thr
     named = {**app_options, "server_name": f"{app_options.get('server_name', 'partrain')}-replica-{index}"}
     try:
         app = build_app(make_models, device, named)
-        sock = _bind(host, port, reuse_port=True, listen=True)
+        sock = bind_socket(host, port, reuse_port=True, listen=True)
     except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
         ready.put((index, f"{type(exc).__name__}: {exc}"))
         return
@@ -153,12 +153,12 @@ def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 
     if replicas == 1:
         torch.set_num_threads(threads)
         app = build_app(make_models, devices[0], app_options)
-        sock = _bind(host, port, reuse_port=False, listen=True)
+        sock = bind_socket(host, port, reuse_port=False, listen=True)
         bound = sock.getsockname()[1]
         asyncio.run(serve_app(app, sock, on_ready=lambda _server: _ready(announce, url_of(host, bound))))
         return 0
 
-    reserve = _bind(host, port, reuse_port=True, listen=False)  # holds the port; never accepts
+    reserve = bind_socket(host, port, reuse_port=True, listen=False)  # holds the port; never accepts
     bound = reserve.getsockname()[1]
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
