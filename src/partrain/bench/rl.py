@@ -58,16 +58,16 @@ class Size:
     sb3: bool = True  # the toy size (the test suite's) leaves SB3 out: importing it costs seconds of CI
 
 
-FULL = Size(5.0, (1, 2, 4), ("local", "central"), 2, 1, 300_000)
+FULL = Size(5.0, (1, 2, 4), ("local", "central"), 3, 3, 300_000)
 QUICK = Size(3.0, (2,), ("local", "central"), 1, 0, 0)
 TOY = Size(0.5, (1,), ("local",), 1, 0, 0, sb3=False)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=None,
-                        help="alternating throughput rounds (default 2; --quick 1)")
+                        help="alternating throughput rounds (default 3; --quick 1)")
     parser.add_argument("--solve-rounds", type=int, default=None,
-                        help="time-to-475 rounds (default 1; --quick 0: not measured)")
+                        help="time-to-475 rounds (default 3; --quick 0: not measured)")
 
 
 # --------------------------------------------------------------------------- one run
