@@ -262,10 +262,7 @@ def warm_up(strategy: Any, data: Any) -> None:
         importlib.import_module(name)
     from ..train.loop import resolve_data
 
-    resolve_data(data)
-    # every rank connected before any returns: under heavy load a rank that returns at once can close
-    # the job while a peer is still connecting its process group (gloo's connectFullMesh fails then)
-    strategy.barrier()
+    resolve_data(data)  # (launch waits for every rank's gloo mesh before the job runs: no barrier here)
 
 
 def _clock(started: float) -> str:
