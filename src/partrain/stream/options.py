@@ -50,23 +50,26 @@ def resolve_loss(loss_fn: str | Callable[[Any, Tensor], Tensor]) -> Callable[[An
 
 
 def weighted_loss(loss_fn: Callable[[Any, Tensor], Tensor], output: Any, target: Tensor,
-                  weights: Tensor) -> Tensor:
+                  weights: Tensor | None) -> Tensor:
     """``sum(w_i * loss_i) / sum(w_i)`` over the rows; the plain mean when every weight is 1.
 
     A per-row loss (dim 0 = rows) is first averaged over its other dims. A scalar
     loss is taken as is, and is refused when the weights differ (it cannot be
-    weighted per item).
+    weighted per item). ``weights=None`` means every weight is 1: the mean over
+    all of the loss's elements, one op instead of five (every row has as many).
     """
     loss = loss_fn(output, target)
     rows = target.shape[0]
+    if loss.dim() > 0 and loss.shape[0] != rows:
+        raise UsageError(f"Expected loss_fn to return a scalar or one loss per row ({rows} rows). "
+                         f"Received: shape {tuple(loss.shape)}")
+    if weights is None:
+        return loss if loss.dim() == 0 else loss.mean()
     if loss.dim() == 0:
         if not bool(torch.all(weights == weights[0])):
             raise UsageError("Expected loss_fn to return one loss per row (reduction='none') to weight items. "
                              "Received: a scalar loss")
         return loss
-    if loss.shape[0] != rows:
-        raise UsageError(f"Expected loss_fn to return a scalar or one loss per row ({rows} rows). "
-                         f"Received: shape {tuple(loss.shape)}")
     per_row = loss.reshape(rows, -1).mean(1)
     w = weights.to(per_row.dtype)
     return (w * per_row).sum() / w.sum()

@@ -478,13 +478,15 @@ class OnlineTrainer:
             index = [i for i, p in enumerate(batch) if p.payload.target is not None]
             index += list(range(len(batch), len(rows)))
             target = torch.stack([p.payload.target for p in labelled] + [r.target for r in replayed]).to(self.device)
-            weights = torch.tensor([p.payload.weight for p in labelled] + [r.weight for r in replayed],
-                                   dtype=torch.float64, device=self.device)
+            given = [p.payload.weight for p in labelled] + [r.weight for r in replayed]
+            # every weight 1 (the common case): the plain mean, without a weights tensor and its ops
+            weights = None if all(w == 1.0 for w in given) else torch.tensor(given, dtype=torch.float64,
+                                                                             device=self.device)
             # every row labelled (the common case): the output as it is, no gather
             picked = output if len(index) == len(rows) else _rows_at(output, torch.tensor(index, device=self.device))
             loss = weighted_loss(self.loss_fn, picked, target, weights)
             loss_value = float(loss.detach())
-            if math.isfinite(loss_value) and float(weights.sum()) > 0:
+            if math.isfinite(loss_value) and (weights is None or float(weights.sum()) > 0):
                 factor = self.lr_factor(self.items_trained)
                 for group, base in zip(self.optimizer.param_groups, self._base_lr):
                     group["lr"] = base * factor
