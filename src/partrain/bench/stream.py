@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._process import tune_allocator
 from ..stream import OnlineTrainer
 from ..stream.metrics import percentile
 from .harness import (
@@ -338,8 +339,10 @@ def run(args: argparse.Namespace) -> Report:
 
 
 def _measure(report: Report, work: Workload, size: Size, rounds: int, args: argparse.Namespace) -> None:
+    tuned = tune_allocator()  # what `partrain stream` does in its process: every variant runs in this one
     report.say(f"model: LSTM({FEATURES} -> {size.hidden}) over {SEQ} steps + linear head, SGD, MSE; "
-               f"{args.threads} torch thread(s); max batch {args.max_batch}; {rounds} alternating round(s)")
+               f"{args.threads} torch thread(s); max batch {args.max_batch}; {rounds} alternating round(s); "
+               f"glibc heap {'tuned as in partrain stream' if tuned else 'untuned'} (every variant)")
     with torch_threads(args.threads):
         warm = min(200, size.saturation_items)  # first calls: allocator, lazy imports of torch.optim
         run_per_item(work, min(20, warm))

@@ -133,6 +133,7 @@ def load_model(spec: str) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, A
 
 
 def run(args: argparse.Namespace) -> int:
+    from .._process import tune_allocator
     from ..serve.loading import parse_shape
     from ..train.optim import make_optimizer
     from .codec import Codec
@@ -151,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO, format="partrain stream: %(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
+    # as in every process partrain starts: freed activations stay in the heap, so a step does not
+    # page-fault its memory in afresh (a step of a few ms paid up to several ms for it)
+    tune_allocator()
     torch.manual_seed(args.seed)
     model, inner, spec = load_model(args.model)
     optimizer = make_optimizer(args.optimizer, model.parameters(), lr=args.lr, momentum=args.momentum,
