@@ -41,6 +41,7 @@ import functools
 import gc
 import queue
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ from torch import nn
 from .._process import tune_allocator
 from ..stream import OnlineTrainer
 from ..stream.metrics import percentile
+from ..stream.trainer import SWITCH_INTERVAL
 from .harness import (
     Report,
     Spread,
@@ -331,15 +333,19 @@ def run(args: argparse.Namespace) -> Report:
     torch.manual_seed(0)
     work = Workload([(torch.randn(SEQ, FEATURES), torch.randn(1)) for _ in range(size.saturation_items)],
                     LstmRegressor(FEATURES, size.hidden))
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL)
     try:
         _measure(report, work, size, rounds, args)
     finally:
+        sys.setswitchinterval(switch)
         gc.unfreeze()  # the benchmark may run inside another program (a test): give its objects back
     return report
 
 
 def _measure(report: Report, work: Workload, size: Size, rounds: int, args: argparse.Namespace) -> None:
     tuned = tune_allocator()  # what `partrain stream` does in its process: every variant runs in this one
+    report.say(f"GIL switch interval {SWITCH_INTERVAL * 1000:g} ms, as partrain stream sets it (every variant)")
     report.say(f"model: LSTM({FEATURES} -> {size.hidden}) over {SEQ} steps + linear head, SGD, MSE; "
                f"{args.threads} torch thread(s); max batch {args.max_batch}; {rounds} alternating round(s); "
                f"glibc heap {'tuned as in partrain stream' if tuned else 'untuned'} (every variant)")

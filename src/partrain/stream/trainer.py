@@ -130,6 +130,17 @@ class StepRecord:
     seconds: float
 
 
+SWITCH_INTERVAL = 0.001
+"""The GIL switch interval (s) `partrain stream` sets for its process (`sys.setswitchinterval`).
+
+A producer thread that runs Python without blocking (MQTT's network thread at
+saturation, a callback) lets other threads have the GIL only every switch
+interval: at Python's default of 5 ms, the step's thread waits up to that long
+each time it comes back from a torch call. A program that embeds `OnlineTrainer`
+may set the same (it is process-wide, so the library does not).
+"""
+
+
 class _Item:
     """What travels with an item through the batcher, unbatched (the `Pending` payload)."""
 
