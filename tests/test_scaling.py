@@ -76,3 +76,18 @@ def test_throughput_from_measured_constants_by_hand():
     assert samples_per_s("allreduce", 1, c, LINK) == 3200.0
     with pytest.raises(UsageError, match="Expected a strategy among"):
         step_seconds("hogwild", 2, c, LINK)
+
+
+def test_the_host_factor_stretches_the_compute_part_of_every_step():
+    from partrain.scaling import Constants, samples_per_s, scaling_efficiency, step_seconds
+
+    c = Constants(step_s=0.01, batch=32, model_bytes=1e6, host_factor=1.5)
+    # allreduce on 2 workers: 1.5 * 0.01 + 1e-3 + 2e-5 (the link part as without h)
+    assert math.isclose(step_seconds("allreduce", 2, c, LINK), 0.01602)
+    assert math.isclose(samples_per_s("allreduce", 2, c, LINK), 64 / 0.01602)
+    # efficiency is against one worker alone (no h): what the shared host costs shows in it
+    assert math.isclose(scaling_efficiency("allreduce", 2, c, LINK), 0.01 / 0.01602)
+    assert math.isclose(step_seconds("pipeline", 4, c, LINK, microbatches=4), 0.015 / 4 * 7 / 4)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(UsageError, match="Expected a host factor h > 0"):
+            step_seconds("allreduce", 2, Constants(0.01, 32, 1e6, bad), LINK)

@@ -105,36 +105,45 @@ def predict(strategy: str, n: int, model_bytes: float, compute_s: float, link: L
 
 #: how each strategy's step time at n workers is written, with t1 the one-worker step time
 FORMULAS = {
-    "allreduce": "t(n) = t1 + 2(n-1)/n * S/B + 2(n-1) * a",
-    "ps": "t(n) = t1 + 2 n S/(k B) + 2 a,  k = max(1, n // 8) server shards",
-    "localsgd": "t(n) = t1 + (2(n-1)/n * S/B + 2(n-1) * a) / H",
-    "pipeline": "t(n) = t1/n * (m + n - 1)/m  (n stages, m micro-batches, one batch in flight)",
+    "allreduce": "t(n) = h t1 + 2(n-1)/n * S/B + 2(n-1) * a",
+    "ps": "t(n) = h t1 + 2 n S/(k B) + 2 a,  k = max(1, n // 8) server shards",
+    "localsgd": "t(n) = h t1 + (2(n-1)/n * S/B + 2(n-1) * a) / H",
+    "pipeline": "t(n) = h t1/n * (m + n - 1)/m  (n stages, m micro-batches, one batch in flight)",
 }
+#: what h is (1 where it was not measured)
+HOST_FACTOR = ("h = one worker's step when a host runs its workers at once, over its step alone "
+               "(shared cores, memory bandwidth and caches; measured here)")
 THROUGHPUT = "X(n) = n b / t(n) (pipeline: b / t(n));  efficiency E(n) = X(n) / (n X(1))"
 
 
 @dataclass(frozen=True)
 class Constants:
     """What a one-worker window measures: the step time ``t1`` (data and compute) at ``batch``
-    samples per worker, and the bytes ``S`` one worker's gradient weighs."""
+    samples per worker, and the bytes ``S`` one worker's gradient weighs; ``host_factor`` is
+    ``h``, how much longer that step takes when a host runs its workers at once (1: not
+    measured, or cores to spare)."""
 
     step_s: float
     batch: int
     model_bytes: float
+    host_factor: float = 1.0
 
 
 def step_seconds(strategy: str, n: int, c: Constants, link: Link, *, period: int = 8,
                  microbatches: int = 4, shards: int | None = None) -> float:
     """``t(n)`` of `FORMULAS` for one of its strategies."""
     _check(n, c.model_bytes, c.step_s)
+    if not (c.host_factor > 0 and math.isfinite(c.host_factor)):
+        raise UsageError(f"Expected a host factor h > 0. Received: {c.host_factor!r}")
+    t1 = c.step_s * c.host_factor
     if strategy == "allreduce":
-        return c.step_s + allreduce_seconds(n, c.model_bytes, link)
+        return t1 + allreduce_seconds(n, c.model_bytes, link)
     if strategy == "ps":
-        return c.step_s + ps_seconds(n, c.model_bytes, link, shards or max(1, n // 8))
+        return t1 + ps_seconds(n, c.model_bytes, link, shards or max(1, n // 8))
     if strategy == "localsgd":
-        return c.step_s + local_sgd_seconds(n, c.model_bytes, link, period)
+        return t1 + local_sgd_seconds(n, c.model_bytes, link, period)
     if strategy == "pipeline":
-        return c.step_s / n / (1 - pipeline_bubble(n, microbatches))
+        return t1 / n / (1 - pipeline_bubble(n, microbatches))
     raise UsageError(f"Expected a strategy among {sorted(FORMULAS)}. Received: {strategy!r}")
 
 

@@ -59,7 +59,7 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
 
     text = format_result(result)
     for needle in ("samples/s", "bytes/sample", "loss/single", f"{expected} *", f"recommended: {expected}",
-                   "predicted scaling", "t(n) = t1 + 2(n-1)/n * S/B", "512 workers", "2-worker allreduce predicted"):
+                   "predicted scaling", "t(n) = h t1 + 2(n-1)/n * S/B", "512 workers", "2-worker allreduce predicted"):
         assert needle in text, needle
 
     saved = json.loads((tmp_path / "compare.json").read_text())
@@ -68,6 +68,8 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
         "single", "allreduce"}
     assert len(saved["predictions"]) == 3 * 2 * 3  # allreduce, ps, localsgd x 2 links x 8/64/512 workers
     assert saved["validation"]["workers"] == 2.0 and saved["formulas"]["localsgd"]
+    # h, measured with both workers stepping at once: at least 1 (clamped), and what the prediction used
+    assert saved["constants"]["host_factor"] >= 1.0 and result.host_factor == saved["constants"]["host_factor"]
     csv_lines = (tmp_path / "compare.csv").read_text().splitlines()
     assert csv_lines[0].startswith("label,strategy,workers") and len(csv_lines) == 3
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any
 
-from ..scaling import FORMULAS, THROUGHPUT
+from ..scaling import FORMULAS, HOST_FACTOR, THROUGHPUT
 from ..tables import format_table
 from .measure import Measurement
 from .options import bandwidth_text
@@ -94,7 +94,7 @@ def format_result(result: CompareResult) -> str:
         c = result.constants
         lines += ["", "predicted scaling (constants from the single window: t1 = "
                   f"{c.step_s * 1e3:.2f} ms per step of b = {c.batch}, S = {c.model_bytes / 2**20:.2f} MB, "
-                  "a = 20 us per message)"]
+                  f"a = 20 us per message; h = {c.host_factor:.2f})", f"  {HOST_FACTOR}"]
         for name in ("allreduce", "ps", "localsgd"):
             lines.append(f"  {name}: {FORMULAS[name]}")
         lines.append(f"  {THROUGHPUT}")
@@ -136,7 +136,7 @@ def to_json(result: CompareResult) -> dict[str, Any]:
         "recommendation": {"pick": rec.pick, "why": rec.why, "others": rec.others} if rec else None,
         "strategies": [_measurement_json(m) for m in ranked(result)],
         "constants": vars(result.constants) if result.constants else None,
-        "formulas": {**FORMULAS, "throughput": THROUGHPUT},
+        "formulas": {**FORMULAS, "throughput": THROUGHPUT, "h": HOST_FACTOR},
         "predictions": [vars(p) for p in result.predictions],
         "validation": result.validation or None,
     })

@@ -59,6 +59,8 @@ CANDIDATES: tuple[Candidate, ...] = (
 )
 SCALE_WORKERS = (8, 64, 512)
 DEFAULT_LINKS = "10Gbit,100Gbit"
+#: about how long each half of the host-factor probe runs (seconds)
+HOST_PROBE_S = 0.5
 #: start-up of one window (a process group, the model, the data) before the first one measured it
 FIRST_OVERHEAD_S = 0.8
 #: the share of a window's time its plan fills (steps on a loaded machine run long as often as short)
@@ -97,6 +99,7 @@ class CompareResult:
     straggler: Straggler | None = None
     bandwidth: float | None = None
     link: tuple[float, float] | None = None  # the local link: bandwidth bytes/s, latency s
+    host_factor: float = 1.0  # h: a step with every worker at once on this host over one alone
     constants: Constants | None = None
     predictions: list[Prediction] = field(default_factory=list)
     #: the 2-worker check of the model: predicted from one worker, and measured
@@ -177,8 +180,10 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
             launch(warm_up, job.data, workers=processes, strategy="allreduce", timeout=timeout,
                    threads=per_process)
             result.link = link_probe(model_bytes, timeout=timeout, threads=per_process)
+            result.host_factor = host_factor(job, n, step_guess, timeout, per_process)
             say(f"{_clock(started)} processes ready; local link {result.link[0] / 1e6:,.0f} MB/s, "
-                f"latency {result.link[1] * 1e6:.0f} us")
+                f"latency {result.link[1] * 1e6:.0f} us; {n} workers at once step {result.host_factor:.2f}x "
+                "slower than one (h)")
         overheads: list[float] = []
         finish = FINISH_S + (FILES_S if out_dir else 0.0)
         learned: dict[str, float] = {}  # label -> measured step over estimated step
@@ -347,8 +352,12 @@ def initial_loss(model: nn.Module, ds: Any, task: Any, limit: int = TEST_SAMPLES
 
 
 def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[..., Any], batch_size: int,
-                threads: int, steps: int = 3) -> float:
-    """Seconds of one training step here, on a copy of the model: the first guess of a window's step."""
+                threads: int, steps: int = 3, group: Any = None) -> float:
+    """Seconds of one training step here, on a copy of the model: the first guess of a window's step.
+
+    With a process ``group``, its ranks start timing together (after a barrier), so the
+    steps run at the same time on the host (see `host_factor`).
+    """
     import copy
 
     net = copy.deepcopy(model).train()
@@ -359,6 +368,10 @@ def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[...
     torch.set_num_threads(threads)
     try:
         times = []
+        if group is not None:
+            task.loss(task.forward(net, inputs), target).mean().backward()  # first-call costs, untimed
+            opt.zero_grad(set_to_none=True)
+            torch.distributed.barrier(group=group)
         for _ in range(steps + 1):
             t0 = time.perf_counter()
             task.loss(task.forward(net, inputs), target).mean().backward()
@@ -368,6 +381,31 @@ def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[...
     finally:
         torch.set_num_threads(before)
     return statistics.median(times[1:])
+
+
+def _steps_at_once(strategy: Any, job: Job, steps: int) -> float:
+    """In a worker: the median step of the job's model and first batch, every rank at once."""
+    model, train_ds, _, task = _inspect(job)
+    return _time_steps(model, train_ds, task, job.optimizer_fn, job.batch_size, torch.get_num_threads(), steps,
+                       group=strategy.group)
+
+
+def host_factor(job: Job, workers: int, step_guess: float, timeout: float, threads: int | None) -> float:
+    """``h`` of the scaling model: one step in each of ``workers`` processes at once, over one alone.
+
+    Both are timed the same way in the pool's processes (the job's model, its first batch, a
+    training step with the optimizer), about half a second each. On a host with a core to
+    spare per process h is about 1; on a 2-core machine running 2 workers and the parent it
+    was 1.2-1.8, which the one-worker window cannot see.
+    """
+    from ..launch import launch
+
+    steps = int(min(40, max(5, HOST_PROBE_S / max(step_guess, 1e-6))))
+    alone = launch(_steps_at_once, job, steps, workers=1, strategy="allreduce", timeout=timeout,
+                   threads=threads)[0]
+    together = launch(_steps_at_once, job, steps, workers=workers, strategy="allreduce", timeout=timeout,
+                      threads=threads)
+    return max(1.0, statistics.median(together) / alone) if alone > 0 else 1.0
 
 
 def _correction(c: Candidate, n: int, learned: dict[str, float]) -> float:
@@ -404,7 +442,8 @@ def _predict(result: CompareResult, links: list[float], scale: Sequence[int]) ->
     single = result.measurement("single")
     if single is None or not single.ok or not single.samples_per_s > 0:
         return
-    c = Constants(result.batch_size / single.samples_per_s, result.batch_size, float(result.model_bytes))
+    c = Constants(result.batch_size / single.samples_per_s, result.batch_size, float(result.model_bytes),
+                  result.host_factor)
     result.constants = c
     allreduce = result.measurement("allreduce")
     if result.link is not None and allreduce is not None and allreduce.ok:
