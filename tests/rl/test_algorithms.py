@@ -81,3 +81,83 @@ def test_update_changes_the_model_and_reports_finite_figures():
     figures = VTrace().update(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
     assert all(math.isfinite(v) for v in figures.values())
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_on_policy_vtrace_with_lambda_is_gae():
+    """pi = mu, lam < 1: vs_t - V(x_t) is GAE(lambda)'s advantage, summed by hand."""
+    lam = 0.8
+    vs, _ = vtrace(column(BEHAVIOUR), column(BEHAVIOUR), column(REWARDS), column(VALUES),
+                   torch.tensor([BOOTSTRAP], dtype=torch.float64), column(DISCOUNTS), lam=lam)
+    nxt = VALUES[1:] + [BOOTSTRAP]
+    delta = [REWARDS[t] + DISCOUNTS[t] * nxt[t] - VALUES[t] for t in range(len(REWARDS))]
+    gae, acc = [], 0.0
+    for t in reversed(range(len(REWARDS))):
+        acc = delta[t] + DISCOUNTS[t] * lam * acc
+        gae.append(acc)
+    want = [v + a for v, a in zip(VALUES, gae[::-1])]
+    assert torch.allclose(vs.squeeze(1), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+def _batch(steps: int, envs: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"obs": torch.randn(steps + 1, envs, 4, dtype=torch.float64, generator=g),
+            "actions": torch.randint(0, 2, (steps, envs), generator=g),
+            "logp": torch.log(torch.rand(steps, envs, dtype=torch.float64, generator=g) * 0.8 + 0.1),
+            "rewards": torch.rand(steps, envs, dtype=torch.float64, generator=g),
+            "dones": (torch.rand(steps, envs, generator=g) < 0.2).double(),
+            "versions": torch.zeros(steps, envs, dtype=torch.int64)}
+
+
+def test_one_ppo_step_is_the_clipped_surrogate_written_by_hand():
+    from partrain.rl import PPO
+
+    torch.manual_seed(0)
+    model = ActorCritic(4, 2).double()
+    ref = ActorCritic(4, 2).double()
+    ref.load_state_dict(model.state_dict())
+    batch = _batch(6, 3)
+    algo = PPO(epochs=1, minibatches=1, max_grad_norm=1e9, value_coef=0.5, entropy_coef=0.01)
+    algo.update(model, torch.optim.SGD(model.parameters(), lr=0.1), batch)
+
+    # by hand: V-trace(lambda) targets and rho-weighted advantages from the weights before the step
+    steps, envs = 6, 3
+    with torch.no_grad():
+        logits, values = ref(batch["obs"].reshape(-1, 4))
+        logits, values = logits.reshape(steps + 1, envs, 2)[:-1], values.reshape(steps + 1, envs)
+        prox = torch.log_softmax(logits, -1).gather(-1, batch["actions"].unsqueeze(-1)).squeeze(-1)
+        vs, _ = vtrace(batch["logp"], prox, batch["rewards"], values[:-1], values[-1],
+                       algo.gamma * (1 - batch["dones"]), lam=algo.lam)
+        adv = (torch.exp(prox - batch["logp"]).clamp(max=1.0) * (vs - values[:-1])).reshape(-1)
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    new_logits, new_values = ref(batch["obs"][:-1].reshape(-1, 4))
+    log_probs = torch.log_softmax(new_logits, -1)
+    logp = log_probs.gather(-1, batch["actions"].reshape(-1, 1)).squeeze(-1)
+    ratio = torch.exp(logp - prox.reshape(-1))
+    surrogate = torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv).mean()
+    entropy = -(log_probs.exp() * log_probs).sum(-1).mean()
+    loss = -surrogate + 0.5 * 0.5 * (vs.reshape(-1) - new_values).pow(2).mean() - 0.01 * entropy
+    loss.backward()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= 0.1 * p.grad
+    for got, want in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)
+
+
+def test_ppo_reuses_each_batch_for_its_epochs_and_refuses_bad_settings():
+    from partrain.rl import PPO
+
+    torch.manual_seed(0)
+    model = ActorCritic(4, 2).double()
+    steps = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt.register_step_post_hook(lambda *_: steps.append(1))
+    figures = PPO(epochs=3, minibatches=2).update(model, opt, _batch(4, 4))
+    assert len(steps) == 3 * 2 and all(math.isfinite(v) for v in figures.values())
+    for bad, line in (({"epochs": 0}, "Expected epochs >= 1"), ({"clip": 1.5}, "Expected 0 < clip < 1")):
+        try:
+            PPO(**bad)
+        except ValueError as e:
+            assert str(e).startswith(line)
+        else:
+            raise AssertionError(f"PPO({bad}) was accepted")

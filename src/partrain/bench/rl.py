@@ -16,7 +16,8 @@ Two phases. *Throughput*: every variant runs for a fixed window in alternating r
 frames/s counts environment frames that reached the learner (SB3: timesteps). For
 partrain the policy lag (learner version minus the version that acted, per segment) and
 the central-inference batch sizes and p50 latency (as the actors measure it) are
-recorded too. *Time to 475*: partrain (2 local actors), ``single`` and ``sb3 ppo`` train
+recorded too. *Time to 475*: partrain (2 local actors), ``single``, ``single ppo``
+(`partrain.rl.PPO` in one process: shown, not a goal's) and ``sb3 ppo`` train
 from scratch until the mean return of the last 20 episodes reaches 475 (bounded by a
 frame budget; a run that does not get there counts as not reached), one run each per
 round, alternating.
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from ..rl.algorithms import PPO
 from ..rl.learner import percentile
 from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
 
@@ -136,13 +138,16 @@ def run_partrain(actors: int, mode: str, *, window: float | None, target: float 
 
 
 def run_single(*, window: float | None, target: float | None = None, max_frames: int | None = None,
-               seed: int = 0) -> Run:
+               seed: int = 0, ppo: bool = False) -> Run:
+    """The V-trace loop in one process; ``ppo``: `PPO` (10 epochs) on 8 environments x 32 steps per batch."""
+    from ..rl.run import PPO_EPOCHS
     from ..rl.single import train_single
 
+    kind = {"algorithm": PPO(epochs=PPO_EPOCHS), "num_envs": 8, "unroll": 32} if ppo else {}
     if window is not None:
-        r = train_single(ENV, seed=seed, max_frames=10**9, target=None, timeout=window)
+        r = train_single(ENV, seed=seed, max_frames=10**9, target=None, timeout=window, **kind)
         return Run(r.frames / r.seconds)
-    r = train_single(ENV, seed=seed, max_frames=max_frames or 10**9, target=target, timeout=600.0)
+    r = train_single(ENV, seed=seed, max_frames=max_frames or 10**9, target=target, timeout=600.0, **kind)
     run = Run(r.frames / r.seconds)
     if r.solved:
         run.seconds_to_target, run.frames_to_target = r.seconds_to_target or math.nan, float(r.frames_to_target or 0)
@@ -229,6 +234,9 @@ def run(args: argparse.Namespace) -> Report:
                 "partrain 2 local": lambda: run_partrain(2, "local", window=None, target=TARGET,
                                                          max_frames=size.solve_frames),
                 "single": lambda: run_single(window=None, target=TARGET, max_frames=size.solve_frames),
+                # not the goal's: PPO in one process (the runtime's learner would be its bottleneck)
+                "single ppo": lambda: run_single(window=None, target=TARGET, max_frames=size.solve_frames,
+                                                 ppo=True),
             }
             if have_sb3:
                 solvers["sb3 ppo"] = lambda: run_sb3(window=None, target=TARGET, max_frames=size.solve_frames)

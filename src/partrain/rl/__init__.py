@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .algorithms import ActorCritic, Algorithm, Batch, VTrace, vtrace
+from .algorithms import PPO, ActorCritic, Algorithm, Batch, VTrace, vtrace
 from .learner import ExperienceFull, Learner, LearnerStats, StaleWeights, TrainingDone
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "LearnerDone",
     "LearnerServer",
     "LearnerStats",
+    "PPO",
     "StaleWeights",
     "TrainingDone",
     "VTrace",

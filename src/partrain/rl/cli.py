@@ -77,6 +77,9 @@ def _learner_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=float, default=None,
                    help="stop once the mean return of the last 20 episodes reaches this (CartPole-v1: 475)")
     p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
+    p.add_argument("--algorithm", choices=("vtrace", "ppo"), default="vtrace",
+                   help="learner update: V-trace actor-critic (one step per batch, the default) or PPO "
+                        "(10 clipped epochs per batch: fewer frames, more learner time)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--unroll", type=int, default=16, help="steps per segment")
     p.add_argument("--batch-segments", type=int, default=2, help="segments per update (= per version)")
@@ -110,7 +113,7 @@ def _config(args: argparse.Namespace) -> Any:
     checkpoint = os.path.join(args.out, "checkpoint.pt")
     if args.resume and not os.path.exists(checkpoint):
         raise UsageError(f"Expected a checkpoint to resume from. Received: {checkpoint!r} (no such file)")
-    return LearnerConfig(env=args.env, hidden=args.hidden, lr=args.lr, unroll=args.unroll,
+    return LearnerConfig(env=args.env, hidden=args.hidden, lr=args.lr, unroll=args.unroll, algorithm=args.algorithm,
                          batch_segments=args.batch_segments, max_queue=args.max_queue, max_lag=args.max_lag,
                          seed=args.seed, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every,
                          resume=args.resume)
