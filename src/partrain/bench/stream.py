@@ -271,24 +271,13 @@ def run_hand_queue(work: Workload, n: int, max_batch: int, rate: float | None = 
         future.add_done_callback(functools.partial(answers.answered, i))
         q.put((work.items[i][0], work.items[i][1], future))
 
-    def hand_over(i: int) -> None:
-        submit(i, track)
+    def close() -> None:
+        q.put(None)
+        consumer.join(60)
 
     consumer = threading.Thread(target=consume, name="bench-hand-queue")
     consumer.start()
-    try:
-        if rate is not None:
-            _warm(submit)  # its steps are recorded before its answers are set: cleared here
-            steps.clear()
-            batches.clear()
-        start = _produce(n, rate, hand_over)
-        track.wait()
-    finally:
-        q.put(None)
-        consumer.join(60)
-    run = _finish(start, _schedule(n, rate), track.done, track.answers)
-    run.steps, run.batches = steps, batches
-    return run
+    return _drive(submit, close, track, n, rate, steps, batches)
 
 
 def run_online(work: Workload, n: int, max_batch: int, rate: float | None = None) -> Run:
@@ -303,21 +292,25 @@ def run_online(work: Workload, n: int, max_batch: int, rate: float | None = None
 
     trainer = OnlineTrainer(model, opt, "mse", max_batch=max_batch, max_queue=4 * max_batch, on_step=on_step,
                             dedup_window=0)
+
     def submit(i: int, answers: _Answers) -> None:
         trainer.submit(work.items[i][0], work.items[i][1]).add_done_callback(functools.partial(answers.answered, i))
 
-    def hand_over(i: int) -> None:
-        submit(i, track)
+    return _drive(submit, trainer.close, track, n, rate, steps, batches)
 
+
+def _drive(submit: Callable[[int, _Answers], None], close: Callable[[], object], track: _Answers, n: int,
+           rate: float | None, steps: list[float], batches: list[int]) -> Run:
+    """Hand items 0..n-1 to ``submit`` (warm first at a fixed rate), wait for every answer, then ``close``."""
     try:
         if rate is not None:
             _warm(submit)  # its steps are recorded before its answers are set: cleared here
             steps.clear()
             batches.clear()
-        start = _produce(n, rate, hand_over)
+        start = _produce(n, rate, lambda i: submit(i, track))
         track.wait()
     finally:
-        trainer.close()
+        close()
     run = _finish(start, _schedule(n, rate), track.done, track.answers)
     run.steps, run.batches = steps, batches
     return run
