@@ -13,6 +13,7 @@ Start with `test_preprocess_serves_raw_digits_like_the_model_on_scaled_pixels`.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import textwrap
@@ -268,4 +269,20 @@ def test_raw_inputs_described_in_metadata_are_what_loadtest_checks_against(tmp_p
     served = load_model_spec(str(ckpt))
     x = raw_digits(3)
     with torch.inference_mode():
-        assert np.array_equal(reference(x).numpy(), served.fn(x).numpy())
+        # float64; the served conv net runs channels-last on a CPU: equal up to rounding
+        assert np.allclose(reference(x).numpy(), served.fn(x).numpy(), rtol=1e-12, atol=0)
+
+
+def test_a_conv_net_is_served_channels_last_with_the_model_s_answers() -> None:
+    """On a CPU, `from_module` runs conv nets channels-last: same answers (float64), any input layout."""
+    from partrain.serve.protocol import ServedModel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 1)).double()
+    reference = copy.deepcopy(net)
+    served = ServedModel.from_module("conv", net, (3, 5, 5), dtype=torch.float64)
+    assert next(net.parameters()).is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(6, 3, 5, 5, dtype=torch.float64)
+    with torch.inference_mode():
+        got = served.fn(x)
+        assert got.is_contiguous() and torch.allclose(got, reference(x), rtol=1e-12, atol=1e-12)

@@ -289,7 +289,7 @@ def measure_model(name: str, contenders: list[Contender], levels: list[int], siz
 
 
 def model_latency(factory: str, shape: tuple[int, ...], rows: int, threads: int, repeats: int) -> float:
-    """L(rows): seconds of one forward pass on a batch of ``rows`` requests, in this process.
+    """L(rows): seconds of one forward pass on a batch of ``rows`` requests, in this process, as served.
 
     Same torch thread count as the servers; CPU seconds of this process (all its
     threads) per call, the median of ``repeats`` calls after two warm-up calls. CPU
@@ -300,7 +300,10 @@ def model_latency(factory: str, shape: tuple[int, ...], rows: int, threads: int,
     """
     import statistics
 
-    model = build_model(factory)
+    from ..serve.protocol import ServedModel
+
+    # the servers' own call (`ServedModel.from_module`: a conv net runs channels-last on a CPU)
+    model = ServedModel.from_module("latency", build_model(factory), shape[1:]).fn
     x = torch.randn(rows, *shape[1:])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
