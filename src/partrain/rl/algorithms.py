@@ -203,7 +203,8 @@ class PPO:
         samples = {"obs": obs[:-1].reshape(n, *obs.shape[2:]), "actions": batch["actions"].reshape(n),
                    "prox_logp": prox_logp.reshape(n), "advantages": advantages.reshape(n), "vs": vs.reshape(n)}
         size = max(1, n // self.minibatches)
-        figures = {"loss": 0.0, "pg_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "clip_fraction": 0.0}
+        # summed as tensors, read once at the end: no device sync per minibatch
+        sums = torch.zeros(5, dtype=torch.float64, device=obs.device)
         count = 0
         for _ in range(self.epochs):
             order = torch.randperm(n)
@@ -226,9 +227,8 @@ class PPO:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_grad_norm)
                 optimizer.step()
                 count += 1
-                figures["loss"] += loss.item()
-                figures["pg_loss"] += pg_loss.item()
-                figures["value_loss"] += value_loss.item()
-                figures["entropy"] += entropy.item()
-                figures["clip_fraction"] += float(((ratio - 1).abs() > self.clip).float().mean())
-        return {k: v / max(count, 1) for k, v in figures.items()}
+                with torch.no_grad():
+                    clip_fraction = ((ratio - 1).abs() > self.clip).double().mean()
+                    sums += torch.stack([loss, pg_loss, value_loss, entropy, clip_fraction]).double()
+        means = (sums / max(count, 1)).tolist()
+        return dict(zip(("loss", "pg_loss", "value_loss", "entropy", "clip_fraction"), means))
