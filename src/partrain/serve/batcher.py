@@ -103,6 +103,9 @@ def batch_key(inputs: tuple[Tensor, ...], pad: bool) -> tuple:
     Without padding the key is every input's trailing shape and dtype (grouping by
     shape); with padding only the rank and dtype must agree, trailing sizes may differ.
     """
+    if len(inputs) == 1:  # the common case, without a list per request
+        t = inputs[0]
+        return ((t.dim(), t.dtype, t.device),) if pad else ((t.shape[1:], t.dtype, t.device),)
     if pad:
         return tuple([(t.dim(), t.dtype, t.device) for t in inputs])
     return tuple([(t.shape[1:], t.dtype, t.device) for t in inputs])  # torch.Size is a tuple
@@ -153,10 +156,11 @@ def stack_batch(batch: Sequence[Pending], pad_value: float = 0.0, *,
     Returns the batched inputs and, per request, each input's own trailing shape
     (used to cut padded outputs back). ``same_shapes=True`` says the caller knows the
     requests share their trailing shapes (a batch `collect_batch` took without
-    padding): nothing to pad, so the per-request shape checks are skipped.
+    padding): nothing to pad, so the per-request shape checks are skipped, and the
+    shapes list is empty (`split_outputs` reads it only for a padded batch).
     """
     n_inputs = len(batch[0].inputs)
-    own = [[tuple(p.inputs[i].shape[1:]) for i in range(n_inputs)] for p in batch]
+    own = [] if same_shapes else [[tuple(p.inputs[i].shape[1:]) for i in range(n_inputs)] for p in batch]
     stacked = []
     for i in range(n_inputs):
         parts = [p.inputs[i] for p in batch]
@@ -176,7 +180,8 @@ def split_outputs(
     Cutting rule (only when padding was applied): for every output dim ``d >= 1``
     whose size equals the padded size of input 0 at the same dim ``d``, the
     request's slice is cut to its own size of input 0 at ``d`` - the contract of a
-    sequence model whose output keeps the padded dims in place.
+    sequence model whose output keeps the padded dims in place. ``own_shapes`` (from
+    `stack_batch`) is read only when ``padded``.
     """
     outs = (output,) if isinstance(output, Tensor) else tuple(output)
     total = sum(p.rows for p in batch)
@@ -190,13 +195,13 @@ def split_outputs(
     results: list[Outputs] = []
     start = 0
     ref = batched_inputs[0].shape
-    for p, own in zip(batch, own_shapes):
+    for k, p in enumerate(batch):
         mine = []
         for o in outs:
             piece = o[start:start + p.rows]
             if padded:
                 for d in range(1, min(o.dim(), len(ref))):
-                    mine_size = own[0][d - 1]
+                    mine_size = own_shapes[k][0][d - 1]
                     if o.shape[d] == ref[d] and mine_size != ref[d]:
                         piece = piece.narrow(d, 0, mine_size)
             mine.append(piece)
