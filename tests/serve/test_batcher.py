@@ -387,3 +387,72 @@ def test_fixed_policy_validates() -> None:
         FixedPolicy(-1)
     with pytest.raises(ValueError, match="max_batch_size"):
         Batcher(MODEL, max_batch_size=0)
+
+
+def _gated_double_model() -> tuple[torch.nn.Module, object, threading.Event, threading.Event, list]:
+    """A float64 model and a call that waits for ``gate`` (``entered`` is set when a call starts)."""
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().eval()
+    gate, entered, calls = threading.Event(), threading.Event(), []
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        calls.append((x.shape[0], threading.current_thread().name))
+        entered.set()
+        if not gate.wait(30):
+            raise TimeoutError("the test never opened the gate")
+        return net(x)
+
+    return net, call, gate, entered, calls
+
+
+@pytest.mark.parametrize("drain", [True, False])
+def test_inline_runs_batches_on_the_loop_thread_dequeue_all_and_stops_refusing_at_once(drain: bool) -> None:
+    net, call, gate, entered, calls = _gated_double_model()
+    b = Batcher(call, max_batch_size=64, policy="none", inline=True, name="gated").start_background()
+    xs = [torch.randn(1, 6, dtype=torch.float64) for _ in range(6)]
+    first = b.submit_threadsafe(xs[0])
+    wait_until(entered.is_set, "the first batch to start")
+    waiting = [b.submit_threadsafe(x) for x in xs[1:]]
+    assert b.queue_depth == 5  # in the inbox while the loop runs the batch, and counted
+    stopper = threading.Thread(target=b.stop_background, kwargs={"drain": drain})
+    stopper.start()
+    wait_until(lambda: not b.running, "stop_background to refuse new requests during the batch")
+    with pytest.raises(BatcherClosed):
+        b.submit_threadsafe(xs[0])
+    gate.set()
+    stopper.join(30)
+    assert not stopper.is_alive()
+    with torch.inference_mode():
+        torch.testing.assert_close(first.result(0), net(xs[0]), rtol=1e-12, atol=1e-12)
+        for x, f in zip(xs[1:], waiting):
+            if drain:
+                torch.testing.assert_close(f.result(0), net(x), rtol=1e-12, atol=1e-12)
+            else:
+                with pytest.raises(BatcherClosed):
+                    f.result(0)
+    # the five handed over during the first batch made one batch (dequeue-all), on the loop's thread
+    assert calls == ([(1, "batcher-loop-gated"), (5, "batcher-loop-gated")] if drain else [(1, "batcher-loop-gated")])
+
+
+def test_inline_answers_equal_the_model_alone_under_threads() -> None:
+    torch.manual_seed(2)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double().eval()
+    b = Batcher(net, max_batch_size=16, policy="none", inline=True).start_background()
+    results: dict[int, tuple[torch.Tensor, object]] = {}
+
+    def producer(k: int) -> None:
+        rng = torch.Generator().manual_seed(k)
+        for j in range(50):
+            x = torch.randn(1 + j % 3, 6, dtype=torch.float64, generator=rng)
+            results[k * 100 + j] = (x, b.submit_threadsafe(x))
+
+    threads = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    b.stop_background()
+    assert len(results) == 200 and b.stats.answered == 200
+    with torch.inference_mode():
+        for x, f in results.values():
+            torch.testing.assert_close(f.result(0), net(x), rtol=1e-12, atol=1e-12)

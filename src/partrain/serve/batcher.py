@@ -432,6 +432,15 @@ class Batcher:
     setting hundreds of futures then overlaps the next model call instead of
     delaying it. For throughput-bound users (online training); `in_flight` counts
     those requests until they are answered.
+
+    ``inline=True`` runs each batch on the loop's own thread instead of handing it
+    to the worker thread: no thread hand-off per batch (each costs a wake-up and a
+    wait for the GIL, up to the switch interval while a producer runs Python). The
+    loop serves nothing else while a batch runs, so only for a loop of its own
+    (`start_background`) fed by `submit_threadsafe`, as the online trainer does.
+    Requests handed over during a batch wait in the inbox and make the next batch
+    (dequeue-all); `stop_background` refuses new requests at once, even during a
+    batch, and the stop itself takes effect when the batch ends.
     """
 
     def __init__(self, fn: Callable[[Inputs], Outputs] | None, *, max_batch_size: int = 64,
@@ -439,7 +448,7 @@ class Batcher:
                  pad_value: float = 0.0, name: str = "model", pad: bool = False,
                  on_batch: Callable[[int, int, float], None] | None = None,
                  run_batch: Callable[[list[Pending]], Sequence[Any]] | None = None,
-                 overlap_answers: bool = False):
+                 overlap_answers: bool = False, inline: bool = False):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"Expected max_batch_size >= 1. Received: max_batch_size={max_batch_size!r}")
         if not isinstance(max_queue, int) or max_queue < 1:
@@ -448,7 +457,8 @@ class Batcher:
             raise ValueError("Expected a model function fn or a run_batch hook. Received: neither")
         self.fn = fn
         self.run_batch = run_batch
-        self.overlap_answers = overlap_answers
+        self.overlap_answers = overlap_answers and not inline  # inline: nothing runs beside the answers
+        self.inline = inline
         self._deferred: list[tuple[list[Pending], list[Any]]] = []  # finished, not yet answered
         self.max_batch_size = max_batch_size
         self.policy = make_policy(policy)
@@ -467,6 +477,7 @@ class Batcher:
         self._task: asyncio.Task | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._accepting = False
+        self._refusing = False  # stop_background was called: refuse new requests before the loop stops
         self._draining = True
         self._in_flight = 0  # requests dispatched and not answered yet
         self._thread: threading.Thread | None = None
@@ -479,12 +490,12 @@ class Batcher:
 
     @property
     def running(self) -> bool:
-        return self._accepting
+        return self._accepting and not self._refusing
 
     @property
     def queue_depth(self) -> int:
-        """Live requests waiting for a batch (not counting the one in flight)."""
-        return self._queued
+        """Live requests waiting for a batch (not counting the one in flight), the inbox's included."""
+        return self._queued + len(self._inbox)
 
     @property
     def in_flight(self) -> int:
@@ -501,8 +512,10 @@ class Batcher:
             raise RuntimeError(f"Batcher {self.name!r} is already started")
         self._loop = asyncio.get_running_loop()
         self._wakeup = asyncio.Event()
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"batcher-{self.name}")
+        if not self.inline:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"batcher-{self.name}")
         self._accepting = True
+        self._refusing = False
         self._task = asyncio.create_task(self._dispatch_loop(), name=f"batcher-{self.name}")
 
     async def stop(self, drain: bool = True) -> None:
@@ -555,6 +568,8 @@ class Batcher:
             return
         loop = self._loop
         assert loop is not None
+        with self._handover:  # from now on nothing new is accepted, even while a batch runs on the loop
+            self._refusing = True
         asyncio.run_coroutine_threadsafe(self.stop(drain), loop).result(timeout)
         loop.call_soon_threadsafe(loop.stop)
         self._thread.join(timeout)
@@ -580,7 +595,7 @@ class Batcher:
         dispatched by then it never runs and `TimeoutError` is raised. Cancelling
         the awaiting task drops the request if it was not dispatched yet.
         """
-        if not self._accepting:
+        if not self.running:
             raise BatcherClosed(f"Batcher {self.name!r} is not accepting requests (stopped or stopping)")
         if asyncio.get_running_loop() is not self._loop:
             raise RuntimeError(
@@ -620,7 +635,7 @@ class Batcher:
         ``timeout`` (seconds) becomes the request's deadline; raises `TimeoutError`.
         """
         loop = self._loop
-        if loop is None or not self._accepting:
+        if loop is None or not self.running:
             raise BatcherClosed(f"Batcher {self.name!r} is not running")
         try:
             running = asyncio.get_running_loop()
@@ -646,14 +661,14 @@ class Batcher:
         thousands of items per second and collect the answers later.
         """
         loop = self._loop
-        if loop is None or not self._accepting:
+        if loop is None or not self.running:
             raise BatcherClosed(f"Batcher {self.name!r} is not running")
         inputs = as_inputs(x)
         future: concurrent.futures.Future = concurrent.futures.Future()
         item = Pending(inputs, inputs[0].shape[0], future, None, time.monotonic(),
                        batch_key(inputs, self.pad), payload=payload)
         with self._handover:  # either in the inbox before `stop` takes it for the last time, or refused
-            if not self._accepting:
+            if not self._accepting or self._refusing:
                 raise BatcherClosed(f"Batcher {self.name!r} is not running")
             self._inbox.append((item, evict_oldest))
         # The loop is woken only when it waits for arrivals; while a batch runs it takes
@@ -719,6 +734,10 @@ class Batcher:
         assert self._wakeup is not None
         while True:
             self._take_inbox()
+            if self._refusing and self._accepting:  # stop_background was called: its stop decides what runs
+                self._wakeup.clear()
+                await self._wait_for_arrival(None)
+                continue
             if not self._queued:
                 self._queue.clear()  # only dead (cancelled / timed-out) requests are left
                 if not self._accepting:
@@ -783,10 +802,13 @@ class Batcher:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         self._in_flight += len(batch)
-        work = loop.run_in_executor(self._executor, self._compute, batch)
-        self._flush_answers()  # the previous batch's callers (overlap_answers), while this one runs
         try:
-            results = await work
+            if self.inline:
+                results = self._compute(batch)
+            else:
+                work = loop.run_in_executor(self._executor, self._compute, batch)
+                self._flush_answers()  # the previous batch's callers (overlap_answers), while this one runs
+                results = await work
         except Exception as exc:  # noqa: BLE001 - delivered to every caller of the batch
             self.stats.failed += len(batch)
             for item in batch:
@@ -809,6 +831,8 @@ class Batcher:
                 self.on_batch(rows, len(batch), seconds)
             except Exception:  # noqa: BLE001 - metrics must never break serving
                 pass
+        if self.inline:
+            await asyncio.sleep(0)  # let the loop's callbacks (a stop, a wake-up) run between batches
 
     def _flush_answers(self) -> None:
         """Answer the callers of the finished batch whose answers wait (see ``overlap_answers``)."""
@@ -820,7 +844,7 @@ class Batcher:
             self._in_flight -= len(batch)
 
     def _compute(self, batch: list[Pending]) -> list[Any]:
-        """Runs in the worker thread: stack, call the model, split (or the ``run_batch`` hook)."""
+        """Runs in the worker thread (the loop's, ``inline``): stack, call the model, split (or ``run_batch``)."""
         if self.run_batch is not None:
             results = list(self.run_batch(batch))
             if len(results) != len(batch):

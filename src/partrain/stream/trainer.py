@@ -9,9 +9,10 @@ number of updates applied to them.
 
 The queue, the batching and the padding are the project's one dynamic batcher
 (`partrain.serve.batcher.Batcher`): producers hand items over with
-`Batcher.submit_threadsafe`, the batcher's worker thread runs one step at a
-time, and items arriving during a step accumulate for the next one
-(dequeue-all, bounded by ``max_batch``). The step itself is this module's
+`Batcher.submit_threadsafe`, the batcher's own thread (``inline``: the one
+thread that collects a batch also runs its step, with no hand-off between
+threads per step) runs one step at a time, and items arriving during a step
+accumulate for the next one (dequeue-all, bounded by ``max_batch``). The step itself is this module's
 `OnlineTrainer._run_batch`, given to the batcher as its ``run_batch`` hook.
 
 The prediction each item gets comes from the batch's forward pass, that is,
@@ -261,7 +262,7 @@ class OnlineTrainer:
         policy = MinBatchPolicy(min_batch, max_wait)
         self._batcher = Batcher(None, max_batch_size=max_batch, policy=policy, max_queue=max_queue,
                                 pad=pad, pad_value=pad_value, name=name, run_batch=self._run_batch,
-                                overlap_answers=True)
+                                inline=True)
         self._batcher.start_background()
 
     # ---------------------------------------------------------------- producers
@@ -422,7 +423,7 @@ class OnlineTrainer:
     # ---------------------------------------------------------------- the step
 
     def _run_batch(self, batch: list[Pending]) -> list[Prediction]:
-        """One step, in the batcher's worker thread; outcomes are counted here, not per answer.
+        """One step, in the batcher's thread; outcomes are counted here, not per answer.
 
         (A done-callback per item would cost the loop thread, and the GIL, a few
         microseconds per item between two steps: at thousands of items per second
