@@ -17,8 +17,9 @@ import torch
 
 from partrain.rl import ActorCritic, Learner, LearnerServer, connect
 from partrain.rl.envs import EnvRunner
-from partrain.rl.wire import CONTENT_TYPE, decode_weights, encode_segment
+from partrain.rl.wire import CONTENT_TYPE, Segment, decode_weights, encode_segment
 from partrain.serve.protocol import HEADER, decode_infer_response, encode_request
+from partrain.train.checkpoint import load_checkpoint
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -167,3 +168,25 @@ def test_checkpoint_resume_keeps_weights_and_versions_monotonic(tmp_path):
     assert version == v == 12
     for name, value in learner.model.state_dict().items():
         assert torch.equal(state[name], value)
+
+
+def test_a_crash_while_checkpointing_never_lets_a_resumed_learner_reuse_a_published_version(tmp_path):
+    """The every-N-th version is on disk before any actor can see it: crash inside that save, and
+    the resumed learner still starts above every version the crashed one published."""
+    path = str(tmp_path / "ckpt.pt")
+    learner = make_learner(checkpoint=path, checkpoint_every=2)
+    seg = Segment(tensors=segment(0), version=0, actor="a", episode_returns=[])
+    learner._update([seg])
+    learner._update([seg])  # version 2: checkpointed
+    assert load_checkpoint(path)["rl"]["version"] == 2
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing the checkpoint")
+
+    learner.save = crash
+    learner._update([seg])  # version 3
+    with pytest.raises(KeyboardInterrupt):
+        learner._update([seg])  # would be version 4: the crash comes first
+    published = learner.version
+    resumed = make_learner(checkpoint=path, checkpoint_every=2, resume=True)
+    assert published == 3 and resumed.version == 4 > published

@@ -12,10 +12,10 @@ Threads of a learner process and what each owns:
 under one lock: an answer and its version always agree. Weights are serialised for
 local-inference actors lazily, once per version, when the first actor asks.
 
-Versions are monotonic, across restarts too: a checkpoint is written every
-``checkpoint_every`` versions, so a run that crashed had reached fewer than
-``checkpoint_every`` versions past its last checkpoint; the resumed run starts at
-that checkpoint's version plus ``checkpoint_every``.
+Versions are monotonic, across restarts too: every ``checkpoint_every``-th version is
+written to the checkpoint before it is published, so a run that crashed had published
+fewer than ``checkpoint_every`` versions past its last checkpoint; the resumed run
+starts at that checkpoint's version plus ``checkpoint_every``.
 """
 
 from __future__ import annotations
@@ -269,9 +269,15 @@ class Learner:
         batch = stack_segments(segments)
         self.model.train()
         self.stats.last_update = self.algorithm.update(self.model, self.optimizer, batch)
-        version = self.publish()
-        if self.checkpoint is not None and version % self.checkpoint_every == 0:
-            self.save(self.checkpoint)
+        # checkpoint *before* publishing: a version that is a multiple of checkpoint_every is
+        # never seen by an actor unless it is on disk, so a crash at any point leaves the last
+        # published version below (checkpoint's version + checkpoint_every), where a resumed
+        # learner starts (published first, a crash before the save would have let the resumed
+        # learner reuse a version number that actors already hold with other weights)
+        upcoming = self.version + 1
+        if self.checkpoint is not None and upcoming % self.checkpoint_every == 0:
+            self.save(self.checkpoint, version=upcoming)
+        self.publish()
 
     def report(self) -> dict[str, Any]:
         """One row of figures: frames, frames/s, return, policy lag, queue, last update's losses."""
@@ -295,13 +301,18 @@ class Learner:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, path: str) -> None:
-        """An atomic checkpoint of the model, optimizer and version (read with weights_only=True)."""
+    def save(self, path: str, version: int | None = None) -> None:
+        """An atomic checkpoint of the model, optimizer and version (read with weights_only=True).
+
+        ``version``: the version these weights are (about to be) published as; default the
+        current one.
+        """
+        version = self.version if version is None else version
         save_checkpoint(path, {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "model_spec": self.model_spec, "step": self.version,
+            "model_spec": self.model_spec, "step": version,
             "config": {"checkpoint_every": self.checkpoint_every, "env": self.env},
-            "rl": {"version": self.version, "frames": self.stats.frames, "episodes": self.stats.episodes,
+            "rl": {"version": version, "frames": self.stats.frames, "episodes": self.stats.episodes,
                    "returns": list(self.stats.returns)},
         })
 
