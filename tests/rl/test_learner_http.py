@@ -20,6 +20,7 @@ from partrain.rl.envs import EnvRunner
 from partrain.rl.wire import CONTENT_TYPE, Segment, decode_weights, encode_segment
 from partrain.serve.protocol import HEADER, decode_infer_response, encode_request
 from partrain.train.checkpoint import load_checkpoint
+from tests.waiting import wait_until
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -190,3 +191,25 @@ def test_a_crash_while_checkpointing_never_lets_a_resumed_learner_reuse_a_publis
     published = learner.version
     resumed = make_learner(checkpoint=path, checkpoint_every=2, resume=True)
     assert published == 3 and resumed.version == 4 > published
+
+
+def test_train_waits_for_every_actor_and_starts_its_clock_with_a_fresh_model():
+    """wait_actors=2: segments before both actors have sent one are dropped (acted before the clock)."""
+    learner = make_learner()
+    seg = lambda actor, returns: Segment(tensors=segment(0), version=0, actor=actor,  # noqa: E731
+                                        episode_returns=returns)
+    learner.offer(seg("a", [1.0]))
+    learner.offer(seg("b", [2.0]))  # both actors act: the clock starts when this one is taken
+    learner.offer(seg("a", [3.0]))  # queued before the clock (acted by the fresh model): dropped too
+    stats_box = {}
+    trainer = threading.Thread(target=lambda: stats_box.update(
+        st=learner.train(max_frames=2 * 4 * 2, timeout=60, wait_actors=2)))
+    trainer.start()
+    wait_until(lambda: learner.stats.startup_seconds > 0 and learner.queue_depth == 0, "the clock started")
+    assert learner.version == 0 and learner.stats.frames == 0 and learner.stats.segments == 0
+    learner.offer(seg("a", [4.0]))
+    learner.offer(seg("b", [5.0]))
+    trainer.join(60)
+    st = stats_box["st"]
+    assert st.frames == 2 * 4 * 2 and st.segments == 2 and learner.version == 2  # batch_segments=1
+    assert list(st.returns) == [4.0, 5.0] and st.episodes == 2  # nothing from before the clock
