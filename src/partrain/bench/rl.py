@@ -341,14 +341,14 @@ def _report(report: Report, fps: dict[str, list[Run]], solve: dict[str, list[Run
             report.figure(f"time_to_475.{name.replace(' ', '_')}", secs)
             report.figure(f"time_to_475_with_startup.{name.replace(' ', '_')}", with_startup)
             report.figure(f"frames_to_475.{name.replace(' ', '_')}", frames)
-            rows.append([name, secs.cell(), with_startup.cell(), frames.cell(), f"{reached}/{len(runs)}",
-                         _CLOCKS.get(name.split(" ")[0] if name.startswith("partrain") else name, "")])
+            rows.append([name, secs.cell(), with_startup.cell(), frames.cell(), f"{reached}/{len(runs)}"])
             if name.startswith("partrain"):
                 partrain_lags += [lag for r in runs for lag in r.lags]
-        report.table(["variant", "seconds to 475 median (min-max)", "incl. start-up", "frames to 475", "reached",
-                      "clock starts (incl. start-up: from)"], rows,
-                     title=f"time to a mean return of {TARGET:g} over the last 20 episodes, from scratch "
-                           f"(goal and ratios: the first column)")
+        report.table(["variant", "seconds to 475 median (min-max)", "incl. start-up", "frames to 475", "reached"],
+                     rows, title=f"time to a mean return of {TARGET:g} over the last 20 episodes, from scratch, "
+                                 f"seed r in round r (goal and ratios: the first column)")
+        for name, (clock, startup) in _CLOCKS.items():
+            report.say(f"  {name} clock: from {clock}; incl. start-up: from {startup}")
         if have_sb3:
             ratio = paired_ratio([r.seconds_to_target for r in solve["partrain 2 local"]],
                                  [r.seconds_to_target for r in solve["sb3 ppo"]])
@@ -370,12 +370,13 @@ def _report(report: Report, fps: dict[str, list[Run]], solve: dict[str, list[Run
                 "median policy lag of partrain's segments (versions)")
 
 
-#: what each time-to-475 clock covers: (first column; incl. start-up column)
+#: what each time-to-475 clock covers: (first column, incl. start-up column)
 _CLOCKS = {
-    "partrain": "every actor acting, fresh model (launching the actor processes: python, torch import)",
-    "single": "model and environments built (the train_single call)",
-    "single ppo": "model and environments built (the train_single call)",
-    "sb3 ppo": "model.learn(): env and model built (building them; SB3's import not counted)",
+    "partrain": ("every actor acting (each sent a segment), the learner's model fresh",
+                 "launching the actor processes (python, torch import, connect, first weights)"),
+    "single": ("its model and environments built", "the train_single call"),
+    "sb3 ppo": ("model.learn(), its environments and model built",
+                "building its environments and model (SB3's import not counted)"),
 }
 
 
