@@ -154,10 +154,33 @@ def test_ppo_reuses_each_batch_for_its_epochs_and_refuses_bad_settings():
     opt.register_step_post_hook(lambda *_: steps.append(1))
     figures = PPO(epochs=3, minibatches=2).update(model, opt, _batch(4, 4))
     assert len(steps) == 3 * 2 and all(math.isfinite(v) for v in figures.values())
-    for bad, line in (({"epochs": 0}, "Expected epochs >= 1"), ({"clip": 1.5}, "Expected 0 < clip < 1")):
+    for bad, line in (({"epochs": 0}, "Expected epochs >= 1"), ({"clip": 1.5}, "Expected 0 < clip < 1"),
+                      ({"epochs": 3, "min_epochs": 4}, "Expected 1 <= min_epochs <= epochs (3)")):
         try:
             PPO(**bad)
         except ValueError as e:
             assert str(e).startswith(line)
         else:
             raise AssertionError(f"PPO({bad}) was accepted")
+
+
+def test_ppo_cuts_its_passes_short_once_enough_but_never_below_min_epochs():
+    """What the learner asks between passes ("is the next batch waiting?") ends the update early."""
+    from partrain.rl import PPO
+
+    def passes(algo: PPO, enough) -> tuple[int, float]:  # noqa: ANN001
+        torch.manual_seed(0)
+        model = ActorCritic(4, 2).double()
+        steps = []
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt.register_step_post_hook(lambda *_: steps.append(1))
+        figures = algo.update(model, opt, _batch(4, 4), enough=enough)
+        return len(steps), figures["epochs"]
+
+    asked = []
+    assert passes(PPO(epochs=5, min_epochs=2), lambda: asked.append(1) or len(asked) >= 2) == (3, 3.0)
+    assert len(asked) == 2  # asked after passes 2 and 3 only, not before min_epochs
+    assert passes(PPO(epochs=5, min_epochs=2), lambda: True) == (2, 2.0)
+    assert passes(PPO(epochs=5, min_epochs=2), lambda: False) == (5, 5.0)
+    assert passes(PPO(epochs=5, min_epochs=2), None) == (5, 5.0)
+    assert passes(PPO(epochs=5), lambda: True) == (5, 5.0)  # no min_epochs: a fixed count

@@ -17,8 +17,10 @@ import torch
 
 from partrain.rl import ActorCritic, Learner, LearnerServer, connect
 from partrain.rl.envs import EnvRunner
-from partrain.rl.wire import CONTENT_TYPE, decode_weights, encode_segment
+from partrain.rl.wire import CONTENT_TYPE, Segment, decode_weights, encode_segment
 from partrain.serve.protocol import HEADER, decode_infer_response, encode_request
+from partrain.train.checkpoint import load_checkpoint
+from tests.waiting import wait_until
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -167,3 +169,47 @@ def test_checkpoint_resume_keeps_weights_and_versions_monotonic(tmp_path):
     assert version == v == 12
     for name, value in learner.model.state_dict().items():
         assert torch.equal(state[name], value)
+
+
+def test_a_crash_while_checkpointing_never_lets_a_resumed_learner_reuse_a_published_version(tmp_path):
+    """The every-N-th version is on disk before any actor can see it: crash inside that save, and
+    the resumed learner still starts above every version the crashed one published."""
+    path = str(tmp_path / "ckpt.pt")
+    learner = make_learner(checkpoint=path, checkpoint_every=2)
+    seg = Segment(tensors=segment(0), version=0, actor="a", episode_returns=[])
+    learner._update([seg])
+    learner._update([seg])  # version 2: checkpointed
+    assert load_checkpoint(path)["rl"]["version"] == 2
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing the checkpoint")
+
+    learner.save = crash
+    learner._update([seg])  # version 3
+    with pytest.raises(KeyboardInterrupt):
+        learner._update([seg])  # would be version 4: the crash comes first
+    published = learner.version
+    resumed = make_learner(checkpoint=path, checkpoint_every=2, resume=True)
+    assert published == 3 and resumed.version == 4 > published
+
+
+def test_train_waits_for_every_actor_and_starts_its_clock_with_a_fresh_model():
+    """wait_actors=2: segments before both actors have sent one are dropped (acted before the clock)."""
+    learner = make_learner()
+    seg = lambda actor, returns: Segment(tensors=segment(0), version=0, actor=actor,  # noqa: E731
+                                        episode_returns=returns)
+    learner.offer(seg("a", [1.0]))
+    learner.offer(seg("b", [2.0]))  # both actors act: the clock starts when this one is taken
+    learner.offer(seg("a", [3.0]))  # queued before the clock (acted by the fresh model): dropped too
+    stats_box = {}
+    trainer = threading.Thread(target=lambda: stats_box.update(
+        st=learner.train(max_frames=2 * 4 * 2, timeout=60, wait_actors=2)))
+    trainer.start()
+    wait_until(lambda: learner.stats.startup_seconds > 0 and learner.queue_depth == 0, "the clock started")
+    assert learner.version == 0 and learner.stats.frames == 0 and learner.stats.segments == 0
+    learner.offer(seg("a", [4.0]))
+    learner.offer(seg("b", [5.0]))
+    trainer.join(60)
+    st = stats_box["st"]
+    assert st.frames == 2 * 4 * 2 and st.segments == 2 and learner.version == 2  # batch_segments=1
+    assert list(st.returns) == [4.0, 5.0] and st.episodes == 2  # nothing from before the clock

@@ -16,11 +16,20 @@ Two phases. *Throughput*: every variant runs for a fixed window in alternating r
 frames/s counts environment frames that reached the learner (SB3: timesteps). For
 partrain the policy lag (learner version minus the version that acted, per segment) and
 the central-inference batch sizes and p50 latency (as the actors measure it) are
-recorded too. *Time to 475*: partrain (2 local actors), ``single``, ``single ppo``
-(`partrain.rl.PPO` in one process: shown, not a goal's) and ``sb3 ppo`` train
-from scratch until the mean return of the last 20 episodes reaches 475 (bounded by a
-frame budget; a run that does not get there counts as not reached), one run each per
-round, alternating.
+recorded too. *Time to 475*: partrain (2 local actors), ``partrain 2 local ppo``
+(the runtime with `PPO_ADAPTIVE`), ``single``, ``single ppo`` (`partrain.rl.PPO` in
+one process; these three are shown, not a goal's) and ``sb3 ppo`` train from scratch
+until the mean return of the last 20 episodes reaches 475 (bounded by a frame budget;
+a run that does not get there counts as not reached), one run each per round,
+alternating; round r uses seed r for every variant.
+
+The clocks of time to 475 (`_CLOCKS`, printed with the table): partrain's actors are
+processes "started by anyone", so its clock starts once every actor is up and acting
+(first segment sent) with the learner's model still fresh, the earlier segments
+dropped; SB3's starts in ``model.learn()`` once its environments and model are built;
+``single``'s once its model and environments are built. Each run's time including its
+start-up (partrain: from launching the actor processes, each importing torch; SB3: from
+building its environments, its import not counted) is printed beside it.
 
 Goals (issue 13): rl.time_to_475_vs_sb3 (partrain's wall time to 475 / SB3 PPO's) <=
 0.5; rl.fps_vs_sb3 (partrain's best frames/s / SB3 PPO's) >= 2; rl.policy_lag_p50
@@ -30,6 +39,7 @@ Goals (issue 13): rl.time_to_475_vs_sb3 (partrain's wall time to 475 / SB3 PPO's
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import re
 import statistics
@@ -47,6 +57,9 @@ from .harness import Report, Spread, alternate, paired_ratio, pick_size, positiv
 
 ENV = "CartPole-v1"
 TARGET = 475.0
+#: the runtime with PPO: up to 10 passes per batch, at least 2, more only while the next
+#: batch is still being collected; a queue of 4 segments (2 batches) bounds the lag
+PPO_ADAPTIVE: dict[str, Any] = {"algorithm": "ppo", "epochs": 10, "min_epochs": 2, "max_queue": 4}
 
 
 @dataclass(frozen=True)
@@ -83,8 +96,9 @@ class Run:
     lags: list[int] = field(default_factory=list)
     batch_sizes: dict[int, int] = field(default_factory=dict)
     infer_p50_ms: float = math.nan
-    seconds_to_target: float = math.nan  # nan: not reached (or not a solve run)
+    seconds_to_target: float = math.nan  # nan: not reached (or not a solve run); clock: see _CLOCKS
     frames_to_target: float = math.nan
+    seconds_with_startup: float = math.nan  # the same run's time to target including its start-up
 
 
 def _infer_p50(outputs: list[str]) -> float:
@@ -93,15 +107,23 @@ def _infer_p50(outputs: list[str]) -> float:
 
 
 def run_partrain(actors: int, mode: str, *, window: float | None, target: float | None = None,
-                 max_frames: int | None = None, seed: int = 0) -> Run:
-    """A learner here, ``actors`` actor processes; throughput over ``window`` s, or a run to ``target``."""
+                 max_frames: int | None = None, seed: int = 0, config: dict[str, Any] | None = None) -> Run:
+    """A learner here, ``actors`` actor processes; throughput over ``window`` s, or a run to ``target``.
+
+    A run to ``target`` is timed from the moment every actor is up and acting (each has
+    sent a segment: process started, torch imported, connected, first weights pulled),
+    with the learner's model still fresh and those first segments dropped; the time
+    from launching the actor processes is recorded too (``seconds_with_startup``).
+    ``config``: `LearnerConfig` fields other than the defaults (experiments).
+    """
     from ..rl.run import LearnerConfig, build_learner, serving, start_actor, stop_actors
 
-    learner = build_learner(LearnerConfig(env=ENV, seed=seed))
+    learner = build_learner(LearnerConfig(env=ENV, seed=seed, **(config or {})))
     procs: list[Any] = []
     outputs: list[str] = []
     with serving(learner) as server:
         batcher = server.app.state.batchers["policy"]
+        launched = time.perf_counter()
         for i in range(actors):
             procs.append(start_actor(server.url, ENV, num_envs=8, mode=mode, seed=seed * 100 + i + 1, token=None,
                                      name=f"bench-{i}", capture=True))
@@ -123,10 +145,12 @@ def run_partrain(actors: int, mode: str, *, window: float | None, target: float 
                 learner.stop()
                 trainer.join(30)
             else:
-                st = learner.train(target=target, max_frames=max_frames, timeout=600.0)
+                # the clock starts once all actors act, as for processes "started by anyone"
+                st = learner.train(target=target, max_frames=max_frames, timeout=600.0, wait_actors=actors)
                 run = Run(st.frames / max(1e-9, time.perf_counter() - st.started), list(st.lags))
                 if st.solved_at is not None:
                     run.seconds_to_target, run.frames_to_target = st.solved_at, float(st.solved_frames or 0)
+                    run.seconds_with_startup = st.started - launched + st.solved_at
         finally:
             learner.finished = True
     stop_actors(procs, timeout=20.0)
@@ -144,14 +168,24 @@ def run_single(*, window: float | None, target: float | None = None, max_frames:
     from ..rl.single import train_single
 
     kind = {"algorithm": PPO(epochs=PPO_EPOCHS), "num_envs": 8, "unroll": 32} if ppo else {}
+    called = time.perf_counter()
     if window is not None:
         r = train_single(ENV, seed=seed, max_frames=10**9, target=None, timeout=window, **kind)
         return Run(r.frames / r.seconds)
     r = train_single(ENV, seed=seed, max_frames=max_frames or 10**9, target=target, timeout=600.0, **kind)
+    ended = time.perf_counter()
     run = Run(r.frames / r.seconds)
     if r.solved:
         run.seconds_to_target, run.frames_to_target = r.seconds_to_target or math.nan, float(r.frames_to_target or 0)
+        # train_single's clock starts after its model and environments are built
+        run.seconds_with_startup = (ended - called) - r.seconds + run.seconds_to_target
     return run
+
+
+def _seeded(fn: Any) -> Any:
+    """``fn(seed=k)`` on its k-th call (k = 0, 1, ...): one seed per round."""
+    calls = itertools.count()
+    return lambda: fn(next(calls))
 
 
 def sb3_available() -> bool:
@@ -169,6 +203,7 @@ def run_sb3(*, window: float | None, target: float | None = None, max_frames: in
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
 
+    called = time.perf_counter()  # SB3 itself was imported before: its import is not counted
     env = make_vec_env(ENV, n_envs=8, seed=seed)
 
     def linear(start: float):  # noqa: ANN202 - the zoo's "lin_" schedules
@@ -198,7 +233,8 @@ def run_sb3(*, window: float | None, target: float | None = None, max_frames: in
     model.learn(total_timesteps=budget, callback=Stop())
     seconds = time.perf_counter() - t0
     env.close()
-    return Run(model.num_timesteps / seconds, seconds_to_target=state["solved"], frames_to_target=state["frames"])
+    return Run(model.num_timesteps / seconds, seconds_to_target=state["solved"], frames_to_target=state["frames"],
+               seconds_with_startup=state["solved"] + (t0 - called))
 
 
 # --------------------------------------------------------------------------- the benchmark
@@ -230,16 +266,23 @@ def run(args: argparse.Namespace) -> Report:
             f"round {r + 1} {name}: {res.fps:.0f} frames/s"))
         solve: dict[str, list[Run]] = {}
         if solve_rounds:
+            budget = size.solve_frames
+            # round r runs every variant with seed r: the spread is over seeds, not only timing noise
             solvers: dict[str, Any] = {
-                "partrain 2 local": lambda: run_partrain(2, "local", window=None, target=TARGET,
-                                                         max_frames=size.solve_frames),
-                "single": lambda: run_single(window=None, target=TARGET, max_frames=size.solve_frames),
-                # not the goal's: PPO in one process (the runtime's learner would be its bottleneck)
-                "single ppo": lambda: run_single(window=None, target=TARGET, max_frames=size.solve_frames,
-                                                 ppo=True),
+                "partrain 2 local": _seeded(lambda seed: run_partrain(2, "local", window=None, target=TARGET,
+                                                                      max_frames=budget, seed=seed)),
+                # not the goal's: the runtime with PPO whose passes overlap collection (see PPO_ADAPTIVE)
+                "partrain 2 local ppo": _seeded(lambda seed: run_partrain(2, "local", window=None, target=TARGET,
+                                                                          max_frames=budget, seed=seed,
+                                                                          config=PPO_ADAPTIVE)),
+                "single": _seeded(lambda seed: run_single(window=None, target=TARGET, max_frames=budget, seed=seed)),
+                # not the goal's: PPO in one process
+                "single ppo": _seeded(lambda seed: run_single(window=None, target=TARGET, max_frames=budget,
+                                                              seed=seed, ppo=True)),
             }
             if have_sb3:
-                solvers["sb3 ppo"] = lambda: run_sb3(window=None, target=TARGET, max_frames=size.solve_frames)
+                solvers["sb3 ppo"] = _seeded(lambda seed: run_sb3(window=None, target=TARGET, max_frames=budget,
+                                                                  seed=seed))
             solve = alternate(solvers, solve_rounds, on_result=lambda r, name, res: report.progress(
                 f"solve round {r + 1} {name}: {res.seconds_to_target:.1f} s, {res.frames_to_target:.0f} frames"))
     finally:
@@ -292,15 +335,20 @@ def _report(report: Report, fps: dict[str, list[Run]], solve: dict[str, list[Run
         rows = []
         for name, runs in solve.items():
             secs = Spread.of([r.seconds_to_target for r in runs])
+            with_startup = Spread.of([r.seconds_with_startup for r in runs])
             frames = Spread.of([r.frames_to_target for r in runs])
             reached = sum(not math.isnan(r.seconds_to_target) for r in runs)
             report.figure(f"time_to_475.{name.replace(' ', '_')}", secs)
+            report.figure(f"time_to_475_with_startup.{name.replace(' ', '_')}", with_startup)
             report.figure(f"frames_to_475.{name.replace(' ', '_')}", frames)
-            rows.append([name, secs.cell(), frames.cell(), f"{reached}/{len(runs)}"])
+            rows.append([name, secs.cell(), with_startup.cell(), frames.cell(), f"{reached}/{len(runs)}"])
             if name.startswith("partrain"):
                 partrain_lags += [lag for r in runs for lag in r.lags]
-        report.table(["variant", "seconds to 475 median (min-max)", "frames to 475", "reached"], rows,
-                     title=f"time to a mean return of {TARGET:g} over the last 20 episodes, from scratch")
+        report.table(["variant", "seconds to 475 median (min-max)", "incl. start-up", "frames to 475", "reached"],
+                     rows, title=f"time to a mean return of {TARGET:g} over the last 20 episodes, from scratch, "
+                                 f"seed r in round r (goal and ratios: the first column)")
+        for name, (clock, startup) in _CLOCKS.items():
+            report.say(f"  {name} clock: from {clock}; incl. start-up: from {startup}")
         if have_sb3:
             ratio = paired_ratio([r.seconds_to_target for r in solve["partrain 2 local"]],
                                  [r.seconds_to_target for r in solve["sb3 ppo"]])
@@ -320,6 +368,16 @@ def _report(report: Report, fps: dict[str, list[Run]], solve: dict[str, list[Run
     lag = percentile(partrain_lags, 50)
     report.goal("rl.policy_lag_p50", None if math.isnan(lag) else lag, "<=", 1.0,
                 "median policy lag of partrain's segments (versions)")
+
+
+#: what each time-to-475 clock covers: (first column, incl. start-up column)
+_CLOCKS = {
+    "partrain": ("every actor acting (each sent a segment), the learner's model fresh",
+                 "launching the actor processes (python, torch import, connect, first weights)"),
+    "single": ("its model and environments built", "the train_single call"),
+    "sb3 ppo": ("model.learn(), its environments and model built",
+                "building its environments and model (SB3's import not counted)"),
+}
 
 
 def _n(x: float, fmt: str = "{:g}") -> str:

@@ -18,6 +18,7 @@ a discrete action space and ``value`` ``[N]``. `ActorCritic` is a small MLP that
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -161,6 +162,13 @@ class PPO:
 
     The defaults follow the RL Zoo's PPO settings for CartPole-v1 (gamma 0.98, lambda
     0.8, 20 epochs, clip 0.2).
+
+    ``min_epochs`` (default: ``epochs``, a fixed count) lets the caller cut the passes
+    short: after each pass from the ``min_epochs``-th on, ``update``'s ``enough()`` is
+    asked and a true answer ends the update. `Learner` answers "the next batch is
+    waiting", so the learner runs extra passes only while the actors collect the next
+    batch (epochs overlapped with collection), and a slow learner never makes segments
+    wait longer than ``min_epochs`` passes.
     """
 
     gamma: float = 0.98
@@ -174,17 +182,24 @@ class PPO:
     c_bar: float = 1.0
     max_grad_norm: float = 0.5
     normalize_advantages: bool = True
+    min_epochs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("epochs", "minibatches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Expected {name} >= 1. Received: {name}={value!r}")
+        if self.min_epochs is not None and (isinstance(self.min_epochs, bool) or not isinstance(self.min_epochs, int)
+                                            or not 1 <= self.min_epochs <= self.epochs):
+            raise ValueError(f"Expected 1 <= min_epochs <= epochs ({self.epochs}). "
+                             f"Received: min_epochs={self.min_epochs!r}")
         if not 0 < self.clip < 1:
             raise ValueError(f"Expected 0 < clip < 1. Received: clip={self.clip!r}")
 
-    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> dict[str, float]:
-        """``epochs`` x ``minibatches`` clipped-surrogate steps on ``batch``."""
+    def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch,
+               enough: Callable[[], bool] | None = None) -> dict[str, float]:
+        """``epochs`` x ``minibatches`` clipped-surrogate steps on ``batch`` (fewer passes, not
+        under ``min_epochs``, once ``enough()`` is true)."""
         obs = batch["obs"]
         steps, envs = batch["actions"].shape
         flat_obs = obs.reshape(-1, *obs.shape[2:])
@@ -206,7 +221,12 @@ class PPO:
         # summed as tensors, read once at the end: no device sync per minibatch
         sums = torch.zeros(5, dtype=torch.float64, device=obs.device)
         count = 0
-        for _ in range(self.epochs):
+        least = self.epochs if self.min_epochs is None else self.min_epochs
+        passes = 0
+        for epoch in range(self.epochs):
+            if epoch >= least and enough is not None and enough():
+                break
+            passes += 1
             order = torch.randperm(n)
             for start in range(0, n - size + 1, size):
                 idx = order[start:start + size]
@@ -231,4 +251,6 @@ class PPO:
                     clip_fraction = ((ratio - 1).abs() > self.clip).double().mean()
                     sums += torch.stack([loss, pg_loss, value_loss, entropy, clip_fraction]).double()
         means = (sums / max(count, 1)).tolist()
-        return dict(zip(("loss", "pg_loss", "value_loss", "entropy", "clip_fraction"), means))
+        figures = dict(zip(("loss", "pg_loss", "value_loss", "entropy", "clip_fraction"), means))
+        figures["epochs"] = float(passes)
+        return figures

@@ -80,6 +80,10 @@ def _learner_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithm", choices=("vtrace", "ppo"), default="vtrace",
                    help="learner update: V-trace actor-critic (one step per batch, the default) or PPO "
                         "(10 clipped epochs per batch: fewer frames, more learner time)")
+    p.add_argument("--epochs", type=int, default=None, help="ppo: passes per batch (default 10)")
+    p.add_argument("--min-epochs", type=int, default=None,
+                   help="ppo: run fewer passes, not under this many, once the next batch is waiting "
+                        "(passes overlap collection; default: always --epochs)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--unroll", type=int, default=16, help="steps per segment")
     p.add_argument("--batch-segments", type=int, default=2, help="segments per update (= per version)")
@@ -106,14 +110,20 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from .run import LearnerConfig
+    from .run import PPO_EPOCHS, LearnerConfig
 
-    _positive(args, "max_frames", "lr", "unroll", "batch_segments", "max_queue", "max_lag", "hidden",
+    _positive(args, "max_frames", "lr", "epochs", "min_epochs", "unroll", "batch_segments", "max_queue", "max_lag", "hidden",
               "checkpoint_every", "report_every", "timeout")
     checkpoint = os.path.join(args.out, "checkpoint.pt")
     if args.resume and not os.path.exists(checkpoint):
         raise UsageError(f"Expected a checkpoint to resume from. Received: {checkpoint!r} (no such file)")
+    if (args.epochs is not None or args.min_epochs is not None) and args.algorithm != "ppo":
+        raise UsageError(f"Expected --epochs/--min-epochs with --algorithm ppo. Received: --algorithm {args.algorithm}")
+    if args.min_epochs is not None and args.min_epochs > (args.epochs or PPO_EPOCHS):
+        raise UsageError(f"Expected --min-epochs <= --epochs ({args.epochs or PPO_EPOCHS}). Received: --min-epochs "
+                         f"{args.min_epochs}")
     return LearnerConfig(env=args.env, hidden=args.hidden, lr=args.lr, unroll=args.unroll, algorithm=args.algorithm,
+                         epochs=args.epochs, min_epochs=args.min_epochs,
                          batch_segments=args.batch_segments, max_queue=args.max_queue, max_lag=args.max_lag,
                          seed=args.seed, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every,
                          resume=args.resume)

@@ -12,10 +12,10 @@ Threads of a learner process and what each owns:
 under one lock: an answer and its version always agree. Weights are serialised for
 local-inference actors lazily, once per version, when the first actor asks.
 
-Versions are monotonic, across restarts too: a checkpoint is written every
-``checkpoint_every`` versions, so a run that crashed had reached fewer than
-``checkpoint_every`` versions past its last checkpoint; the resumed run starts at
-that checkpoint's version plus ``checkpoint_every``.
+Versions are monotonic, across restarts too: every ``checkpoint_every``-th version is
+written to the checkpoint before it is published, so a run that crashed had published
+fewer than ``checkpoint_every`` versions past its last checkpoint; the resumed run
+starts at that checkpoint's version plus ``checkpoint_every``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class LearnerStats:
     episodes: int = 0
     returns: deque[float] = field(default_factory=lambda: deque(maxlen=20))
     lags: list[int] = field(default_factory=list)  # learner version - segment version, per segment trained
-    started: float = field(default_factory=time.perf_counter)
+    started: float = field(default_factory=time.perf_counter)  # the clock's origin (see Learner.train)
+    startup_seconds: float = 0.0  # from train() to the clock's origin (waiting for actors)
     solved_at: float | None = None  # seconds from start to the target mean return
     solved_frames: int | None = None
     idle: bool = False  # train() ended because no segment came for idle_timeout seconds
@@ -213,14 +214,21 @@ class Learner:
     def train(self, *, max_frames: int | None = None, target: float | None = None,
               timeout: float | None = None, idle_timeout: float | None = None,
               on_report: Callable[[dict[str, Any]], None] | None = None,
-              report_every: float = 2.0) -> LearnerStats:
+              report_every: float = 2.0, wait_actors: int = 0) -> LearnerStats:
         """Train until ``max_frames`` frames, the recent mean return reaches ``target``, ``timeout``
         seconds, ``stop()``, or ``idle_timeout`` seconds without a segment (all optional).
 
         ``on_report(row)`` gets a row of figures every ``report_every`` seconds and at the end.
+        ``wait_actors``: first wait until that many distinct actors have each sent a segment
+        (they are up and acting), dropping those segments, then start from the model as it is
+        (fresh, for a new run): the clock (``stats.started``, hence ``solved_at`` and frames/s)
+        starts there and the frames counted are the ones acted after it; ``timeout`` still
+        counts from the call. The wait is ``stats.startup_seconds``.
         """
         st = self.stats
         st.started = time.perf_counter()
+        called = st.started
+        ready: set[str] = set()
         deadline = None if timeout is None else time.monotonic() + timeout
         last_segment = time.monotonic()
         next_report = time.monotonic() + report_every
@@ -243,6 +251,17 @@ class Learner:
                 except queue.Empty:
                     continue
                 last_segment = time.monotonic()
+                if len(ready) < wait_actors:  # not every actor is acting yet: the run has not begun
+                    ready.add(segment.actor)
+                    if len(ready) == wait_actors:
+                        while True:  # what early actors queued was acted before the clock too
+                            try:
+                                self._queue.get_nowait()
+                            except queue.Empty:
+                                break
+                        st.started = time.perf_counter()
+                        st.startup_seconds = st.started - called
+                    continue
                 pending.append(segment)
                 st.frames += segment.frames
                 st.segments += 1
@@ -268,10 +287,20 @@ class Learner:
             self.stats.lags.append(self.version - s.version)
         batch = stack_segments(segments)
         self.model.train()
-        self.stats.last_update = self.algorithm.update(self.model, self.optimizer, batch)
-        version = self.publish()
-        if self.checkpoint is not None and version % self.checkpoint_every == 0:
-            self.save(self.checkpoint)
+        if getattr(self.algorithm, "min_epochs", None) is not None:  # passes while the next batch is collected
+            self.stats.last_update = self.algorithm.update(  # type: ignore[call-arg]
+                self.model, self.optimizer, batch, enough=lambda: self._queue.qsize() >= self.batch_segments)
+        else:
+            self.stats.last_update = self.algorithm.update(self.model, self.optimizer, batch)
+        # checkpoint *before* publishing: a version that is a multiple of checkpoint_every is
+        # never seen by an actor unless it is on disk, so a crash at any point leaves the last
+        # published version below (checkpoint's version + checkpoint_every), where a resumed
+        # learner starts (published first, a crash before the save would have let the resumed
+        # learner reuse a version number that actors already hold with other weights)
+        upcoming = self.version + 1
+        if self.checkpoint is not None and upcoming % self.checkpoint_every == 0:
+            self.save(self.checkpoint, version=upcoming)
+        self.publish()
 
     def report(self) -> dict[str, Any]:
         """One row of figures: frames, frames/s, return, policy lag, queue, last update's losses."""
@@ -295,13 +324,18 @@ class Learner:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save(self, path: str) -> None:
-        """An atomic checkpoint of the model, optimizer and version (read with weights_only=True)."""
+    def save(self, path: str, version: int | None = None) -> None:
+        """An atomic checkpoint of the model, optimizer and version (read with weights_only=True).
+
+        ``version``: the version these weights are (about to be) published as; default the
+        current one.
+        """
+        version = self.version if version is None else version
         save_checkpoint(path, {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "model_spec": self.model_spec, "step": self.version,
+            "model_spec": self.model_spec, "step": version,
             "config": {"checkpoint_every": self.checkpoint_every, "env": self.env},
-            "rl": {"version": self.version, "frames": self.stats.frames, "episodes": self.stats.episodes,
+            "rl": {"version": version, "frames": self.stats.frames, "episodes": self.stats.episodes,
                    "returns": list(self.stats.returns)},
         })
 
