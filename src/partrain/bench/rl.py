@@ -196,9 +196,17 @@ def sb3_available() -> bool:
     return True
 
 
+ZOO_TIMESTEPS = 100_000
+"""The RL Zoo's ``n_timesteps`` for PPO on CartPole-v1: its linear schedules decay over this many frames."""
+
+
 def run_sb3(*, window: float | None, target: float | None = None, max_frames: int | None = None,
             seed: int = 0) -> Run:
-    """SB3 PPO, RL Zoo settings for CartPole-v1; stops at ``window`` s or at ``target``."""
+    """SB3 PPO, RL Zoo settings for CartPole-v1; stops at ``window`` s or at ``target``.
+
+    A run to ``target`` learns for the zoo's ``n_timesteps`` (`ZOO_TIMESTEPS`), so the
+    learning rate and clip range decay as in the zoo; it stops earlier at the target.
+    """
     from stable_baselines3 import PPO
     from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
@@ -224,13 +232,15 @@ def run_sb3(*, window: float | None, target: float | None = None, max_frames: in
             now = time.perf_counter() - t0
             if window is not None:
                 return now < window
+            if self.num_timesteps >= budget:
+                return False
             if target is not None and len(returns) == returns.maxlen and sum(returns) / len(returns) >= target:
                 state["solved"], state["frames"] = now, float(self.num_timesteps)
                 return False
             return True
 
     budget = max_frames or 10**9
-    model.learn(total_timesteps=budget, callback=Stop())
+    model.learn(total_timesteps=ZOO_TIMESTEPS if target is not None else budget, callback=Stop())
     seconds = time.perf_counter() - t0
     env.close()
     return Run(model.num_timesteps / seconds, seconds_to_target=state["solved"], frames_to_target=state["frames"],

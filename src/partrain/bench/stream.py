@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import copy
+import dataclasses
 import functools
 import gc
 import queue
@@ -99,6 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 5; --quick 2)")
     parser.add_argument("--max-batch", type=positive_int, default=256, help="most items per step (default 256)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--hidden", type=positive_int, default=None,
+                        help=f"the LSTM's hidden size (default {HIDDEN}): it sets how much a batch costs over one item")
 
 
 # --------------------------------------------------------------------------- one run
@@ -321,6 +324,8 @@ def _drive(submit: Callable[[int, _Answers], None], close: Callable[[], object],
 
 def run(args: argparse.Namespace) -> Report:
     size, smoke = pick_size(args, FULL, QUICK, TOY)
+    if getattr(args, "hidden", None):
+        size = dataclasses.replace(size, hidden=args.hidden)
     rounds = args.rounds or size.rounds
     report = Report("stream", smoke=smoke)
     torch.manual_seed(0)
