@@ -30,6 +30,12 @@ what-if link.
    other strategy is at least ``margin`` faster: it keeps the exact gradient and needs no
    tuning.
 4. Otherwise the fastest remaining strategy.
+
+**Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
+the first left out: half of (longest - shortest) over the median). When the runner-up's
+speed is within the larger of the two windows' noise (at least `TIE_FLOOR`) of the pick's,
+the recommendation says the two are tied instead of naming one as faster; the pick stays
+the rule's.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ MARGIN = 0.25
 LOSS_TOLERANCE = 0.10
 #: the target loss must lie this far below the untrained loss to rank by time to it
 MIN_PROGRESS = 0.10
+#: the smallest relative difference in speed that is not called a tie
+TIE_FLOOR = 0.05
 
 
 @dataclass
@@ -54,6 +62,10 @@ class Recommendation:
     pick: str
     why: str
     others: dict[str, str] = field(default_factory=dict)
+    #: strategies whose speed lies within the windows' noise of the pick's (empty: a clear pick)
+    tied: list[str] = field(default_factory=list)
+    #: the noise that decided the tie (relative)
+    noise: float = math.nan
 
 
 def simulate_link(m: Measurement, bandwidth: float | None, latency_s: float = 20e-6,
@@ -167,7 +179,27 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         pick = ok[0]
         why = "the only strategy that ran"
     others = {m.label: _why_not(m, pick, ref, loss_tolerance) for m in measurements if m.label != pick.label}
-    return Recommendation(pick.label, why, others)
+    rec = Recommendation(pick.label, why, others)
+    rivals = sorted((m for m in ok if m is not pick and m.speed == m.speed), key=lambda m: m.speed, reverse=True)
+    if rivals and pick.speed > 0 and math.isfinite(pick.speed):
+        second = rivals[0]
+        noise = max(window_noise(pick), window_noise(second), TIE_FLOOR)
+        gap = abs(second.speed / pick.speed - 1)
+        if gap <= noise:
+            rec.tied, rec.noise = [second.label], noise
+            rec.why = (f"tied with {second.label} ({second.speed / pick.speed:.2f}x its speed, within the windows' "
+                       f"noise of {noise:.0%}); {why}")
+    return rec
+
+
+def window_noise(m: Measurement) -> float:
+    """The relative spread of a window's epoch times: half of (longest - shortest) epoch over the
+    median, the first epoch left out (warm-up); 0 with fewer than 2 such epochs."""
+    epochs = [b - a for a, b in zip(m.curve_s, m.curve_s[1:])][1:]
+    if len(epochs) < 2:
+        return 0.0
+    mid = sorted(epochs)[len(epochs) // 2]
+    return (max(epochs) - min(epochs)) / 2 / mid if mid > 0 else 0.0
 
 
 def set_speeds(ok: list[Measurement]) -> float:
