@@ -144,3 +144,28 @@ def test_top_two_within_the_windows_noise_are_a_tie():
     assert recommend([allreduce, hog, local]).tied == []
     local.curve_s = noisy
     assert recommend([allreduce, hog, local]).tied == ["localsgd H=8"]
+
+
+def test_bench_times_to_target_are_medians_over_runs_by_hand():
+    from types import SimpleNamespace
+
+    from partrain.bench.compare import times_to_target
+
+    def run(losses, seconds):
+        return SimpleNamespace(curve=[(i * 100.0, v) for i, v in enumerate(losses)], curve_s=seconds)
+
+    runs = {
+        # lowest losses 1.0, 0.9, 1.2: median 1.0
+        "a": [run([2.0, 1.0], [0, 1.0]), run([2.0, 0.9], [0, 2.0]), run([2.0, 1.2], [0, 1.0])],
+        # lowest 0.8, 0.7, 0.6: median 0.7
+        "b": [run([2.0, 1.5, 0.8], [0, 1.0, 2.0]), run([2.0, 0.7], [0, 4.0]), run([2.0, 0.6], [0, 1.0])],
+        # lowest 1.5 each: median 1.5
+        "c": [run([2.0, 1.5], [0, 1.0])] * 3,
+    }
+    target, times = times_to_target(runs)
+    assert target == 1.0  # the median of 0.7, 1.0, 1.5
+    # a: reaches 1.0 at 1.0 s; at 2 * (2 - 1) / (2 - 0.9) = 1.818 s; never (inf): median 1.818
+    assert math.isclose(times["a"], 2 * 1.0 / 1.1)
+    # b: 1.0 + (1.5 - 1.0) / (1.5 - 0.8) = 1.714; 4 * 1.0 / 1.3 = 3.077; 1.0 / 1.4 = 0.714: median 1.714
+    assert math.isclose(times["b"], 1.0 + 0.5 / 0.7)
+    assert math.isnan(times["c"])  # never reached
