@@ -153,3 +153,29 @@ def test_the_probe_reads_ddps_real_bucket_layout():
     one = partrain.launch(_buckets_in_worker, functools.partial(dense_mlp, 2048, 64, 1), workers=2,
                           strategy="allreduce", threads=1)
     assert one[0] == [_parameter_bytes(dense_mlp(2048, 64, 1))]  # a small model: one bucket
+
+
+def test_out_is_numbered_like_train_runs(tmp_path, monkeypatch):
+    """Without --out, a second comparison writes runs/compare-2 (the CLI's compare is replaced by a
+    stub that records where it would write: the numbering, not the measuring, is under test)."""
+    import importlib
+
+    from partrain.compare.cli import DEFAULT_OUT
+
+    run_module = importlib.import_module("partrain.compare.run")  # (partrain.compare is also the function)
+
+    monkeypatch.chdir(tmp_path)
+    written = []
+
+    def fake_compare(*args, out_dir=None, **kwargs):
+        written.append(out_dir)
+        (tmp_path / out_dir).mkdir(parents=True, exist_ok=True)
+        (tmp_path / out_dir / "compare.json").write_text("{}")
+        raise SystemExit(0)  # stop before the report: nothing was measured
+
+    monkeypatch.setattr(run_module, "compare", fake_compare)
+    argv = ["compare", "--model", "mlp", "--dataset", "synthetic", "--budget", "5s"]
+    for _ in range(3):
+        with pytest.raises(SystemExit):
+            main(argv)
+    assert written == [DEFAULT_OUT, f"{DEFAULT_OUT}-2", f"{DEFAULT_OUT}-3"]

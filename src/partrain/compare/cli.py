@@ -11,6 +11,10 @@ import functools
 from ..cli import HelpFormatter
 from ..errors import UsageError
 
+DEFAULT_OUT = "runs/compare"
+#: the files a comparison writes: a directory holding one of them holds a comparison
+OUT_FILES = ("compare.json", "compare.csv", "compare.png")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ..train.cli import add_model_data_arguments, add_optimizer_arguments
@@ -40,7 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--links", default=DEFAULT_LINKS, help="link speeds of the scaling prediction")
     c.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: cores / workers)")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds for rendezvous and every collective")
-    c.add_argument("--out", default="runs/compare", help="directory for compare.json, compare.csv, compare.png")
+    c.add_argument("--out", default=None,
+                   help=f"directory for compare.json, compare.csv, compare.png (default {DEFAULT_OUT}, numbered "
+                        f"{DEFAULT_OUT}-2, -3, ... when it holds a comparison, like partrain train's runs)")
 
     add_model_data_arguments(p.add_argument_group("model and data (as partrain train)"))
     add_optimizer_arguments(p.add_argument_group("optimization (as partrain train)"))
@@ -86,10 +92,17 @@ def run(args: argparse.Namespace) -> int:
         if args.model in MODELS else {}
     optimizer_fn = functools.partial(make_optimizer, args.optimizer, lr=args.lr, momentum=args.momentum,
                                      weight_decay=args.weight_decay)
+    out = args.out
+    if out is None:
+        from ..train.prepare import numbered_dir
+
+        out = numbered_dir(DEFAULT_OUT, OUT_FILES)
+        if out != DEFAULT_OUT and not args.json:
+            _progress(f"{DEFAULT_OUT} holds a comparison; writing {out} (--out DIR to choose)")
     result = compare(functools.partial(build_cli_model, args.model, kwargs), spec, optimizer_fn,
                      strategies=strategies, workers=args.workers, budget=args.budget, batch_size=args.batch_size,
                      loss_fn=args.loss, straggler=args.straggler, bandwidth=args.bandwidth, links=args.links,
-                     out_dir=args.out, threads=args.threads, timeout=args.timeout, seed=args.seed,
+                     out_dir=out, threads=args.threads, timeout=args.timeout, seed=args.seed,
                      progress=None if args.json else _progress)
     if args.json:
         print(json.dumps(to_json(result), indent=2))
