@@ -32,7 +32,8 @@ what-if link.
 4. Otherwise the fastest remaining strategy.
 
 **Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
-the first left out: half of (longest - shortest) over the median). When the runner-up's
+the first left out: 1.4826 x their median absolute deviation over their median, over the
+square root of their number, see `window_noise`). When the runner-up's
 speed is within the larger of the two windows' noise (at least `TIE_FLOOR`) of the pick's,
 the recommendation says the two are tied instead of naming one as faster; the pick stays
 the rule's.
@@ -41,6 +42,7 @@ the rule's.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from ..scaling import Link, allreduce_seconds
@@ -193,13 +195,16 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
 
 
 def window_noise(m: Measurement) -> float:
-    """The relative spread of a window's epoch times: half of (longest - shortest) epoch over the
-    median, the first epoch left out (warm-up); 0 with fewer than 2 such epochs."""
+    """The relative noise of a window's time: the spread of its epoch times (1.4826 x their median
+    absolute deviation over their median, robust to one slow epoch), over the square root of their
+    number (a time to target sums that many epochs); the first epoch is left out (warm-up), and
+    fewer than 2 epochs give 0."""
     epochs = [b - a for a, b in zip(m.curve_s, m.curve_s[1:])][1:]
     if len(epochs) < 2:
         return 0.0
-    mid = sorted(epochs)[len(epochs) // 2]
-    return (max(epochs) - min(epochs)) / 2 / mid if mid > 0 else 0.0
+    mid = statistics.median(epochs)
+    mad = statistics.median(abs(e - mid) for e in epochs)
+    return 1.4826 * mad / mid / math.sqrt(len(epochs)) if mid > 0 else 0.0
 
 
 def set_speeds(ok: list[Measurement]) -> float:

@@ -58,8 +58,10 @@ CANDIDATES: tuple[Candidate, ...] = (
 )
 SCALE_WORKERS = (8, 64, 512)
 DEFAULT_LINKS = "10Gbit,100Gbit"
-#: about how long the host probe's timed parts run in all (seconds), and in how many alternating rounds
+#: about how long the host probe's timed parts run in all (seconds; at most this share of the budget),
+#: and in how many alternating rounds
 HOST_PROBE_S = 1.2
+HOST_PROBE_SHARE = 0.04
 PROBE_ROUNDS = 3
 #: start-up of one window (a process group, the model, the data) before the first one measured it
 FIRST_OVERHEAD_S = 0.8
@@ -184,7 +186,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
 
             launch(warm_up, job.data, workers=processes, strategy="allreduce", timeout=timeout,
                    threads=per_process)
-            probe_host(result, job, n, step_guess, timeout, per_process)
+            probe_host(result, job, n, step_guess, timeout, per_process,
+                       seconds=min(HOST_PROBE_S, HOST_PROBE_SHARE * budget_s))
             say(f"{_clock(started)} processes ready; local link {result.link[0] / 1e6:,.0f} MB/s, "
                 f"latency {result.link[1] * 1e6:.0f} us, {len(result.buckets)} bucket(s); {n} workers at once "
                 f"step {result.host_factor:.2f}x slower than one (h); c = {result.contention_s * 1e3:.2f} ms")
@@ -472,8 +475,9 @@ def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[s
 
 
 def probe_host(result: CompareResult, job: Job, workers: int, step_guess: float, timeout: float,
-               threads: int | None) -> None:
-    """Measure the host's constants of the scaling model into ``result`` (about `HOST_PROBE_S`).
+               threads: int | None, seconds: float = HOST_PROBE_S) -> None:
+    """Measure the host's constants of the scaling model into ``result`` (timed parts of about
+    ``seconds``, at least 2 steps each).
 
     One launch of ``workers`` processes times the parts of `_probe_in_worker` in
     `PROBE_ROUNDS` alternating rounds. From their medians:
@@ -489,8 +493,8 @@ def probe_host(result: CompareResult, job: Job, workers: int, step_guess: float,
     from ..launch import launch
 
     n = workers
-    per_round = HOST_PROBE_S / PROBE_ROUNDS / 5
-    steps = int(min(20, max(3, per_round / max(step_guess, 1e-6))))
+    per_part = seconds / PROBE_ROUNDS / 5
+    steps = int(min(20, max(2, per_part / max(step_guess, 1e-6))))
     out = launch(_probe_in_worker, job, steps, PROBE_ROUNDS, workers=n, strategy="allreduce", timeout=timeout,
                  threads=threads)
     med = {k: statistics.median(o[k] for o in out) for k in ("together", "small", "reduce", "synced")}
