@@ -225,7 +225,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
             epochs = int(planned // epoch_samples)
             steps = epochs * epoch_samples // global_batch
             if epochs < MIN_EPOCHS or steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
-                need = MIN_EPOCHS * epoch_samples / global_batch * step
+                need_steps = max(MIN_EPOCHS * epoch_samples / global_batch, WARMUP_STEPS + MIN_MEASURED_STEPS)
+                need = need_steps * step / SAFETY
                 if calib is not None:  # no room for more: the calibration window is the measurement
                     measurements.append(calib)
                     say(f"{_clock(started)} {cand.label}: {calib.samples_per_s:,.0f} samples/s "
@@ -233,7 +234,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                     continue
                 measurements.append(Measurement(cand.label, cand.strategy, dict(cand.options), workers_c,
                                                 status="skipped", reason=f"over budget: {max(window, 0):.1f} s "
-                                                f"left, {MIN_EPOCHS} epochs take ~{need:.1f} s"))
+                                                f"left, {MIN_EPOCHS} epochs of at least "
+                                                f"{WARMUP_STEPS + MIN_MEASURED_STEPS} steps in all take ~{need:.1f} s"))
                 continue
             say(f"{_clock(started)} {cand.label}: {epochs} epochs of {epoch_samples} samples, {steps} steps "
                 f"(~{steps * step:.1f} s)")
