@@ -116,7 +116,7 @@ def test_a_3x_straggler_recommends_an_asynchronous_strategy():
     (["--straggler", "slowdown=0.5"], "Expected a straggler worker >= 0 and a slowdown >= 1. Received: 'slowdown=0.5'"),
     (["--bandwidth", "fast"], "Expected a positive bandwidth such as 1Gbit, 100Mbit or 10GB. Received: 'fast'"),
     (["--strategies", "allreduce,magic"], "Expected strategies among ['single', 'allreduce', 'ps sync', 'ps async', "
-                                          "'hogwild', 'localsgd H=8', 'diloco H=8', 'pipeline']. Received: "
+                                          "'ps s=2', 'hogwild', 'localsgd H=8', 'diloco H=8', 'pipeline']. Received: "
                                           "['allreduce', 'magic']"),
     (["--workers", "0"], "Expected a positive number of workers. Received: --workers 0"),
     (["--workers", "2", "--straggler", "worker=2"], "Expected the straggler to be a worker index below workers=2. "
@@ -179,3 +179,16 @@ def test_out_is_numbered_like_train_runs(tmp_path, monkeypatch):
         with pytest.raises(SystemExit):
             main(argv)
     assert written == [DEFAULT_OUT, f"{DEFAULT_OUT}-2", f"{DEFAULT_OUT}-3"]
+
+
+def test_ps_with_bounded_staleness_runs_only_when_named():
+    import torch
+
+    from partrain.compare.run import applicable
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    default, _ = applicable(None, model, 2, 32, None)
+    assert "ps s=2" not in [c.label for c in default] and "ps async" in [c.label for c in default]
+    named, _ = applicable(["single", "ps s=2"], model, 2, 32, None)
+    assert [(c.label, c.strategy, c.options) for c in named] == [("single", "single", {}),
+                                                                 ("ps s=2", "ps", {"staleness": 2})]

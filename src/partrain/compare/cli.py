@@ -18,7 +18,7 @@ OUT_FILES = ("compare.json", "compare.csv", "compare.png")
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ..train.cli import add_model_data_arguments, add_optimizer_arguments
-    from .run import CANDIDATES, DEFAULT_LINKS
+    from .run import CANDIDATES, DEFAULT_LINKS, OPT_IN
 
     p = sub.add_parser(
         "compare",
@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = p.add_argument_group("comparison")
     c.add_argument("--budget", default="60s", help="total time for the whole comparison (e.g. 60s, 2m)")
     c.add_argument("--strategies", default=None, metavar="LIST",
-                   help=f"comma-separated among: {', '.join(x.label for x in CANDIDATES)} (default: all that apply)")
+                   help=f"comma-separated among: {', '.join(x.label for x in CANDIDATES)} (default: all that apply, "
+                        f"but {', '.join(sorted(OPT_IN))}: only when named)")
     c.add_argument("--workers", type=int, default=None, help="processes of the parallel strategies "
                    "(default: one per core, at least 2)")
     c.add_argument("--straggler", default=None, metavar="worker=I,slowdown=F",
