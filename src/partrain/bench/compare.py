@@ -236,10 +236,15 @@ def run(args: argparse.Namespace) -> Report:
             pick = result.recommendation.pick if result.recommendation else None
             regret = math.nan
             if fastest is not None and pick is not None:
-                # a recommended strategy that never reached the target: its whole run is a lower bound
+                # a recommended strategy that never reached the target: its whole run is a lower bound of
+                # its time, so the regret is at least that bound, and at least 0 (never better than the fastest)
                 spent = reached.get(pick, statistics.median(r.window_s for r in runs[pick]) if pick in runs
                                     else math.nan)
                 regret = spent / reached[fastest] - 1
+                if pick not in reached:
+                    regret = max(regret, 0.0)
+                    report.note(f"{scenario.name}: the recommended {pick} did not reach the target loss in most of "
+                                f"its runs (median run {spent:.1f} s): its regret {regret:.3g} is a lower bound")
             regrets.append(regret)
             error = result.validation.get("error", math.nan)
             if scenario.straggler is None:
