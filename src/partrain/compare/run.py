@@ -185,16 +185,12 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
     pool = WorkerPool.current()
     own_pool = pool is None or pool.processes < processes
     with WorkerPool(processes) if own_pool else contextlib.nullcontext():
-        if n > 1:  # starts every process the windows need (counted in the budget), then probes the link
+        if n > 1:  # starts every process the windows need (counted in the budget)
             from ..launch import launch
 
             launch(warm_up, job.data, workers=processes, strategy="allreduce", timeout=timeout,
                    threads=per_process)
-            probe_host(result, job, n, step_guess, timeout, per_process,
-                       seconds=min(HOST_PROBE_S, HOST_PROBE_SHARE * budget_s))
-            say(f"{_clock(started)} processes ready; local link {result.link[0] / 1e6:,.0f} MB/s, "
-                f"latency {result.link[1] * 1e6:.0f} us, {len(result.buckets)} bucket(s); {n} workers at once "
-                f"step {result.host_factor:.2f}x slower than one (h); c = {result.contention_s * 1e3:.2f} ms")
+            say(f"{_clock(started)} processes ready")
         overheads: list[float] = []
         finish = FINISH_S + (FILES_S if out_dir else 0.0)
         learned: dict[str, float] = {}  # label -> measured step over estimated step
@@ -202,6 +198,17 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
         for i, cand in enumerate(chosen):
             workers_c = cand.workers or n
             global_batch = batch_size * workers_c
+            if workers_c > 1 and result.link is None:
+                # the host's constants, probed just before the first multi-worker window (after single's):
+                # on a machine whose load drifts, close in time to the windows they predict
+                single = result.measurement("single")
+                guess = batch_size / single.samples_per_s if single is not None and single.ok and \
+                    single.samples_per_s > 0 else step_guess
+                probe_host(result, job, n, guess, timeout, per_process,
+                           seconds=min(HOST_PROBE_S, HOST_PROBE_SHARE * budget_s))
+                say(f"{_clock(started)} host probe: local link {result.link[0] / 1e6:,.0f} MB/s, latency "
+                    f"{result.link[1] * 1e6:.0f} us, {len(result.buckets)} bucket(s); {n} workers at once step "
+                    f"{result.host_factor:.2f}x slower than one (h); c = {result.contention_s * 1e3:.2f} ms")
             left = budget_s - (time.perf_counter() - started) - finish
             overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
             window = left / (len(chosen) - i) - overhead
