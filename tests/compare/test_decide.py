@@ -170,3 +170,16 @@ def test_bench_times_to_target_are_medians_over_runs_by_hand():
     # b: 1.0 + (1.5 - 1.0) / (1.5 - 0.8) = 1.714; 4 * 1.0 / 1.3 = 3.077; 1.0 / 1.4 = 0.714: median 1.714
     assert math.isclose(times["b"], 1.0 + 0.5 / 0.7)
     assert math.isnan(times["c"])  # never reached
+
+
+def test_a_reference_that_never_reached_the_target_is_said_so():
+    from partrain.compare.decide import _why_faster
+
+    hog = window("hogwild", "hogwild", 230.0)
+    allreduce = window("allreduce", "allreduce", 100.0, compute=0.5, comm=0.5)
+    hog.speed, allreduce.speed = 2.0, 0.0
+    assert _why_faster(hog, allreduce, straggler=True) == (
+        "allreduce waits for the slowest worker at every step (50% of its step): hogwild does not, and allreduce "
+        "never reached the target loss in its window")
+    allreduce.speed = 1.0
+    assert _why_faster(hog, allreduce, straggler=True).endswith("hogwild does not, 2.00x the speed to the target loss")

@@ -240,17 +240,19 @@ def time_to_reach(seconds: list[float], losses: list[float], target: float) -> f
 def _why_faster(best: Measurement, base: Measurement | None, straggler: bool = False) -> str:
     if base is None or base is best:
         return "the fastest strategy measured"
-    speedup = best.speed / base.speed if base.speed > 0 else math.inf
+    speedup = (f"{best.speed / base.speed:.2f}x the speed to the target loss" if base.speed > 0
+               else f"and {base.label} never reached the target loss in its window")
     share = waiting_share(base)
     if straggler and not synchronous(best) and synchronous(base):
         return (f"{base.label} waits for the slowest worker at every step ({share:.0%} of its step): "
-                f"{best.label} does not, {speedup:.2f}x the speed to the target loss")
+                f"{best.label} does not, {speedup}")
     if best.bytes_per_sample < base.bytes_per_sample * 0.5 and share >= COMM_FLOOR:
         cut = (f"cuts the bytes per sample {base.bytes_per_sample / best.bytes_per_sample:.0f}x"
                if best.bytes_per_sample > 0 else "sends no bytes")
-        return (f"comm is {share:.0%} of {base.label}'s step: {best.label} {cut}, {speedup:.2f}x the speed "
-                "to the target loss")
-    return f"{speedup:.2f}x the speed of {base.label} to the target loss"
+        return f"comm is {share:.0%} of {base.label}'s step: {best.label} {cut}, {speedup}"
+    if base.speed > 0:
+        return f"{best.speed / base.speed:.2f}x the speed of {base.label} to the target loss"
+    return f"{base.label} never reached the target loss in its window"
 
 
 def synchronous(m: Measurement) -> bool:
