@@ -91,3 +91,31 @@ def test_the_host_factor_stretches_the_compute_part_of_every_step():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(UsageError, match="Expected a host factor h > 0"):
             step_seconds("allreduce", 2, Constants(0.01, 32, 1e6, bad), LINK)
+
+
+def test_bucket_messages_and_contention_by_hand():
+    from partrain.scaling import Constants, samples_per_s, scaling_efficiency, step_seconds
+
+    # k = 3 buckets, c = 2 ms, h = 1.2; the same 1 MB gradient
+    c = Constants(step_s=0.01, batch=32, model_bytes=1e6, host_factor=1.2, messages=3, contention_s=2e-3)
+    # allreduce on 2 workers: 1.2 * 0.01 + 0.002 + 2 * 1/2 * 1e6/1e9 + 2 * 1 * 3 * 1e-5 = 0.01506
+    assert math.isclose(step_seconds("allreduce", 2, c, LINK), 0.01506)
+    assert math.isclose(samples_per_s("allreduce", 2, c, LINK), 64 / 0.01506)
+    assert math.isclose(scaling_efficiency("allreduce", 2, c, LINK), 0.01 / 0.01506)
+    # on 8 workers: 0.012 + 0.002 + 2 * 7/8 * 1e-3 + 2 * 7 * 3 * 1e-5 = 0.01617
+    assert math.isclose(step_seconds("allreduce", 8, c, LINK), 0.01617)
+    # local SGD, period 4: one flat all-reduce (one message) and a quarter of c per step:
+    # 0.012 + (2 * 7/8 * 1e-3 + 14 * 1e-5) / 4 + 0.002 / 4 = 0.0129725
+    assert math.isclose(step_seconds("localsgd", 8, c, LINK, period=4), 0.0129725)
+    # one worker neither communicates nor contends: h t1 alone
+    assert math.isclose(step_seconds("allreduce", 1, c, LINK), 0.012)
+    # ps and pipeline do not use k or c
+    assert math.isclose(step_seconds("ps", 64, c, LINK), 0.012 + 0.016 + 2e-5)
+    # the default constants (k = 1, c = 0) are the formula without them
+    plain = Constants(step_s=0.01, batch=32, model_bytes=1e6)
+    assert math.isclose(step_seconds("allreduce", 2, plain, LINK), 0.01102)
+    for bad, match in (({"messages": 0}, "Expected k >= 1 messages"), ({"messages": 1.5}, "Expected k >= 1"),
+                       ({"contention_s": -1e-3}, "Expected a contention c >= 0"),
+                       ({"contention_s": float("nan")}, "Expected a contention c >= 0")):
+        with pytest.raises(UsageError, match=match):
+            step_seconds("allreduce", 2, Constants(0.01, 32, 1e6, **bad), LINK)

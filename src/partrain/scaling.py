@@ -19,6 +19,11 @@ whole communication time here (no overlap with backward), a lower bound on effic
 ``overlap=True`` hides up to the backward pass (two thirds of compute) behind it.
 These are the formulas `docs/scaling.md` prints with measured constants, and what a
 strategy advisor (``partrain compare``) fits to its measurements.
+
+What `Constants` adds for a measured job (``partrain compare``): DDP's all-reduce is not one
+message but one per gradient bucket (``k`` messages, each paying the latency), and on a host
+whose cores the workers' compute fills, the reductions' CPU (gloo sums and copies the
+buckets on the same cores) cannot overlap the compute: ``c`` seconds per step, measured.
 """
 
 from __future__ import annotations
@@ -105,14 +110,23 @@ def predict(strategy: str, n: int, model_bytes: float, compute_s: float, link: L
 
 #: how each strategy's step time at n workers is written, with t1 the one-worker step time
 FORMULAS = {
-    "allreduce": "t(n) = h t1 + 2(n-1)/n * S/B + 2(n-1) * a",
+    "allreduce": "t(n) = h t1 + c + 2(n-1)/n * S/B + 2(n-1) k a   (k all-reduces a step: DDP's gradient buckets)",
     "ps": "t(n) = h t1 + 2 n S/(k B) + 2 a,  k = max(1, n // 8) server shards",
-    "localsgd": "t(n) = h t1 + (2(n-1)/n * S/B + 2(n-1) * a) / H",
+    "localsgd": "t(n) = h t1 + (c + 2(n-1)/n * S/B + 2(n-1) a) / H   (one flat all-reduce every H steps)",
     "pipeline": "t(n) = h t1/n * (m + n - 1)/m  (n stages, m micro-batches, one batch in flight)",
 }
 #: what h is (1 where it was not measured)
 HOST_FACTOR = ("h = one worker's step when a host runs its workers at once, over its step alone "
                "(shared cores, memory bandwidth and caches; measured here)")
+#: what c is (0 where it was not measured)
+CONTENTION = ("c = what a synchronous step costs beyond its parts when the reductions share the cores with the "
+              "compute (their CPU, the wait for the slowest worker, evicted caches): every worker's step followed "
+              "by the all-reduces of the real bucket layout, at once, minus (the steps at once + the all-reduces "
+              "alone); measured here")
+#: how the predictions beyond this machine treat h and c
+BEYOND = ("beyond this machine: one worker per host (h = 1), c = 0 (the reductions run beside the compute: a GPU's "
+          "collectives, or a core left to gloo; on CPU hosts whose compute takes every core add c), "
+          "a = 20 us per message, B the link")
 THROUGHPUT = "X(n) = n b / t(n) (pipeline: b / t(n));  efficiency E(n) = X(n) / (n X(1))"
 
 
@@ -121,12 +135,17 @@ class Constants:
     """What a one-worker window measures: the step time ``t1`` (data and compute) at ``batch``
     samples per worker, and the bytes ``S`` one worker's gradient weighs; ``host_factor`` is
     ``h``, how much longer that step takes when a host runs its workers at once (1: not
-    measured, or cores to spare)."""
+    measured, or cores to spare); ``messages`` is ``k``, the all-reduces of one allreduce
+    step (DDP's gradient buckets); ``contention_s`` is ``c``, the seconds a synchronous step
+    loses when the reductions run on the cores the compute uses (0: not measured, or a core
+    to spare)."""
 
     step_s: float
     batch: int
     model_bytes: float
     host_factor: float = 1.0
+    messages: int = 1
+    contention_s: float = 0.0
 
 
 def step_seconds(strategy: str, n: int, c: Constants, link: Link, *, period: int = 8,
@@ -135,13 +154,21 @@ def step_seconds(strategy: str, n: int, c: Constants, link: Link, *, period: int
     _check(n, c.model_bytes, c.step_s)
     if not (c.host_factor > 0 and math.isfinite(c.host_factor)):
         raise UsageError(f"Expected a host factor h > 0. Received: {c.host_factor!r}")
+    if isinstance(c.messages, bool) or not isinstance(c.messages, int) or c.messages < 1:
+        raise UsageError(f"Expected k >= 1 messages per step. Received: {c.messages!r}")
+    if not (c.contention_s >= 0 and math.isfinite(c.contention_s)):
+        raise UsageError(f"Expected a contention c >= 0 seconds. Received: {c.contention_s!r}")
     t1 = c.step_s * c.host_factor
+    contention = c.contention_s if n > 1 else 0.0
     if strategy == "allreduce":
-        return t1 + allreduce_seconds(n, c.model_bytes, link)
+        # k messages: the transfer is the same bytes, the latency is paid per message
+        return t1 + contention + allreduce_seconds(n, c.model_bytes, Link(link.bandwidth,
+                                                                          link.latency_s * c.messages))
     if strategy == "ps":
         return t1 + ps_seconds(n, c.model_bytes, link, shards or max(1, n // 8))
     if strategy == "localsgd":
-        return t1 + local_sgd_seconds(n, c.model_bytes, link, period)
+        ring = local_sgd_seconds(n, c.model_bytes, link, period)  # checks the period
+        return t1 + ring + contention / period
     if strategy == "pipeline":
         return t1 / n / (1 - pipeline_bubble(n, microbatches))
     raise UsageError(f"Expected a strategy among {sorted(FORMULAS)}. Received: {strategy!r}")

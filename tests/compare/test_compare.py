@@ -59,7 +59,8 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
 
     text = format_result(result)
     for needle in ("samples/s", "bytes/sample", "loss/single", f"{expected} *", f"recommended: {expected}",
-                   "predicted scaling", "t(n) = h t1 + 2(n-1)/n * S/B", "512 workers", "2-worker allreduce predicted"):
+                   "predicted scaling", "t(n) = h t1 + c + 2(n-1)/n * S/B + 2(n-1) k a", "512 workers",
+                   "2-worker allreduce predicted", "beyond this machine: one worker per host (h = 1), c = 0"):
         assert needle in text, needle
 
     saved = json.loads((tmp_path / "compare.json").read_text())
@@ -70,6 +71,20 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
     assert saved["validation"]["workers"] == 2.0 and saved["formulas"]["localsgd"]
     # h, measured with both workers stepping at once: at least 1 (clamped), and what the prediction used
     assert saved["constants"]["host_factor"] >= 1.0 and result.host_factor == saved["constants"]["host_factor"]
+    # DDP's buckets hold every parameter once; k is their number; c is clamped at 0
+    assert sum(saved["buckets"]) == _parameter_bytes(conv_net(16)) and saved["constants"]["messages"] == len(
+        saved["buckets"])
+    assert saved["constants"]["contention_s"] >= 0.0 and result.contention_s == saved["constants"]["contention_s"]
+    # beyond this machine, by hand: h = 1, c = 0, k messages of 20 us, ring on 10 Gbit/s
+    t1, k, size = saved["constants"]["step_s"], len(saved["buckets"]), saved["model_bytes"]
+    step8 = t1 + 2 * 7 / 8 * size / 1.25e9 + 2 * 7 * k * 20e-6
+    at8 = next(p for p in saved["predictions"] if (p["strategy"], p["workers"], p["bandwidth"]) == (
+        "allreduce", 8, 1.25e9))
+    assert at8["samples_per_s"] == pytest.approx(8 * 32 / step8, rel=1e-12)
+    # here: the probe's h, c, k and link, by hand
+    bw, lat = saved["link"]["bandwidth"], saved["link"]["latency_s"]
+    step2 = saved["constants"]["host_factor"] * t1 + saved["constants"]["contention_s"] + size / bw + 2 * k * lat
+    assert saved["validation"]["predicted"] == pytest.approx(2 * 32 / step2, rel=1e-12)
     csv_lines = (tmp_path / "compare.csv").read_text().splitlines()
     assert csv_lines[0].startswith("label,strategy,workers") and len(csv_lines) == 3
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -101,7 +116,7 @@ def test_a_3x_straggler_recommends_an_asynchronous_strategy():
     (["--straggler", "slowdown=0.5"], "Expected a straggler worker >= 0 and a slowdown >= 1. Received: 'slowdown=0.5'"),
     (["--bandwidth", "fast"], "Expected a positive bandwidth such as 1Gbit, 100Mbit or 10GB. Received: 'fast'"),
     (["--strategies", "allreduce,magic"], "Expected strategies among ['single', 'allreduce', 'ps sync', 'ps async', "
-                                          "'hogwild', 'localsgd H=8', 'diloco H=8', 'pipeline']. Received: "
+                                          "'ps s=2', 'hogwild', 'localsgd H=8', 'diloco H=8', 'pipeline']. Received: "
                                           "['allreduce', 'magic']"),
     (["--workers", "0"], "Expected a positive number of workers. Received: --workers 0"),
     (["--workers", "2", "--straggler", "worker=2"], "Expected the straggler to be a worker index below workers=2. "
@@ -111,3 +126,69 @@ def test_bad_options_are_one_line(argv, line, capsys):
     assert main(["compare", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"partrain compare: error: {line}"
+
+
+def _buckets_in_worker(strategy, model_fn):
+    import torch
+
+    from partrain.compare.run import _bucket_sizes
+    from partrain.train.task import Task
+
+    torch.manual_seed(0)
+    model = model_fn()
+    inputs, target = torch.randn(4, 2048), torch.randint(0, 10, (4,))
+    return _bucket_sizes(model, inputs, target, Task("cross_entropy"), strategy.group)
+
+
+def test_the_probe_reads_ddps_real_bucket_layout():
+    """Three 16 MiB layers do not fit DDP's 25 MB bucket: more than one all-reduce per step,
+    and together the buckets hold every parameter once (read from DDP itself, on 2 workers)."""
+    import torch
+
+    model_fn = functools.partial(torch.nn.Sequential, torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048),
+                                 torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 10))
+    sizes = partrain.launch(_buckets_in_worker, model_fn, workers=2, strategy="allreduce", threads=1)
+    total = _parameter_bytes(model_fn())
+    assert sizes[0] == sizes[1] and sum(sizes[0]) == total and len(sizes[0]) >= 2, sizes
+    one = partrain.launch(_buckets_in_worker, functools.partial(dense_mlp, 2048, 64, 1), workers=2,
+                          strategy="allreduce", threads=1)
+    assert one[0] == [_parameter_bytes(dense_mlp(2048, 64, 1))]  # a small model: one bucket
+
+
+def test_out_is_numbered_like_train_runs(tmp_path, monkeypatch):
+    """Without --out, a second comparison writes runs/compare-2 (the CLI's compare is replaced by a
+    stub that records where it would write: the numbering, not the measuring, is under test)."""
+    import importlib
+
+    from partrain.compare.cli import DEFAULT_OUT
+
+    run_module = importlib.import_module("partrain.compare.run")  # (partrain.compare is also the function)
+
+    monkeypatch.chdir(tmp_path)
+    written = []
+
+    def fake_compare(*args, out_dir=None, **kwargs):
+        written.append(out_dir)
+        (tmp_path / out_dir).mkdir(parents=True, exist_ok=True)
+        (tmp_path / out_dir / "compare.json").write_text("{}")
+        raise SystemExit(0)  # stop before the report: nothing was measured
+
+    monkeypatch.setattr(run_module, "compare", fake_compare)
+    argv = ["compare", "--model", "mlp", "--dataset", "synthetic", "--budget", "5s"]
+    for _ in range(3):
+        with pytest.raises(SystemExit):
+            main(argv)
+    assert written == [DEFAULT_OUT, f"{DEFAULT_OUT}-2", f"{DEFAULT_OUT}-3"]
+
+
+def test_ps_with_bounded_staleness_runs_only_when_named():
+    import torch
+
+    from partrain.compare.run import applicable
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    default, _ = applicable(None, model, 2, 32, None)
+    assert "ps s=2" not in [c.label for c in default] and "ps async" in [c.label for c in default]
+    named, _ = applicable(["single", "ps s=2"], model, 2, 32, None)
+    assert [(c.label, c.strategy, c.options) for c in named] == [("single", "single", {}),
+                                                                 ("ps s=2", "ps", {"staleness": 2})]

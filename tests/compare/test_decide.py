@@ -123,3 +123,63 @@ def test_allreduce_no_faster_than_one_process_gives_way_to_a_faster_strategy():
     rec = recommend([single, allreduce, ps_async])
     assert rec.pick == "ps async"
     assert rec.others["single"].startswith("0.87x the pick's speed")
+
+
+def test_top_two_within_the_windows_noise_are_a_tie():
+    from partrain.compare.decide import window_noise
+
+    # epochs of 1.0, 1.6, 1.0, 0.4 s after a first of 2 s: median 1.0, deviations 0, 0.6, 0, 0.6
+    # (median 0.3): 1.4826 * 0.3 / 1.0 / sqrt(4) = 0.2224
+    noisy = [0.0, 2.0, 3.0, 4.6, 5.6, 6.0]
+    assert math.isclose(window_noise(Measurement("x", "hogwild", {}, 2, curve_s=noisy)), 1.4826 * 0.3 / 2)
+    assert window_noise(Measurement("x", "hogwild", {}, 2, curve_s=[0.0, 2.0, 3.0])) == 0.0  # one epoch left
+    hog = window("hogwild", "hogwild", 230.0, compute=0.4, comm=0.0)
+    local = window("localsgd H=8", "localsgd", 220.0, compute=0.4, comm=0.08, bytes_per_sample=1000.0, period=8)
+    allreduce = window("allreduce", "allreduce", 100.0, compute=0.4, comm=0.6, bytes_per_sample=8000.0)
+    # no epoch times: the 5% floor; 220 / 230 = 0.957 is within it: tied, the pick is still the rule's
+    rec = recommend([allreduce, hog, local])
+    assert rec.pick == "hogwild" and rec.tied == ["localsgd H=8"] and rec.noise == 0.05
+    assert rec.why.startswith("tied with localsgd H=8 (0.96x its speed, within the windows' noise of 5%); ")
+    # 200 / 230 = 0.87: outside 5%, but inside a window's 22% noise
+    local = window("localsgd H=8", "localsgd", 200.0, compute=0.4, comm=0.08, bytes_per_sample=1000.0, period=8)
+    assert recommend([allreduce, hog, local]).tied == []
+    local.curve_s = noisy
+    assert recommend([allreduce, hog, local]).tied == ["localsgd H=8"]
+
+
+def test_bench_times_to_target_are_medians_over_runs_by_hand():
+    from types import SimpleNamespace
+
+    from partrain.bench.compare import times_to_target
+
+    def run(losses, seconds):
+        return SimpleNamespace(curve=[(i * 100.0, v) for i, v in enumerate(losses)], curve_s=seconds)
+
+    runs = {
+        # lowest losses 1.0, 0.9, 1.2: median 1.0
+        "a": [run([2.0, 1.0], [0, 1.0]), run([2.0, 0.9], [0, 2.0]), run([2.0, 1.2], [0, 1.0])],
+        # lowest 0.8, 0.7, 0.6: median 0.7
+        "b": [run([2.0, 1.5, 0.8], [0, 1.0, 2.0]), run([2.0, 0.7], [0, 4.0]), run([2.0, 0.6], [0, 1.0])],
+        # lowest 1.5 each: median 1.5
+        "c": [run([2.0, 1.5], [0, 1.0])] * 3,
+    }
+    target, times = times_to_target(runs)
+    assert target == 1.0  # the median of 0.7, 1.0, 1.5
+    # a: reaches 1.0 at 1.0 s; at 2 * (2 - 1) / (2 - 0.9) = 1.818 s; never (inf): median 1.818
+    assert math.isclose(times["a"], 2 * 1.0 / 1.1)
+    # b: 1.0 + (1.5 - 1.0) / (1.5 - 0.8) = 1.714; 4 * 1.0 / 1.3 = 3.077; 1.0 / 1.4 = 0.714: median 1.714
+    assert math.isclose(times["b"], 1.0 + 0.5 / 0.7)
+    assert math.isnan(times["c"])  # never reached
+
+
+def test_a_reference_that_never_reached_the_target_is_said_so():
+    from partrain.compare.decide import _why_faster
+
+    hog = window("hogwild", "hogwild", 230.0)
+    allreduce = window("allreduce", "allreduce", 100.0, compute=0.5, comm=0.5)
+    hog.speed, allreduce.speed = 2.0, 0.0
+    assert _why_faster(hog, allreduce, straggler=True) == (
+        "allreduce waits for the slowest worker at every step (50% of its step): hogwild does not, and allreduce "
+        "never reached the target loss in its window")
+    allreduce.speed = 1.0
+    assert _why_faster(hog, allreduce, straggler=True).endswith("hogwild does not, 2.00x the speed to the target loss")

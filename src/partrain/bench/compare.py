@@ -11,10 +11,12 @@ enough that the loss falls over several epochs), 2 workers of one thread each:
 - ``split``: a deep MLP of eight layers, a model a pipeline can cut.
 
 In each: ``partrain.compare`` with its default budget (60 s; quick 10 s) recommends a
-strategy; then every strategy it measured trains for the same wall time (5 s; quick 1.5 s)
-with per-epoch evaluations, and the target loss is the median of the lowest test losses
-they reached. The time to target is the training time (evaluations left out) until a
-strategy's test loss first reaches it, interpolated within the epoch.
+strategy; then every strategy it measured trains `TARGET_RUNS` times for the same wall
+time (5 s; quick 1.5 s) with per-epoch evaluations, in alternating rounds (each strategy
+once per round). The target loss is the median over strategies of each one's median lowest
+test loss. A strategy's time to target is the median over its runs of the training time
+(evaluations left out) until its test loss first reaches it, interpolated within the epoch
+(a run that never reaches it counts as the longest).
 
 Goals (issue 16): compare.regret_max (over scenarios, the recommended strategy's time to
 target over the fastest's, minus 1) <= 0.10; compare.prediction_error (over the scenarios
@@ -30,6 +32,7 @@ import argparse
 import contextlib
 import functools
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,8 +137,14 @@ def time_to_loss(curve_s: list[float], losses: list[float], target: float) -> fl
     return math.nan
 
 
-def _to_target_runs(scenario: Scenario, data: Any, result: Any, train_s: float, report: Report) -> dict[str, Any]:
-    """Every strategy compare measured, trained for ``train_s`` seconds: its (seconds, loss) curve."""
+#: runs to the target per strategy (alternating rounds: every strategy once per round); the median counts
+TARGET_RUNS = 3
+
+
+def _to_target_runs(scenario: Scenario, data: Any, result: Any, train_s: float, report: Report,
+                    rounds: int = TARGET_RUNS) -> dict[str, list[Any]]:
+    """Every strategy compare measured, trained ``rounds`` times for ``train_s`` seconds each, in
+    alternating rounds (every strategy once per round): its (seconds, loss) curves."""
     from ..compare.measure import Candidate, Job, measure
     from ..compare.options import parse_straggler
     from ..compare.run import initial_loss
@@ -144,22 +153,38 @@ def _to_target_runs(scenario: Scenario, data: Any, result: Any, train_s: float, 
               threads=1, timeout=120.0)
     torch.manual_seed(0)
     start = initial_loss(scenario.model_fn(), data[1], _task())
-    runs = {}
-    for m in result.measurements:
-        if not m.ok or not m.samples_per_s > 0:
-            continue
-        global_batch = scenario.batch_size * m.workers
-        steps = max(16, int(train_s * m.samples_per_s / global_batch))
-        run = measure(job, Candidate(m.label, m.strategy, m.options, m.workers), m.workers,
-                      math.ceil(steps / EPOCHS_TO_TARGET) * global_batch, EPOCHS_TO_TARGET,
-                      parse_straggler(scenario.straggler), start)
-        if run.ok:
-            runs[m.label] = run
-            report.progress(f"{scenario.name}: {m.label} to target: {run.window_s:.1f} s, final test loss "
-                            f"{run.curve[-1][1]:.3f}")
-        else:
-            report.note(f"{scenario.name}: {m.label} failed in the run to target: {run.reason}")
+    runs: dict[str, list[Any]] = {}
+    for r in range(rounds):
+        for m in result.measurements:
+            if not m.ok or not m.samples_per_s > 0:
+                continue
+            global_batch = scenario.batch_size * m.workers
+            steps = max(16, int(train_s * m.samples_per_s / global_batch))
+            run = measure(job, Candidate(m.label, m.strategy, m.options, m.workers), m.workers,
+                          math.ceil(steps / EPOCHS_TO_TARGET) * global_batch, EPOCHS_TO_TARGET,
+                          parse_straggler(scenario.straggler), start)
+            if run.ok:
+                runs.setdefault(m.label, []).append(run)
+                report.progress(f"{scenario.name}: {m.label} to target, round {r + 1}: {run.window_s:.1f} s, "
+                                f"final test loss {run.curve[-1][1]:.3f}")
+            else:
+                report.note(f"{scenario.name}: {m.label} failed in a run to target (round {r + 1}): {run.reason}")
     return runs
+
+
+def times_to_target(runs: dict[str, list[Any]]) -> tuple[float, dict[str, float]]:
+    """The target (the median over strategies of each one's median lowest loss) and each strategy's
+    median time to it over its runs (a run that never reached it counts as infinitely long; NaN when
+    most runs never did)."""
+    lows = sorted(statistics.median(min(v for _, v in r.curve) for r in rs) for rs in runs.values())
+    target = float(lows[len(lows) // 2]) if lows else math.nan
+    times = {}
+    for label, rs in runs.items():
+        each = sorted(time_to_loss(r.curve_s, [v for _, v in r.curve], target) for r in rs)
+        each = [t if t == t else math.inf for t in each]
+        mid = statistics.median(each)
+        times[label] = mid if math.isfinite(mid) else math.nan
+    return target, times
 
 
 def _task() -> Any:
@@ -189,6 +214,7 @@ def run(args: argparse.Namespace) -> Report:
     report.say(f"partrain bench compare: {len(chosen)} scenarios, 2 workers x 1 thread, compare's budget "
                f"{budget:g} s each, then every measured strategy {train_s:g} s to the target loss")
     rows, regrets, errors, overruns = [], [], [], []
+    rounds = 1 if getattr(args, "toy", False) else TARGET_RUNS
     pool = WorkerPool.current()
     with contextlib.nullcontext() if pool is not None and pool.processes >= 3 else WorkerPool(3):
         # every process started and its imports done before the first budget runs (seconds each on a
@@ -203,24 +229,30 @@ def run(args: argparse.Namespace) -> Report:
                              threads=1, strategies=strategies, progress=report.progress)
             report.say(f"\n--- scenario {scenario.name}: {scenario.about}")
             report.say(format_result(result))
-            runs = _to_target_runs(scenario, data, result, train_s, report)
-            mins = [min(v for _, v in r.curve) for r in runs.values()]
-            target = float(sorted(mins)[len(mins) // 2]) if mins else math.nan
-            times = {label: time_to_loss(r.curve_s, [v for _, v in r.curve], target) for label, r in runs.items()}
+            runs = _to_target_runs(scenario, data, result, train_s, report, rounds)
+            target, times = times_to_target(runs)
             reached = {k: t for k, t in times.items() if t == t}
             fastest = min(reached, key=reached.__getitem__) if reached else None
             pick = result.recommendation.pick if result.recommendation else None
             regret = math.nan
             if fastest is not None and pick is not None:
-                # a recommended strategy that never reached the target: its whole run is a lower bound
-                spent = reached.get(pick, runs[pick].window_s if pick in runs else math.nan)
+                # a recommended strategy that never reached the target: its whole run is a lower bound of
+                # its time, so the regret is at least that bound, and at least 0 (never better than the fastest)
+                spent = reached.get(pick, statistics.median(r.window_s for r in runs[pick]) if pick in runs
+                                    else math.nan)
                 regret = spent / reached[fastest] - 1
+                if pick not in reached:
+                    regret = max(regret, 0.0)
+                    report.note(f"{scenario.name}: the recommended {pick} did not reach the target loss in most of "
+                                f"its runs (median run {spent:.1f} s): its regret {regret:.3g} is a lower bound")
             regrets.append(regret)
             error = result.validation.get("error", math.nan)
             if scenario.straggler is None:
                 errors.append(error)
             overruns.append(result.budget_overrun)
-            rows.append([scenario.name, pick or "-", fastest or "-", target,
+            tied = ", ".join(result.recommendation.tied) if result.recommendation and result.recommendation.tied \
+                else "-"
+            rows.append([scenario.name, pick or "-", tied, fastest or "-", target,
                          reached.get(pick, math.nan) if pick else math.nan,
                          reached[fastest] if fastest else math.nan, regret, error, result.elapsed_s])
             for label, t in times.items():
@@ -230,10 +262,10 @@ def run(args: argparse.Namespace) -> Report:
             report.figure(f"{scenario.name}.regret", regret)
             report.figure(f"{scenario.name}.prediction_error", error)
             report.figure(f"{scenario.name}.compare_seconds", result.elapsed_s)
-    report.table(["scenario", "recommended", "fastest to target", "target loss", "s (recommended)",
+    report.table(["scenario", "recommended", "tied with (compare)", "fastest to target", "target loss", "s (recommended)",
                   "s (fastest)", "regret", "2-worker prediction error", "compare s"], rows,
-                 title="time to the target loss (training seconds); the target is the median of the lowest "
-                       "losses the strategies reached")
+                 title=f"time to the target loss (training seconds, median of {rounds} runs per strategy); "
+                       "the target is the median of the strategies' lowest losses")
     report.goal("compare.regret_max", _worst(regrets), "<=", 0.10,
                 "recommended / fastest time to target - 1, worst scenario")
     report.goal("compare.prediction_error", _worst(errors), "<=", 0.20,

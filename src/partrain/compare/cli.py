@@ -11,10 +11,14 @@ import functools
 from ..cli import HelpFormatter
 from ..errors import UsageError
 
+DEFAULT_OUT = "runs/compare"
+#: the files a comparison writes: a directory holding one of them holds a comparison
+OUT_FILES = ("compare.json", "compare.csv", "compare.png")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ..train.cli import add_model_data_arguments, add_optimizer_arguments
-    from .run import CANDIDATES, DEFAULT_LINKS
+    from .run import CANDIDATES, DEFAULT_LINKS, OPT_IN
 
     p = sub.add_parser(
         "compare",
@@ -30,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = p.add_argument_group("comparison")
     c.add_argument("--budget", default="60s", help="total time for the whole comparison (e.g. 60s, 2m)")
     c.add_argument("--strategies", default=None, metavar="LIST",
-                   help=f"comma-separated among: {', '.join(x.label for x in CANDIDATES)} (default: all that apply)")
+                   help=f"comma-separated among: {', '.join(x.label for x in CANDIDATES)} (default: all that apply, "
+                        f"but {', '.join(sorted(OPT_IN))}: only when named)")
     c.add_argument("--workers", type=int, default=None, help="processes of the parallel strategies "
                    "(default: one per core, at least 2)")
     c.add_argument("--straggler", default=None, metavar="worker=I,slowdown=F",
@@ -40,7 +45,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--links", default=DEFAULT_LINKS, help="link speeds of the scaling prediction")
     c.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: cores / workers)")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds for rendezvous and every collective")
-    c.add_argument("--out", default="runs/compare", help="directory for compare.json, compare.csv, compare.png")
+    c.add_argument("--out", default=None,
+                   help=f"directory for compare.json, compare.csv, compare.png (default {DEFAULT_OUT}, numbered "
+                        f"{DEFAULT_OUT}-2, -3, ... when it holds a comparison, like partrain train's runs)")
 
     add_model_data_arguments(p.add_argument_group("model and data (as partrain train)"))
     add_optimizer_arguments(p.add_argument_group("optimization (as partrain train)"))
@@ -86,10 +93,17 @@ def run(args: argparse.Namespace) -> int:
         if args.model in MODELS else {}
     optimizer_fn = functools.partial(make_optimizer, args.optimizer, lr=args.lr, momentum=args.momentum,
                                      weight_decay=args.weight_decay)
+    out = args.out
+    if out is None:
+        from ..train.prepare import numbered_dir
+
+        out = numbered_dir(DEFAULT_OUT, OUT_FILES)
+        if out != DEFAULT_OUT and not args.json:
+            _progress(f"{DEFAULT_OUT} holds a comparison; writing {out} (--out DIR to choose)")
     result = compare(functools.partial(build_cli_model, args.model, kwargs), spec, optimizer_fn,
                      strategies=strategies, workers=args.workers, budget=args.budget, batch_size=args.batch_size,
                      loss_fn=args.loss, straggler=args.straggler, bandwidth=args.bandwidth, links=args.links,
-                     out_dir=args.out, threads=args.threads, timeout=args.timeout, seed=args.seed,
+                     out_dir=out, threads=args.threads, timeout=args.timeout, seed=args.seed,
                      progress=None if args.json else _progress)
     if args.json:
         print(json.dumps(to_json(result), indent=2))

@@ -30,11 +30,19 @@ what-if link.
    other strategy is at least ``margin`` faster: it keeps the exact gradient and needs no
    tuning.
 4. Otherwise the fastest remaining strategy.
+
+**Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
+the first left out: 1.4826 x their median absolute deviation over their median, over the
+square root of their number, see `window_noise`). When the runner-up's
+speed is within the larger of the two windows' noise (at least `TIE_FLOOR`) of the pick's,
+the recommendation says the two are tied instead of naming one as faster; the pick stays
+the rule's.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from ..scaling import Link, allreduce_seconds
@@ -45,6 +53,8 @@ MARGIN = 0.25
 LOSS_TOLERANCE = 0.10
 #: the target loss must lie this far below the untrained loss to rank by time to it
 MIN_PROGRESS = 0.10
+#: the smallest relative difference in speed that is not called a tie
+TIE_FLOOR = 0.05
 
 
 @dataclass
@@ -54,6 +64,10 @@ class Recommendation:
     pick: str
     why: str
     others: dict[str, str] = field(default_factory=dict)
+    #: strategies whose speed lies within the windows' noise of the pick's (empty: a clear pick)
+    tied: list[str] = field(default_factory=list)
+    #: the noise that decided the tie (relative)
+    noise: float = math.nan
 
 
 def simulate_link(m: Measurement, bandwidth: float | None, latency_s: float = 20e-6,
@@ -167,7 +181,30 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         pick = ok[0]
         why = "the only strategy that ran"
     others = {m.label: _why_not(m, pick, ref, loss_tolerance) for m in measurements if m.label != pick.label}
-    return Recommendation(pick.label, why, others)
+    rec = Recommendation(pick.label, why, others)
+    rivals = sorted((m for m in ok if m is not pick and m.speed == m.speed), key=lambda m: m.speed, reverse=True)
+    if rivals and pick.speed > 0 and math.isfinite(pick.speed):
+        second = rivals[0]
+        noise = max(window_noise(pick), window_noise(second), TIE_FLOOR)
+        gap = abs(second.speed / pick.speed - 1)
+        if gap <= noise:
+            rec.tied, rec.noise = [second.label], noise
+            rec.why = (f"tied with {second.label} ({second.speed / pick.speed:.2f}x its speed, within the windows' "
+                       f"noise of {noise:.0%}); {why}")
+    return rec
+
+
+def window_noise(m: Measurement) -> float:
+    """The relative noise of a window's time: the spread of its epoch times (1.4826 x their median
+    absolute deviation over their median, robust to one slow epoch), over the square root of their
+    number (a time to target sums that many epochs); the first epoch is left out (warm-up), and
+    fewer than 2 epochs give 0."""
+    epochs = [b - a for a, b in zip(m.curve_s, m.curve_s[1:])][1:]
+    if len(epochs) < 2:
+        return 0.0
+    mid = statistics.median(epochs)
+    mad = statistics.median(abs(e - mid) for e in epochs)
+    return 1.4826 * mad / mid / math.sqrt(len(epochs)) if mid > 0 else 0.0
 
 
 def set_speeds(ok: list[Measurement]) -> float:
@@ -203,17 +240,19 @@ def time_to_reach(seconds: list[float], losses: list[float], target: float) -> f
 def _why_faster(best: Measurement, base: Measurement | None, straggler: bool = False) -> str:
     if base is None or base is best:
         return "the fastest strategy measured"
-    speedup = best.speed / base.speed if base.speed > 0 else math.inf
+    speedup = (f"{best.speed / base.speed:.2f}x the speed to the target loss" if base.speed > 0
+               else f"and {base.label} never reached the target loss in its window")
     share = waiting_share(base)
     if straggler and not synchronous(best) and synchronous(base):
         return (f"{base.label} waits for the slowest worker at every step ({share:.0%} of its step): "
-                f"{best.label} does not, {speedup:.2f}x the speed to the target loss")
+                f"{best.label} does not, {speedup}")
     if best.bytes_per_sample < base.bytes_per_sample * 0.5 and share >= COMM_FLOOR:
         cut = (f"cuts the bytes per sample {base.bytes_per_sample / best.bytes_per_sample:.0f}x"
                if best.bytes_per_sample > 0 else "sends no bytes")
-        return (f"comm is {share:.0%} of {base.label}'s step: {best.label} {cut}, {speedup:.2f}x the speed "
-                "to the target loss")
-    return f"{speedup:.2f}x the speed of {base.label} to the target loss"
+        return f"comm is {share:.0%} of {base.label}'s step: {best.label} {cut}, {speedup}"
+    if base.speed > 0:
+        return f"{best.speed / base.speed:.2f}x the speed of {base.label} to the target loss"
+    return f"{base.label} never reached the target loss in its window"
 
 
 def synchronous(m: Measurement) -> bool:

@@ -4,8 +4,8 @@
 "ps async"); `measure` trains it with the user's model, data and optimizer through the
 ordinary `fit` loop (the same launch, the same step, the same breakdown a ``partrain
 train`` run prints) and turns the epoch rows and the probe's records into one
-`Measurement`. `link_probe` times all-reduces between two processes: the local link's
-bandwidth and latency, constants of the scaling model.
+`Measurement`. (The local link and the host's constants of the scaling model are probed by
+`partrain.compare.run.probe_host`.)
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from ..errors import UsageError, WorkerError, first_line
@@ -223,44 +222,9 @@ def fill_from_history(m: Measurement, history: list[dict[str, Any]], records: li
         m.curve_s.append(elapsed)
 
 
-# ----- the local link ------------------------------------------------------------------------
-
-def _time_all_reduce(strategy: Strategy, sizes: tuple[int, ...], repeats: int) -> list[float]:
-    """Seconds of one all-reduce of each size in bytes (the median of ``repeats``), on every rank."""
-    out = []
-    for nbytes in sizes:
-        t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32)
-        dist.all_reduce(t, group=strategy.group)  # connect and warm up
-        times = []
-        for _ in range(repeats):
-            dist.barrier(group=strategy.group)
-            start = time.perf_counter()
-            dist.all_reduce(t, group=strategy.group)
-            times.append(time.perf_counter() - start)
-        out.append(sorted(times)[len(times) // 2])
-    return out
-
-
-def link_probe(model_bytes: int, timeout: float = 60.0, threads: int | None = None) -> tuple[float, float]:
-    """The local link between two processes as ``(bandwidth bytes/s, latency s)``.
-
-    Two gloo processes all-reduce 4 bytes (the latency: a 2-process ring makes 2 hops) and
-    ``model_bytes`` (the transfer: ``2 (n-1)/n * S / B`` = ``S / B`` for n = 2).
-    """
-    from ..launch import launch
-
-    size = max(4 * 2**20, int(model_bytes))  # large enough that the transfer outweighs the latency
-    small, large = launch(_time_all_reduce, (4, size), 7, workers=2, strategy="allreduce", timeout=timeout,
-                          threads=threads)[0]
-    latency = max(small / 2, 1e-7)
-    # on a loaded machine the small message's time is mostly scheduling: keep at least half the large one
-    transfer = max(large - small, large / 2)
-    return size / transfer, latency
-
-
 def parameter_bytes(model: torch.nn.Module) -> int:
     """What one copy of the trainable parameters weighs: the gradient every step exchanges."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-__all__ = ["Candidate", "Job", "Measurement", "WARMUP_STEPS", "link_probe", "measure", "parameter_bytes"]
+__all__ = ["Candidate", "Job", "Measurement", "WARMUP_STEPS", "measure", "parameter_bytes"]

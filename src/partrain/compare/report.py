@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any
 
-from ..scaling import FORMULAS, HOST_FACTOR, THROUGHPUT
+from ..scaling import BEYOND, CONTENTION, FORMULAS, HOST_FACTOR, THROUGHPUT
 from ..tables import format_table
 from .measure import Measurement
 from .options import bandwidth_text
@@ -92,12 +92,15 @@ def format_result(result: CompareResult) -> str:
                 lines.append(f"  {label}: {why}")
     if result.constants is not None:
         c = result.constants
-        lines += ["", "predicted scaling (constants from the single window: t1 = "
-                  f"{c.step_s * 1e3:.2f} ms per step of b = {c.batch}, S = {c.model_bytes / 2**20:.2f} MB, "
-                  f"a = 20 us per message; h = {c.host_factor:.2f})", f"  {HOST_FACTOR}"]
+        link = (f"B = {result.link[0] / 1e6:,.0f} MB/s, a = {result.link[1] * 1e6:.0f} us" if result.link
+                else "no link probed")
+        lines += ["", "predicted scaling (constants from the single window and the host probe: t1 = "
+                  f"{c.step_s * 1e3:.2f} ms per step of b = {c.batch}, S = {c.model_bytes / 2**20:.2f} MB in "
+                  f"k = {c.messages} bucket(s); here h = {c.host_factor:.2f}, c = {c.contention_s * 1e3:.2f} ms, "
+                  f"{link})", f"  {HOST_FACTOR}", f"  {CONTENTION}"]
         for name in ("allreduce", "ps", "localsgd"):
             lines.append(f"  {name}: {FORMULAS[name]}")
-        lines.append(f"  {THROUGHPUT}")
+        lines += [f"  {THROUGHPUT}", f"  {BEYOND}"]
         workers = sorted({p.workers for p in result.predictions})
         headers = ["strategy", "link"] + [f"{w} workers" for w in workers]
         rows = []
@@ -110,7 +113,7 @@ def format_result(result: CompareResult) -> str:
     v = result.validation
     if v:
         lines += ["", f"check of the model here: {int(v['workers'])}-worker allreduce predicted from one worker "
-                  f"and the local link {v['predicted']:,.0f} samples/s, measured {v['measured']:,.0f} "
+                  f"and the host probe {v['predicted']:,.0f} samples/s, measured {v['measured']:,.0f} "
                   f"(error {v['error']:.0%})"]
     return "\n".join(lines)
 
@@ -133,10 +136,12 @@ def to_json(result: CompareResult) -> dict[str, Any]:
         "straggler": result.straggler.text() if result.straggler else None,
         "bandwidth": result.bandwidth,
         "link": {"bandwidth": result.link[0], "latency_s": result.link[1]} if result.link else None,
-        "recommendation": {"pick": rec.pick, "why": rec.why, "others": rec.others} if rec else None,
+        "recommendation": {"pick": rec.pick, "why": rec.why, "others": rec.others, "tied": rec.tied,
+                           "noise": rec.noise} if rec else None,
         "strategies": [_measurement_json(m) for m in ranked(result)],
         "constants": vars(result.constants) if result.constants else None,
-        "formulas": {**FORMULAS, "throughput": THROUGHPUT, "h": HOST_FACTOR},
+        "formulas": {**FORMULAS, "throughput": THROUGHPUT, "h": HOST_FACTOR, "c": CONTENTION, "beyond": BEYOND},
+        "buckets": result.buckets, "probe": result.probe,
         "predictions": [vars(p) for p in result.predictions],
         "validation": result.validation or None,
     })

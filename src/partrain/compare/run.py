@@ -40,7 +40,6 @@ from .measure import (
     Candidate,
     Job,
     Measurement,
-    link_probe,
     measure,
     parameter_bytes,
 )
@@ -52,15 +51,22 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("allreduce", "allreduce", {}),
     Candidate("ps sync", "ps", {"staleness": 0}),
     Candidate("ps async", "ps", {"staleness": math.inf}),
+    Candidate("ps s=2", "ps", {"staleness": 2}),
     Candidate("hogwild", "hogwild", {}),
     Candidate("localsgd H=8", "localsgd", {"period": 8}),
     Candidate("diloco H=8", "localsgd", {"period": 8, "outer": "nesterov", "outer_lr": 0.8, "outer_momentum": 0.3}),
     PIPELINE,
 )
+#: run only when asked for (``strategies=[...]``): bounded staleness sits between ps sync and async, and
+#: one more window would shorten every other window of the default budget
+OPT_IN = frozenset({"ps s=2"})
 SCALE_WORKERS = (8, 64, 512)
 DEFAULT_LINKS = "10Gbit,100Gbit"
-#: about how long each half of the host-factor probe runs (seconds)
-HOST_PROBE_S = 0.5
+#: about how long the host probe's timed parts run in all (seconds; at most this share of the budget),
+#: and in how many alternating rounds
+HOST_PROBE_S = 1.2
+HOST_PROBE_SHARE = 0.04
+PROBE_ROUNDS = 3
 #: start-up of one window (a process group, the model, the data) before the first one measured it
 FIRST_OVERHEAD_S = 0.8
 #: the share of a window's time its plan fills (steps on a loaded machine run long as often as short)
@@ -100,6 +106,11 @@ class CompareResult:
     bandwidth: float | None = None
     link: tuple[float, float] | None = None  # the local link: bandwidth bytes/s, latency s
     host_factor: float = 1.0  # h: a step with every worker at once on this host over one alone
+    #: DDP's gradient buckets (bytes each, in the order they are all-reduced): k = len(buckets) messages
+    buckets: list[int] = field(default_factory=list)
+    contention_s: float = 0.0  # c: a synchronous step's cost beyond its parts on this host's cores
+    #: the host probe's medians (seconds): alone, together, small, reduce, synced
+    probe: dict[str, float] = field(default_factory=dict)
     constants: Constants | None = None
     predictions: list[Prediction] = field(default_factory=list)
     #: the 2-worker check of the model: predicted from one worker, and measured
@@ -127,8 +138,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
 
     Args:
         strategies: labels among `CANDIDATES` (``single``, ``allreduce``, ``ps sync``,
-            ``ps async``, ``hogwild``, ``localsgd H=8``, ``diloco H=8``, ``pipeline``);
-            None: all that apply.
+            ``ps async``, ``ps s=2``, ``hogwild``, ``localsgd H=8``, ``diloco H=8``, ``pipeline``);
+            None: all that apply but those in `OPT_IN` (``ps s=2``).
         workers: processes of the parallel strategies (default: the cores, at least 2).
         budget: total seconds (``60s``, ``2m``) for the whole comparison.
         straggler: ``worker=1,slowdown=2``: that worker runs this many times slower.
@@ -174,16 +185,12 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
     pool = WorkerPool.current()
     own_pool = pool is None or pool.processes < processes
     with WorkerPool(processes) if own_pool else contextlib.nullcontext():
-        if n > 1:  # starts every process the windows need (counted in the budget), then probes the link
+        if n > 1:  # starts every process the windows need (counted in the budget)
             from ..launch import launch
 
             launch(warm_up, job.data, workers=processes, strategy="allreduce", timeout=timeout,
                    threads=per_process)
-            result.link = link_probe(model_bytes, timeout=timeout, threads=per_process)
-            result.host_factor = host_factor(job, n, step_guess, timeout, per_process)
-            say(f"{_clock(started)} processes ready; local link {result.link[0] / 1e6:,.0f} MB/s, "
-                f"latency {result.link[1] * 1e6:.0f} us; {n} workers at once step {result.host_factor:.2f}x "
-                "slower than one (h)")
+            say(f"{_clock(started)} processes ready")
         overheads: list[float] = []
         finish = FINISH_S + (FILES_S if out_dir else 0.0)
         learned: dict[str, float] = {}  # label -> measured step over estimated step
@@ -191,6 +198,17 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
         for i, cand in enumerate(chosen):
             workers_c = cand.workers or n
             global_batch = batch_size * workers_c
+            if workers_c > 1 and result.link is None:
+                # the host's constants, probed just before the first multi-worker window (after single's):
+                # on a machine whose load drifts, close in time to the windows they predict
+                single = result.measurement("single")
+                guess = batch_size / single.samples_per_s if single is not None and single.ok and \
+                    single.samples_per_s > 0 else step_guess
+                probe_host(result, job, n, guess, timeout, per_process,
+                           seconds=min(HOST_PROBE_S, HOST_PROBE_SHARE * budget_s))
+                say(f"{_clock(started)} host probe: local link {result.link[0] / 1e6:,.0f} MB/s, latency "
+                    f"{result.link[1] * 1e6:.0f} us, {len(result.buckets)} bucket(s); {n} workers at once step "
+                    f"{result.host_factor:.2f}x slower than one (h); c = {result.contention_s * 1e3:.2f} ms")
             left = budget_s - (time.perf_counter() - started) - finish
             overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
             window = left / (len(chosen) - i) - overhead
@@ -218,7 +236,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
             epochs = int(planned // epoch_samples)
             steps = epochs * epoch_samples // global_batch
             if epochs < MIN_EPOCHS or steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
-                need = MIN_EPOCHS * epoch_samples / global_batch * step
+                need_steps = max(MIN_EPOCHS * epoch_samples / global_batch, WARMUP_STEPS + MIN_MEASURED_STEPS)
+                need = need_steps * step / SAFETY
                 if calib is not None:  # no room for more: the calibration window is the measurement
                     measurements.append(calib)
                     say(f"{_clock(started)} {cand.label}: {calib.samples_per_s:,.0f} samples/s "
@@ -226,7 +245,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                     continue
                 measurements.append(Measurement(cand.label, cand.strategy, dict(cand.options), workers_c,
                                                 status="skipped", reason=f"over budget: {max(window, 0):.1f} s "
-                                                f"left, {MIN_EPOCHS} epochs take ~{need:.1f} s"))
+                                                f"left, {MIN_EPOCHS} epochs of at least "
+                                                f"{WARMUP_STEPS + MIN_MEASURED_STEPS} steps in all take ~{need:.1f} s"))
                 continue
             say(f"{_clock(started)} {cand.label}: {epochs} epochs of {epoch_samples} samples, {steps} steps "
                 f"(~{steps * step:.1f} s)")
@@ -282,7 +302,7 @@ def applicable(labels: Sequence[str] | None, model: nn.Module, workers: int, bat
         unknown = [s for s in labels if s not in known]
         if unknown or not labels:
             raise UsageError(f"Expected strategies among {list(known)}. Received: {list(labels)}")
-    wanted = [known[s] for s in labels] if labels is not None else list(CANDIDATES)
+    wanted = [known[s] for s in labels] if labels is not None else [c for c in CANDIDATES if c.label not in OPT_IN]
     chosen, skipped = [], []
     children = len(list(model.children()))
     for c in wanted:
@@ -352,12 +372,8 @@ def initial_loss(model: nn.Module, ds: Any, task: Any, limit: int = TEST_SAMPLES
 
 
 def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[..., Any], batch_size: int,
-                threads: int, steps: int = 3, group: Any = None) -> float:
-    """Seconds of one training step here, on a copy of the model: the first guess of a window's step.
-
-    With a process ``group``, its ranks start timing together (after a barrier), so the
-    steps run at the same time on the host (see `host_factor`).
-    """
+                threads: int, steps: int = 3) -> float:
+    """Seconds of one training step here, on a copy of the model: the first guess of a window's step."""
     import copy
 
     net = copy.deepcopy(model).train()
@@ -368,10 +384,6 @@ def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[...
     torch.set_num_threads(threads)
     try:
         times = []
-        if group is not None:
-            task.loss(task.forward(net, inputs), target).mean().backward()  # first-call costs, untimed
-            opt.zero_grad(set_to_none=True)
-            torch.distributed.barrier(group=group)
         for _ in range(steps + 1):
             t0 = time.perf_counter()
             task.loss(task.forward(net, inputs), target).mean().backward()
@@ -383,29 +395,132 @@ def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[...
     return statistics.median(times[1:])
 
 
-def _steps_at_once(strategy: Any, job: Job, steps: int) -> float:
-    """In a worker: the median step of the job's model and first batch, every rank at once."""
+def _bucket_sizes(model: nn.Module, inputs: Any, target: Any, task: Any, group: Any) -> list[int]:
+    """The bytes of each gradient bucket DDP all-reduces for ``model`` in one step, in its order,
+    as the ``allreduce`` strategy builds it: a communication hook records every bucket it is
+    handed (then all-reduces it), and the second backward pass is read (DDP rebuilds its
+    buckets after the first)."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..strategies.allreduce import AllReduce
+
+    ddp = DistributedDataParallel(copy.deepcopy(model).train(), process_group=group,
+                                  bucket_cap_mb=AllReduce().bucket_cap_mb, gradient_as_bucket_view=True)
+    seen: list[int] = []
+    ddp.register_comm_hook((seen, group), _recording_hook)
+    for _ in range(2):
+        seen.clear()
+        task.loss(task.forward(ddp, inputs), target).mean().backward()
+    return list(seen) if seen else [parameter_bytes(model)]
+
+
+def _recording_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP inspects these annotations
+    """A DDP communication hook: note the bucket's bytes, then all-reduce it as DDP would."""
+    import torch.distributed as dist
+
+    seen, group = state
+    tensor = bucket.buffer()
+    seen.append(tensor.numel() * tensor.element_size())
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _median_time(fn: Callable[[], Any], steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[str, Any]:
+    """In each of the workers: the parts of a synchronous step, timed in alternating rounds.
+
+    - ``alone``: rank 0's training step while the others wait (its model, its first batch,
+      the optimizer);
+    - ``together``: the same step in every worker at once;
+    - ``small``: a 4-byte all-reduce (the latency of 2 (n-1) hops);
+    - ``reduce``: the all-reduces of DDP's real bucket layout, one after another;
+    - ``synced``: the step, then those all-reduces, in every worker at once: what an
+      ``allreduce`` step does on this host when no core is left for the reductions.
+    """
+    import torch.distributed as dist
+
     model, train_ds, _, task = _inspect(job)
-    return _time_steps(model, train_ds, task, job.optimizer_fn, job.batch_size, torch.get_num_threads(), steps,
-                       group=strategy.group)
+    group = strategy.group
+    batch = next(iter(_loader(train_ds, job.batch_size, task)))
+    inputs, target = task.split(batch)
+    sizes = _bucket_sizes(model, inputs, target, task, group)
+    net = model.train()
+    opt = job.optimizer_fn(net.parameters())
+    buffers = [torch.zeros(max(1, size // 4)) for size in sizes]
+    small = torch.zeros(1)
+
+    def step() -> None:
+        task.loss(task.forward(net, inputs), target).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def reduce() -> None:
+        for b in buffers:
+            dist.all_reduce(b, group=group)
+
+    def synced() -> None:
+        step()
+        reduce()
+
+    synced()  # first-call costs, untimed
+    parts: dict[str, list[float]] = {"alone": [], "together": [], "small": [], "reduce": [], "synced": []}
+    rank = dist.get_rank(group)
+    for _ in range(rounds):
+        dist.barrier(group=group)
+        if rank == 0:
+            parts["alone"].append(_median_time(step, steps))
+        dist.barrier(group=group)
+        parts["together"].append(_median_time(step, steps))
+        dist.barrier(group=group)
+        parts["small"].append(_median_time(lambda: dist.all_reduce(small, group=group), steps))
+        parts["reduce"].append(_median_time(reduce, steps))
+        parts["synced"].append(_median_time(synced, steps))
+    return {"sizes": sizes, **{k: statistics.median(v) if v else math.nan for k, v in parts.items()}}
 
 
-def host_factor(job: Job, workers: int, step_guess: float, timeout: float, threads: int | None) -> float:
-    """``h`` of the scaling model: one step in each of ``workers`` processes at once, over one alone.
+def probe_host(result: CompareResult, job: Job, workers: int, step_guess: float, timeout: float,
+               threads: int | None, seconds: float = HOST_PROBE_S) -> None:
+    """Measure the host's constants of the scaling model into ``result`` (timed parts of about
+    ``seconds``, at least 2 steps each).
 
-    Both are timed the same way in the pool's processes (the job's model, its first batch, a
-    training step with the optimizer), about half a second each. On a host with a core to
-    spare per process h is about 1; on a 2-core machine running 2 workers and the parent it
-    was 1.2-1.8, which the one-worker window cannot see.
+    One launch of ``workers`` processes times the parts of `_probe_in_worker` in
+    `PROBE_ROUNDS` alternating rounds. From their medians:
+
+    - ``h = together / alone`` (at least 1);
+    - the latency ``a = small / (2 (n-1))`` and the bandwidth ``B`` from ``reduce = 2(n-1)/n
+      * S/B + 2 (n-1) k a`` over the real ``k`` buckets (at least half of ``reduce`` is
+      taken as transfer: on a loaded machine the small message's time is mostly scheduling);
+    - ``c = synced - together - reduce`` (at least 0): on a host whose cores the workers
+      fill, the reductions' CPU, the wait for the slowest worker each step and the caches
+      the all-reduces evict, none of which the parts alone show.
     """
     from ..launch import launch
 
-    steps = int(min(40, max(5, HOST_PROBE_S / max(step_guess, 1e-6))))
-    alone = launch(_steps_at_once, job, steps, workers=1, strategy="allreduce", timeout=timeout,
-                   threads=threads)[0]
-    together = launch(_steps_at_once, job, steps, workers=workers, strategy="allreduce", timeout=timeout,
-                      threads=threads)
-    return max(1.0, statistics.median(together) / alone) if alone > 0 else 1.0
+    n = workers
+    per_part = seconds / PROBE_ROUNDS / 5
+    steps = int(min(20, max(2, per_part / max(step_guess, 1e-6))))
+    out = launch(_probe_in_worker, job, steps, PROBE_ROUNDS, workers=n, strategy="allreduce", timeout=timeout,
+                 threads=threads)
+    med = {k: statistics.median(o[k] for o in out) for k in ("together", "small", "reduce", "synced")}
+    med["alone"] = out[0]["alone"]
+    sizes = [int(x) for x in out[0]["sizes"]]
+    k, total = len(sizes), float(sum(sizes))
+    latency = max(med["small"] / (2 * (n - 1)), 1e-7)
+    transfer = max(med["reduce"] - 2 * (n - 1) * k * latency, med["reduce"] / 2)
+    result.link = (2 * (n - 1) / n * total / transfer, latency)
+    result.host_factor = max(1.0, med["together"] / med["alone"]) if med["alone"] > 0 else 1.0
+    result.buckets = sizes
+    result.contention_s = max(0.0, med["synced"] - med["together"] - med["reduce"])
+    result.probe = med
 
 
 def _correction(c: Candidate, n: int, learned: dict[str, float]) -> float:
@@ -428,37 +543,44 @@ def _estimate_step(c: Candidate, n: int, result: CompareResult, guess: float, mo
         step *= straggler.slowdown  # every worker runs max_steps: the window ends with the slowest
     if result.link is not None and (c.workers or n) > 1:
         link = Link(*result.link)
+        messages = Link(link.bandwidth, link.latency_s * max(1, len(result.buckets)))
         if c.strategy == "allreduce":
-            step += allreduce_seconds(n, model_bytes, link)
+            step += allreduce_seconds(n, model_bytes, messages) + result.contention_s
         elif c.strategy == "ps":
             step += ps_seconds(n, model_bytes, link, 1)
         elif c.strategy == "localsgd":
-            step += allreduce_seconds(n, model_bytes, link) / float(c.options.get("period", 8))
+            step += (allreduce_seconds(n, model_bytes, link) + result.contention_s) / float(c.options.get("period", 8))
     return step
 
 
 def _predict(result: CompareResult, links: list[float], scale: Sequence[int]) -> None:
-    """Fit the scaling model's constants from the one-worker window and predict (see `partrain.scaling`)."""
+    """Fit the scaling model's constants from the one-worker window and the host probe, check it
+    against the measured allreduce window, and predict beyond this machine (see `partrain.scaling`).
+
+    Here: ``h``, ``c``, ``k`` and the link as probed. Beyond this machine (`scaling.BEYOND`):
+    one worker per host, so ``h = 1``; ``c = 0``; the same ``k`` buckets at 20 us each.
+    """
     single = result.measurement("single")
     if single is None or not single.ok or not single.samples_per_s > 0:
         return
-    c = Constants(result.batch_size / single.samples_per_s, result.batch_size, float(result.model_bytes),
-                  result.host_factor)
-    result.constants = c
+    k = max(1, len(result.buckets))
+    here = Constants(result.batch_size / single.samples_per_s, result.batch_size, float(result.model_bytes),
+                     result.host_factor, k, result.contention_s)
+    result.constants = here
     allreduce = result.measurement("allreduce")
     if result.link is not None and allreduce is not None and allreduce.ok:
-        link = Link(*result.link)
-        predicted = samples_per_s("allreduce", allreduce.workers, c, link)
+        predicted = samples_per_s("allreduce", allreduce.workers, here, Link(*result.link))
         result.validation = {"workers": float(allreduce.workers), "predicted": predicted,
                              "measured": allreduce.samples_per_s,
                              "error": abs(predicted - allreduce.samples_per_s) / allreduce.samples_per_s}
+    beyond = Constants(here.step_s, here.batch, here.model_bytes, 1.0, k, 0.0)
     kinds = [("allreduce", {}), ("ps", {}), ("localsgd", {"period": 8})]
     for bandwidth in links:
         link = Link(bandwidth)
         for name, options in kinds:
             for w in scale:
-                x = samples_per_s(name, w, c, link, **options)
-                result.predictions.append(Prediction(name, w, bandwidth, x, x / (w * c.batch / c.step_s)))
+                x = samples_per_s(name, w, beyond, link, **options)
+                result.predictions.append(Prediction(name, w, bandwidth, x, x / (w * beyond.batch / beyond.step_s)))
 
 
 __all__ = ["CANDIDATES", "CompareResult", "Prediction", "applicable", "compare"]
