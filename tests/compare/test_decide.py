@@ -77,6 +77,18 @@ def test_single_wins_when_parallelism_does_not_pay():
     assert rec.pick == "single" and "parallelism does not pay" in rec.why
 
 
+def test_a_parallel_strategy_within_the_noise_of_one_process_gives_way_to_it():
+    # hogwild 3% faster than one process: inside the 5% floor, so one process (tied with hogwild)
+    single = window("single", "single", 1000.0, workers=1)
+    hogwild = window("hogwild", "hogwild", 1030.0, compute=1.0, comm=0.0)
+    rec = recommend([single, hogwild])
+    assert rec.pick == "single" and rec.tied == ["hogwild"]
+    assert rec.why == ("tied with hogwild (1.03x its speed, within the windows' noise of 5%); one process does "
+                       "as well with fewer processes: parallelism does not pay measurably here")
+    # 8% faster: outside the floor, so hogwild
+    assert recommend([single, window("hogwild", "hogwild", 1080.0)]).pick == "hogwild"
+
+
 def test_skipped_and_failed_windows_say_why_and_nothing_measured_is_no_advice():
     skipped = Measurement("pipeline", "pipeline", {}, 2, status="skipped", reason="the model has 1 top-level child")
     allreduce = window("allreduce", "allreduce", 100.0)

@@ -24,7 +24,8 @@ what-if link.
 
 1. (The loss at equal samples is shown, and names the cause when an asynchronous or
    local-update strategy loses by more than ``loss_tolerance``.)
-2. ``single`` when no parallel strategy is faster than one process.
+2. ``single`` when no parallel strategy is faster than one process by more than the
+   windows' noise (see Ties): parallelism must pay measurably for its processes.
 3. ``allreduce``, when it beats one process and its step waits little (communication and
    waiting below ``comm_floor`` of the step: nothing for another strategy to save) or no
    other strategy is at least ``margin`` faster: it keeps the exact gradient and needs no
@@ -158,11 +159,16 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     best = max(parallel, key=lambda m: m.speed) if parallel else None
     allreduce = by_label.get("allreduce")
     single = by_label.get("single")
-    if single is not None and (best is None or single.speed >= best.speed):
+    single_noise = max(window_noise(single), window_noise(best), TIE_FLOOR) if single and best else TIE_FLOOR
+    if single is not None and (best is None or single.speed * (1 + single_noise) >= best.speed):
         pick = single
-        why = (f"one process reaches the loss sooner than the best parallel strategy ({best.label}: "
-               f"{best.speed / single.speed:.2f}x its speed): parallelism does not pay here"
-               if best is not None else "the only strategy that ran")
+        if best is None:
+            why = "the only strategy that ran"
+        elif single.speed >= best.speed:
+            why = (f"one process reaches the loss sooner than the best parallel strategy ({best.label}: "
+                   f"{best.speed / single.speed:.2f}x its speed): parallelism does not pay here")
+        else:
+            why = "one process does as well with fewer processes: parallelism does not pay measurably here"
     elif allreduce is not None and best is not None and (
             single is None or allreduce.speed > single.speed) and (
             waiting_share(allreduce) < comm_floor or best.speed < allreduce.speed * (1 + margin)):
