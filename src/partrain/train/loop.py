@@ -339,6 +339,9 @@ class _EpochTotals:
     stopped_at: int | None = None
     #: when this epoch's part before a mid-epoch checkpoint began (its seconds count too)
     started: float = field(default_factory=time.perf_counter)
+    #: set by `record`: some worker has taken ``max_steps`` steps (workers that claim batches
+    #: count their own steps, so one may get there an epoch before another: all stop together)
+    max_steps_anywhere: bool = False
 
     def packed(self) -> torch.Tensor:
         """The sums as one float64 row (a mid-epoch checkpoint keeps one per worker)."""
@@ -379,6 +382,9 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
             position.history.append(record(strategy, parts, cfg, epoch, position.step, totals))
             position.epoch = epoch + 1
             save(strategy, parts, cfg, position, writer)
+            if totals.max_steps_anywhere:
+                stopped = "max_steps"
+                break
             if _early_stop(position.history, cfg):
                 stopped = "early_stop"
                 if strategy.is_main and not cfg.quiet:
@@ -797,9 +803,11 @@ def record(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, step: 
     train = torch.cat([
         torch.tensor([totals.loss_sum.item(), float(totals.seen), times.data, times.compute, times.comm,
                       float(strategy.comm_bytes - totals.comm_bytes), float(totals.skipped)], dtype=torch.float64),
-        totals.metric_sums.cpu()])
+        totals.metric_sums.cpu(),
+        torch.tensor([float(cfg.max_steps is not None and step >= cfg.max_steps)], dtype=torch.float64)])
     test_loss, test_metrics = evaluate(strategy, parts.model, parts.test_ds, parts.task, cfg.eval_batch_size)
     strategy.all_reduce_sum(train)
+    totals.max_steps_anywhere = train[-1].item() > 0
     n = max(train[1].item(), 1.0)
     w = strategy.num_workers
     seconds = totals.seconds
