@@ -161,7 +161,8 @@ class ParameterServer(Strategy):
         return [SERVER] * k + [WORKER] * (world_size - k)
 
     def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
-        if not comm.is_distributed():
+        if not comm.is_distributed() and not (self.colocate and env.world_size == 1):
+            # (colocated with one worker: the server is a thread of this process, no group needed)
             raise UsageError("Expected the ps strategy to run under partrain.launch or torchrun. Received: no "
                              "process group (one process)")
         super().setup(env, store=store, timeout=timeout)
@@ -177,7 +178,7 @@ class ParameterServer(Strategy):
         if self.backup_workers >= self.num_workers:
             raise UsageError(f"Expected backup_workers < workers. Received: backup_workers={self.backup_workers}, "
                              f"workers={self.num_workers}")
-        if env.backend != "gloo" or self.colocate:
+        if comm.is_distributed() and (env.backend != "gloo" or self.colocate):
             # the servers speak gloo, on CPU (e.g. beside NCCL workers); colocated, their traffic gets a
             # group of its own, apart from the collectives the worker threads run on the default group
             self._pg = dist.new_group(list(range(env.world_size)), backend="gloo",
