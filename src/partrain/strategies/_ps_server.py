@@ -1,11 +1,14 @@
 """One parameter server: owns a shard of the parameters and the optimizer for it.
 
 Threads: one receiver thread per worker blocks in ``recv`` on that worker's
-messages (the GIL is released while it waits) and puts complete messages on a
-queue until its worker is done or gone; the main thread takes them one at a
-time, applies updates and sends replies, and joins the receivers before it
-returns. So the optimizer runs on one thread, needs no lock, and a slow or
-dead worker never stalls the receipt of the others' messages. A worker whose
+messages (the GIL is released while it waits) and handles each complete message
+itself, under the server's lock: applies the update and sends the reply. No
+hand-over to another thread sits between a push and its reply (each one costs a
+wake-up, and on a busy machine a wait for a core). The lock keeps the optimizer
+and the counters to one thread at a time; a slow or dead worker never stalls
+the receipt of the others' messages. The main thread waits until every worker
+is done or gone (or a handler failed: it raises that error), then joins the
+receivers. A worker whose
 connection closes is *dead*: in sync mode that is an error naming it; in
 bounded and async modes the server warns and carries on with the live ones.
 
@@ -58,6 +61,10 @@ class _Message:
     head: torch.Tensor
     payload: list[torch.Tensor] = field(default_factory=list)
     error: str | None = None
+
+
+class _HandlerFailed(Exception):
+    """A receiver thread's handler raised; the main thread re-raises the error."""
 
 
 def resolve_class(spec: str) -> type:
@@ -137,7 +144,9 @@ class Server:
         self.started = time.monotonic()
         self.first_update: float | None = None
         self.last_update: float | None = None
-        self.inbox: queue.Queue[_Message] = queue.Queue()
+        self.lock = threading.Lock()
+        #: receivers -> main thread: None after each handled message, or the error a handler raised
+        self.events: queue.Queue[BaseException | None] = queue.Queue()
 
     # ----- modes -------------------------------------------------------------------------
     @property
@@ -181,11 +190,27 @@ class Server:
                     dtype = wire.dtype_from(spec["dtype"])
                     size = max(size, wire.frame_bytes([(len(spec["hp_slots"]), torch.float64),
                                                        (spec["numel"], dtype)]))
-                self.inbox.put(_Message(w, op, head, payload))
+                self._handle_here(_Message(w, op, head, payload))
                 if op == wire.DONE:
                     return
+        except _HandlerFailed:
+            return
         except Exception as exc:  # the connection closed: the worker died
-            self.inbox.put(_Message(w, -1, torch.empty(0), error=f"{type(exc).__name__}: {exc}".splitlines()[0]))
+            try:
+                self._handle_here(_Message(w, -1, torch.empty(0),
+                                           error=f"{type(exc).__name__}: {exc}".splitlines()[0]))
+            except _HandlerFailed:
+                return
+
+    def _handle_here(self, msg: _Message) -> None:
+        """Handle ``msg`` on this (receiver) thread under the lock; a failure goes to the main thread."""
+        try:
+            with self.lock:
+                self.handle(msg)
+        except BaseException as exc:
+            self.events.put(exc)
+            raise _HandlerFailed from exc
+        self.events.put(None)  # wake the main thread: a worker may be done or gone
 
     def _recv(self, w: int, t: torch.Tensor) -> torch.Tensor:
         self._irecv(w, t).wait(wire.seconds(self.timeout))
@@ -215,12 +240,16 @@ class Server:
                                     name=f"ps-recv-{w}") for w in range(len(self.worker_ranks))]
         for t in threads:
             t.start()
-        while len(self.done | self.dead) < len(self.worker_ranks):
+        while True:
+            with self.lock:
+                if len(self.done | self.dead) >= len(self.worker_ranks):
+                    break
             try:
-                msg = self.inbox.get(timeout=1.0)
+                event = self.events.get(timeout=1.0)
             except queue.Empty:
                 continue
-            self.handle(msg)
+            if event is not None:
+                raise event
         self._join(threads)
         return self.stats()
 
