@@ -5,7 +5,9 @@ noisy enough that accuracy climbs over several epochs), every variant trained by
 the same ``partrain.fit`` loop with 2 workers of one thread each:
 
 - ``allreduce`` (the baseline every ratio is taken against, in the same
-  straggler setting), ``ps`` with staleness 0, 2 and inf (1 server),
+  straggler setting), ``ps`` with staleness 0, 2 and inf (1 server process),
+  and with staleness 2 and inf colocated (``colocate=True``: a server thread in
+  each worker process, no server process; only with ``--variants``),
   ``hogwild``, ``localsgd`` with period H (default 8) with and without the
   outer Nesterov optimizer (DiLoCo; outer lr 0.8, momentum 0.3), and DiLoCo
   with a long period (default 64, the strategy's default outer lr 0.8 and
