@@ -15,7 +15,11 @@ of the servers' state. The other tests each launch one small job:
 - backup workers: exactly the gradient that arrives late for its version is
   dropped, and the parameters equal a sequential replay of the applied ones;
 - async: a worker killed with SIGKILL mid-epoch does not stop `fit`, which
-  still reaches 0.9 test accuracy on digits.
+  still reaches 0.9 test accuracy on digits;
+- colocated servers (``colocate=True``, a server thread in each worker process):
+  the same sync test and checkpoint resume, the staleness bound, and overlap
+  through the in-process pipe alone (one worker); the pipe itself against
+  gloo's point-to-point rules, without processes.
 
 Precision: the comparisons of parameters run in float64 and hold to
 `F64_ATOL` = 1e-10 (a sum split over processes rounds differently from one
@@ -23,6 +27,7 @@ process; in float64 that stays near 1e-14 after these tens of steps, see
 `tests.helpers`).
 """
 
+import datetime
 import functools
 import math
 import os
@@ -39,7 +44,7 @@ from partrain.errors import UsageError, WorkerError
 from partrain.launch import launch
 from partrain.models import cnn
 from partrain.strategies import get_strategy, parse_options
-from partrain.strategies._ps_wire import plan_shards
+from partrain.strategies._ps_wire import LocalPipe, frame, plan_shards, split_frame
 from partrain.strategies.parameter_server import ParameterServer
 from partrain.train.loop import fit
 from tests.helpers import (
@@ -90,13 +95,54 @@ def test_options_modes_and_roles():
     assert ps.roles(5) == ["server", "server", "worker", "worker", "worker"]
     assert not get_strategy("ps").survives_worker_loss  # sync: a lost worker is an error
     assert get_strategy("ps", staleness=2).survives_worker_loss
-    for bad in ({"servers": 0}, {"staleness": -1}, {"backup_workers": 1, "staleness": 2}):
+    colocated = get_strategy("ps", **parse_options("ps", ["colocate=true", "staleness=2"]))
+    assert colocated.extra_processes(3) == 0 and colocated.roles(3) == ["worker"] * 3
+    assert not colocated.survives_worker_loss  # a dead worker takes its shard with it
+    for bad in ({"servers": 0}, {"staleness": -1}, {"backup_workers": 1, "staleness": 2}, {"colocate": "yes"}):
         with pytest.raises(UsageError, match="Expected"):
             get_strategy("ps", **bad)
 
 
+def test_a_frame_holds_header_and_parts_at_aligned_offsets():
+    head = torch.arange(8, dtype=torch.float64)
+    buf, (hp, grad) = frame(head, [(3, torch.float64), (5, torch.float32)])
+    hp.copy_(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    grad.copy_(torch.arange(5, dtype=torch.float32))
+    # the float32 part starts at 64 + 24 bytes; 5 of them take 20 bytes, padded to 24
+    assert buf.numel() == 64 + 24 + 24 and buf.dtype == torch.uint8
+    got_head, (got_hp, got_grad) = split_frame(buf.clone(), [(3, torch.float64), (5, torch.float32)])
+    assert torch.equal(got_head, head) and got_hp.tolist() == [1.0, 2.0, 3.0]
+    assert got_grad.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(RuntimeError, match="Expected a parameter-server frame of at least"):
+        split_frame(buf[:70], [(3, torch.float64)])
+
+
+def test_the_in_process_pipe_keeps_gloo_point_to_point_rules():
+    """A colocated worker and its server thread talk through `LocalPipe`; the protocol assumes
+    gloo's rules: FIFO, receives filled in the order posted, a larger buffer gets a prefix,
+    and the sender may reuse its tensor at once."""
+    pipe = LocalPipe("test pipe")
+    first, second = torch.zeros(4), torch.zeros(2, dtype=torch.float64)
+    w1, w2 = pipe.irecv(first), pipe.irecv(second)
+    sent = torch.tensor([1.0, 2.0])
+    pipe.isend(sent).wait()
+    sent.fill_(9.0)  # copied at send: the receiver still gets 1, 2
+    pipe.isend(torch.tensor([5.0, 6.0], dtype=torch.float64))
+    w2.wait()  # waiting on the second receive fills the first one on the way
+    assert first.tolist() == [1.0, 2.0, 0.0, 0.0] and second.tolist() == [5.0, 6.0] and w1.wait()
+    small = pipe.irecv(torch.zeros(1))
+    pipe.isend(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="message of 12 bytes for a 4-byte buffer"):
+        small.wait()
+    pipe.failed = "the other side died"
+    with pytest.raises(RuntimeError, match="the other side died"):
+        pipe.irecv(torch.zeros(1)).wait()
+    with pytest.raises(RuntimeError, match="no message within"):
+        LocalPipe("idle").irecv(torch.zeros(1)).wait(datetime.timedelta(seconds=0.01))
+
+
 # ----- sync mode: equal to one process on the global batch, also across resume ---------------------
-@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("servers", [1, 2, "colocated"])
 def test_sync_equals_a_hand_written_loop(servers, tmp_path):
     # 1437 training samples, global batch 64: epoch 1 is 23 steps, its last batch of 29 split
     # 15 + 14 between the workers; StepLR halves the lr at the epoch's end on the workers, and
@@ -111,12 +157,15 @@ def test_sync_equals_a_hand_written_loop(servers, tmp_path):
         assert ps.final["ps_staleness_max"] == 0 and ps.final["ps_dropped"] == 0
         assert ps.final["ps_server0_version"] == 26
         return
-    # 2 servers, and the servers' state (parameters, momentum, version) through a checkpoint:
-    # epoch 1, then resume for 3 steps of epoch 2 = 26 uninterrupted single-process steps
-    first = run_fit(ParameterServer(servers=2), 2, 32, epochs=1, out_dir=str(tmp_path))
+    # 2 servers (processes, or threads of the 2 workers), and the servers' state (parameters,
+    # momentum, version) through a checkpoint: epoch 1, then resume for 3 steps of epoch 2 = 26
+    # uninterrupted single-process steps
+    def make():
+        return ParameterServer(colocate=True) if servers == "colocated" else ParameterServer(servers=2)
+
+    first = run_fit(make(), 2, 32, epochs=1, out_dir=str(tmp_path))
     assert_states_close(first.model_state, by_hand(1)[0])
-    resumed = run_fit(ParameterServer(servers=2), 2, 32, epochs=2, max_steps=26,
-                      resume=str(tmp_path / "checkpoint.pt"))
+    resumed = run_fit(make(), 2, 32, epochs=2, max_steps=26, resume=str(tmp_path / "checkpoint.pt"))
     state, history = by_hand(2, 26)
     assert_history_matches(resumed.history, history)
     assert resumed.final["ps_server0_version"] == resumed.final["ps_server1_version"] == 26
@@ -184,11 +233,14 @@ def _bounded_worker(strategy, fast_steps, slow_steps, s):
     return strategy.trace, times
 
 
-def test_bounded_staleness_never_lets_a_worker_run_more_than_s_ahead():
+@pytest.mark.parametrize("colocate", [False, True])
+def test_bounded_staleness_never_lets_a_worker_run_more_than_s_ahead(colocate):
     s, slow_steps = 2, 5
     fast_steps = slow_steps + s + 2  # enough for the slow worker's last wait, and 2 more after it
+    # colocated: server 0 is a thread of the fast worker, and the bound holds just the same
     (fast_trace, fast_times), (slow_trace, slow_pushes) = launch(
-        _bounded_worker, fast_steps, slow_steps, s, workers=2, strategy=ParameterServer(staleness=s), timeout=60)
+        _bounded_worker, fast_steps, slow_steps, s, workers=2,
+        strategy=ParameterServer(staleness=s, colocate=colocate), timeout=60)
     # the lead the server granted with every reply (the step the worker then computed) is <= s
     assert max(lead for _, _, lead in fast_trace + slow_trace) <= s
     # the bound was reached: each slow push released a reply held at lead s + 1, now s
@@ -217,15 +269,17 @@ def _overlap_worker(strategy, steps):
     return {k: v.clone() for k, v in strategy.model_state_dict(model).items()}
 
 
-def test_overlap_is_sgd_on_the_gradient_one_step_back():
+@pytest.mark.parametrize("colocate", [False, True])
+def test_overlap_is_sgd_on_the_gradient_one_step_back(colocate):
     """One worker, overlap=True: P[t+1] = P[t] - lr * grad(P[t-1]) (P[-1] = P[0]), in float64.
 
     The forward of step t runs before the reply to push t-1 is loaded, so each gradient
     is one update older than without overlap: an independent delayed-SGD loop must agree.
+    Colocated, the one worker's server is a thread of its own process: only the in-process pipe.
     """
     steps = 5
-    (state,) = launch(_overlap_worker, steps, workers=1, strategy=ParameterServer(staleness=math.inf, overlap=True),
-                      timeout=60)
+    (state,) = launch(_overlap_worker, steps, workers=1,
+                      strategy=ParameterServer(staleness=math.inf, overlap=True, colocate=colocate), timeout=60)
     torch.manual_seed(0)
     net = small_mlp64().double()
     params = [p.detach().clone() for p in net.parameters()]

@@ -1,11 +1,14 @@
 """One parameter server: owns a shard of the parameters and the optimizer for it.
 
 Threads: one receiver thread per worker blocks in ``recv`` on that worker's
-messages (the GIL is released while it waits) and puts complete messages on a
-queue until its worker is done or gone; the main thread takes them one at a
-time, applies updates and sends replies, and joins the receivers before it
-returns. So the optimizer runs on one thread, needs no lock, and a slow or
-dead worker never stalls the receipt of the others' messages. A worker whose
+messages (the GIL is released while it waits) and handles each complete message
+itself, under the server's lock: applies the update and sends the reply. No
+hand-over to another thread sits between a push and its reply (each one costs a
+wake-up, and on a busy machine a wait for a core). The lock keeps the optimizer
+and the counters to one thread at a time; a slow or dead worker never stalls
+the receipt of the others' messages. The main thread waits until every worker
+is done or gone (or a handler failed: it raises that error), then joins the
+receivers. A worker whose
 connection closes is *dead*: in sync mode that is an error naming it; in
 bounded and async modes the server warns and carries on with the live ones.
 
@@ -21,6 +24,11 @@ Modes (``staleness``):
   than ``s`` ahead of the slowest live worker's clock is held back until the
   slowest catches up. The *lead* sent with a reply is that difference.
 - ``inf`` (async): apply, reply at once.
+
+Where it runs: in a process of its own (a server rank), or colocated - a
+thread inside a worker process (``colocate=True``). A colocated server talks to
+the worker of its own process through two `LocalPipe`s (the same messages,
+no sockets) and to the other workers through gloo, like any server.
 
 Frozen elements (`partrain.nn.freeze`): worker 0's hello carries the shard's
 masks; the server records them on its parameters and attaches `keep_frozen`
@@ -53,6 +61,10 @@ class _Message:
     head: torch.Tensor
     payload: list[torch.Tensor] = field(default_factory=list)
     error: str | None = None
+
+
+class _HandlerFailed(Exception):
+    """A receiver thread's handler raised; the main thread re-raises the error."""
 
 
 def resolve_class(spec: str) -> type:
@@ -91,8 +103,11 @@ class Server:
     """The serving loop of one server rank. ``run()`` returns when every worker is done or dead."""
 
     def __init__(self, *, index: int, worker_ranks: list[int], group: Any, staleness: float,
-                 backup_workers: int, staleness_lr: bool, timeout: float) -> None:
+                 backup_workers: int, staleness_lr: bool, timeout: float,
+                 local: dict[int, tuple[wire.LocalPipe, wire.LocalPipe]] | None = None) -> None:
         self.index = index
+        #: colocated: worker index -> (its requests, our replies) for the worker in our own process
+        self.local = local or {}
         self.worker_ranks = worker_ranks
         self.group = group
         self.staleness = staleness
@@ -100,7 +115,8 @@ class Server:
         self.staleness_lr = staleness_lr
         self.timeout = timeout
         n = len(worker_ranks)
-        self.flat: torch.Tensor | None = None  # this shard's parameters, one buffer
+        self.flat: torch.Tensor | None = None  # this shard's parameters, one buffer (a view of reply_buf)
+        self.reply_buf: torch.Tensor | None = None  # the reply frame: header | flat
         self.grad_flat: torch.Tensor | None = None
         self.params: list[torch.Tensor] = []
         self.optimizer: Any = None
@@ -128,7 +144,9 @@ class Server:
         self.started = time.monotonic()
         self.first_update: float | None = None
         self.last_update: float | None = None
-        self.inbox: queue.Queue[_Message] = queue.Queue()
+        self.lock = threading.Lock()
+        #: receivers -> main thread: None after each handled message, or the error a handler raised
+        self.events: queue.Queue[BaseException | None] = queue.Queue()
 
     # ----- modes -------------------------------------------------------------------------
     @property
@@ -140,47 +158,80 @@ class Server:
         return [w for w in range(len(self.worker_ranks)) if w not in self.done and w not in self.dead]
 
     # ----- receiving ---------------------------------------------------------------------
+    def _irecv(self, w: int, t: torch.Tensor) -> Any:
+        """Post the receive of worker ``w``'s next message part into ``t``."""
+        if w in self.local:
+            return self.local[w][0].irecv(t)
+        return dist.irecv(t, self.worker_ranks[w], group=self.group, tag=wire.TAG)
+
     def _receiver(self, w: int) -> None:
-        """Thread: move worker ``w``'s messages to the inbox until it is done or gone."""
-        src = self.worker_ranks[w]
+        """Thread: move worker ``w``'s messages to the inbox until it is done or gone.
+
+        Every message starts with a frame; until the worker's hello says how large its
+        pushes are, the frame is a bare header. A push is that one frame."""
         forever = wire.seconds(365 * 86400)  # a worker may compute for long; death closes the pair
+        size = wire.HEADER_BYTES
+        dtype = torch.float32
         try:
             while True:
-                head = torch.empty(wire.HEADER, dtype=torch.float64)
-                dist.irecv(head, src, group=self.group, tag=wire.TAG).wait(forever)
+                buf = torch.empty(size, dtype=torch.uint8)
+                self._irecv(w, buf).wait(forever)
+                head = buf[:wire.HEADER_BYTES].view(torch.float64)
                 op = int(head[0])
-                payload = self._recv_payload(op, head, src)
-                self.bytes_in += wire.nbytes(head) + sum(wire.nbytes(t) for t in payload)
-                self.inbox.put(_Message(w, op, head, payload))
+                if op == wire.PUSH:
+                    parts = [(int(head[2]), torch.float64), (int(head[3]), dtype)]
+                    payload = wire.split_frame(buf, parts)[1]
+                    self.bytes_in += wire.frame_bytes(parts)
+                else:
+                    payload = self._recv_payload(w, op, head)
+                    self.bytes_in += wire.HEADER_BYTES + sum(wire.nbytes(t) for t in payload)
+                if op == wire.HELLO:  # now we know the size of this worker's pushes
+                    spec = wire.decode_json(payload[0])
+                    dtype = wire.dtype_from(spec["dtype"])
+                    size = max(size, wire.frame_bytes([(len(spec["hp_slots"]), torch.float64),
+                                                       (spec["numel"], dtype)]))
+                self._handle_here(_Message(w, op, head, payload))
                 if op == wire.DONE:
                     return
+        except _HandlerFailed:
+            return
         except Exception as exc:  # the connection closed: the worker died
-            self.inbox.put(_Message(w, -1, torch.empty(0), error=f"{type(exc).__name__}: {exc}".splitlines()[0]))
+            try:
+                self._handle_here(_Message(w, -1, torch.empty(0),
+                                           error=f"{type(exc).__name__}: {exc}".splitlines()[0]))
+            except _HandlerFailed:
+                return
 
-    def _recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        dist.irecv(t, src, group=self.group, tag=wire.TAG).wait(wire.seconds(self.timeout))
+    def _handle_here(self, msg: _Message) -> None:
+        """Handle ``msg`` on this (receiver) thread under the lock; a failure goes to the main thread."""
+        try:
+            with self.lock:
+                self.handle(msg)
+        except BaseException as exc:
+            self.events.put(exc)
+            raise _HandlerFailed from exc
+        self.events.put(None)  # wake the main thread: a worker may be done or gone
+
+    def _recv(self, w: int, t: torch.Tensor) -> torch.Tensor:
+        self._irecv(w, t).wait(wire.seconds(self.timeout))
         return t
 
-    def _recv_payload(self, op: int, head: torch.Tensor, src: int) -> list[torch.Tensor]:
+    def _recv_payload(self, w: int, op: int, head: torch.Tensor) -> list[torch.Tensor]:
         if op == wire.HELLO:
-            meta = self._recv(torch.empty(int(head[4]), dtype=torch.uint8), src)
+            meta = self._recv(w, torch.empty(int(head[4]), dtype=torch.uint8))
             out = [meta]
             if head[5] > 0:  # worker 0 sends the initial parameters, then the frozen masks (if any)
                 spec = wire.decode_json(meta)
-                out.append(self._recv(torch.empty(spec["numel"], dtype=wire.dtype_from(spec["dtype"])), src))
+                out.append(self._recv(w, torch.empty(spec["numel"], dtype=wire.dtype_from(spec["dtype"]))))
                 if spec.get("frozen_numel", 0) > 0:
-                    out.append(self._recv(torch.empty(spec["frozen_numel"], dtype=torch.uint8), src))
+                    out.append(self._recv(w, torch.empty(spec["frozen_numel"], dtype=torch.uint8)))
             return out
-        if op == wire.PUSH:
-            hp = self._recv(torch.empty(int(head[2]), dtype=torch.float64), src)
-            grad = self._recv(torch.empty(int(head[3]), dtype=wire.dtype_from(self.meta["dtype"])), src)
-            return [hp, grad]
         if op == wire.STATE_SET:
-            meta = self._recv(torch.empty(int(head[4]), dtype=torch.uint8), src)
+            meta = self._recv(w, torch.empty(int(head[4]), dtype=torch.uint8))
             spec = wire.decode_json(meta)
-            return [meta, *wire.recv_described(spec["tensors"], src, self.group, self.timeout)]
+            return [meta, *wire.recv_described(spec["tensors"], lambda t: self._irecv(w, t), self.timeout)]
         if op == wire.REDUCE:
-            return [self._recv(torch.empty(int(head[2]), dtype=torch.float64), src)]
+            return [self._recv(w, torch.empty(int(head[2]), dtype=torch.float64))]
         return []
 
     # ----- main loop -----------------------------------------------------------------------
@@ -189,12 +240,16 @@ class Server:
                                     name=f"ps-recv-{w}") for w in range(len(self.worker_ranks))]
         for t in threads:
             t.start()
-        while len(self.done | self.dead) < len(self.worker_ranks):
+        while True:
+            with self.lock:
+                if len(self.done | self.dead) >= len(self.worker_ranks):
+                    break
             try:
-                msg = self.inbox.get(timeout=1.0)
+                event = self.events.get(timeout=1.0)
             except queue.Empty:
                 continue
-            self.handle(msg)
+            if event is not None:
+                raise event
         self._join(threads)
         return self.stats()
 
@@ -248,7 +303,10 @@ class Server:
     # ----- state ----------------------------------------------------------------------------
     def _init(self, meta: dict[str, Any], flat: torch.Tensor, masks: list[torch.Tensor]) -> None:
         self.meta = meta
-        self.flat = flat
+        # the parameters live inside the reply frame: a reply is one send of it, no copy
+        self.reply_buf, (self.flat,) = wire.frame(wire.header(wire.R_PARAMS), [(flat.numel(), flat.dtype)])
+        self.flat.copy_(flat)
+        flat = self.flat
         self.grad_flat = torch.zeros_like(flat)
         offset = 0
         self.params = []
@@ -358,8 +416,10 @@ class Server:
 
     # ----- replies ---------------------------------------------------------------------------
     def _reply_params(self, w: int, tau: float, applied: float, lead: int = 0) -> None:
-        assert self.flat is not None
-        self._send(w, [wire.header(wire.R_PARAMS, self.version, tau, applied, lead), self.flat])
+        assert self.reply_buf is not None
+        self.reply_buf[:wire.HEADER_BYTES].view(torch.float64).copy_(
+            wire.header(wire.R_PARAMS, self.version, tau, applied, lead))
+        self._send(w, [self.reply_buf])
 
     def _send(self, w: int, tensors: list[torch.Tensor], json_obj: Any = None) -> None:
         if w in self.dead:
@@ -369,7 +429,12 @@ class Server:
             tensors[0][4] = payload.numel()
             tensors = [tensors[0], payload, *tensors[1:]]
         try:
-            self.bytes_out += wire.send_tensors(tensors, self.worker_ranks[w], self.group)
+            if w in self.local:  # the worker in our own process (it copies as it takes them)
+                for t in tensors:
+                    self.local[w][1].isend(t)
+                self.bytes_out += sum(wire.nbytes(t) for t in tensors)
+            else:
+                self.bytes_out += wire.send_tensors(tensors, self.worker_ranks[w], self.group)
         except Exception as exc:
             self._lost(w, f"{type(exc).__name__}: {exc}".splitlines()[0])
 

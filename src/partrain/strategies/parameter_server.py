@@ -36,6 +36,18 @@ one worker: SGD on the gradient of the parameters one step back). Evaluation
 learning rate by its staleness (updates the shard received between the pull the gradient was
 computed on and this one; at least 1).
 
+``colocate=True`` (for machines with no cores to spare for server processes): no
+server processes; every worker process also runs one server, a thread, which
+owns the shard of its index (as many shards as workers). A worker's messages to
+the server in its own process go through an in-process pipe; those to the
+others through gloo, as usual. A colocated job cannot survive a dead worker
+(its shard dies with it), so every mode then treats a lost worker as an error.
+``comm_bytes`` counts the bytes that leave the process.
+
+Wire (see `_ps_wire`): a push is one message per server (header, hyperparameters
+and the gradient in one buffer, filled in place) and the reply one message
+(header and parameters: the server's parameters live in its reply buffer).
+
 Frozen elements (`partrain.nn.freeze`): the servers run the optimizer, so worker
 0's hello carries each shard's frozen masks (JSON indices and a uint8 tensor)
 and every server attaches `keep_frozen` to its optimizer: frozen elements and
@@ -50,7 +62,10 @@ server that dies is an error naming it on every worker waiting on it.
 from __future__ import annotations
 
 import datetime
+import functools
 import math
+import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -79,7 +94,7 @@ class ParameterServer(Strategy):
     name = "ps"
 
     def __init__(self, servers: int = 1, staleness: float = 0, backup_workers: int = 0,
-                 staleness_lr: bool = False, overlap: bool = False) -> None:
+                 staleness_lr: bool = False, overlap: bool = False, colocate: bool = False) -> None:
         super().__init__()
         if isinstance(servers, bool) or not isinstance(servers, int) or servers < 1:
             raise UsageError(f"Expected a positive number of servers. Received: servers={servers!r}")
@@ -93,16 +108,19 @@ class ParameterServer(Strategy):
                              f"backup_workers={backup_workers}, staleness={staleness}")
         if not isinstance(overlap, bool):
             raise UsageError(f"Expected overlap=true or false. Received: overlap={overlap!r}")
+        if not isinstance(colocate, bool):
+            raise UsageError(f"Expected colocate=true or false. Received: colocate={colocate!r}")
         if overlap and staleness == 0:
             raise UsageError("Expected overlap only with staleness > 0 (it computes on parameters one update "
                              "older). Received: overlap=True, staleness=0")
         self.servers = servers
+        self.colocate = colocate
         self.staleness = staleness
         self.overlap = overlap
         self.backup_workers = backup_workers
         self.staleness_lr = bool(staleness_lr)
-        #: bounded and async modes go on without a worker that died
-        self.survives_worker_loss = staleness > 0  # type: ignore[misc]
+        #: bounded and async modes go on without a worker that died (not colocated: its shard dies too)
+        self.survives_worker_loss = staleness > 0 and not colocate  # type: ignore[misc]
         #: async mode: workers claim batches, so a fast worker takes more of each epoch. Not in
         #: bounded mode: a worker past its share would wait on one already done with the epoch.
         self.dynamic_sharding = math.isinf(staleness)  # type: ignore[misc]
@@ -125,25 +143,44 @@ class ParameterServer(Strategy):
         self._staleness = Counter[int]()
         self._dropped = 0
         self._bytes_pulled = 0
+        self._reply_frames: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # per server: buf, head, flat
+        # colocated: the server thread of this process and the pipes to it (requests, replies)
+        self._local_server: int | None = None
+        self._pipes: tuple[wire.LocalPipe, wire.LocalPipe] | None = None
+        self._server_thread: threading.Thread | None = None
+        self._server_error: str | None = None
 
     # ----- topology ------------------------------------------------------------------------------
     def extra_processes(self, workers: int) -> int:
-        return self.servers
+        return 0 if self.colocate else self.servers
 
     def roles(self, world_size: int) -> list[str]:
+        if self.colocate:
+            return [WORKER] * world_size
         k = min(self.servers, world_size)
         return [SERVER] * k + [WORKER] * (world_size - k)
 
     def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
-        if not comm.is_distributed():
+        if not comm.is_distributed() and not (self.colocate and env.world_size == 1):
+            # (colocated with one worker: the server is a thread of this process, no group needed)
             raise UsageError("Expected the ps strategy to run under partrain.launch or torchrun. Received: no "
                              "process group (one process)")
         super().setup(env, store=store, timeout=timeout)
-        self.server_ranks = list(range(self.servers))
+        if self.colocate:  # one server per worker process, server s in worker s's process
+            if self.servers not in (1, self.num_workers):
+                raise UsageError(f"Expected servers=1 (the default) or the number of workers with colocate=true "
+                                 f"(one server per worker). Received: servers={self.servers}, "
+                                 f"workers={self.num_workers}")
+            self.servers = self.num_workers
+            self.server_ranks = list(self.worker_ranks)
+        else:
+            self.server_ranks = list(range(self.servers))
         if self.backup_workers >= self.num_workers:
             raise UsageError(f"Expected backup_workers < workers. Received: backup_workers={self.backup_workers}, "
                              f"workers={self.num_workers}")
-        if env.backend != "gloo":  # e.g. NCCL workers: the servers speak gloo, on CPU
+        if comm.is_distributed() and (env.backend != "gloo" or self.colocate):
+            # the servers speak gloo, on CPU (e.g. beside NCCL workers); colocated, their traffic gets a
+            # group of its own, apart from the collectives the worker threads run on the default group
             self._pg = dist.new_group(list(range(env.world_size)), backend="gloo",
                                       timeout=datetime.timedelta(seconds=timeout))
 
@@ -175,6 +212,12 @@ class ParameterServer(Strategy):
         self._optimizer = _ServerOptimizer(self, optimizer)
         self._model = model
         self._versions = [0] * self.servers
+        for owned in self._plan:
+            numel = sum(params[i].numel() for i in owned)
+            buf, (flat,) = wire.frame(wire.header(0), [(numel, self._dtype)])
+            self._reply_frames.append((buf, buf[:wire.HEADER_BYTES].view(torch.float64), flat))
+        if self.colocate:
+            self._start_server()
         # hello: worker 0 brings the initial parameters and the frozen masks, every worker then pulls them
         replies = self._post_replies()
         for s, owned in enumerate(self._plan):
@@ -203,21 +246,51 @@ class ParameterServer(Strategy):
         if not (self.overlap and module.training):
             self._finish_pull()
 
+    # ----- colocated server ---------------------------------------------------------------------
+    def _start_server(self) -> None:
+        """Colocated: run server ``self.rank`` in a thread of this process."""
+        me = self.rank
+        self._local_server = me
+        requests = wire.LocalPipe(f"ps worker {me} -> the server in its process")
+        replies = wire.LocalPipe(f"parameter server {me} (a thread of worker {me}) -> its worker")
+        self._pipes = (requests, replies)
+        server = Server(index=me, worker_ranks=self.worker_ranks, group=self._pg, staleness=self.staleness,
+                        backup_workers=self.backup_workers, staleness_lr=self.staleness_lr, timeout=self.timeout,
+                        local={me: (requests, replies)})
+
+        def serve() -> None:
+            try:
+                server.run()
+            except BaseException as exc:  # noqa: BLE001 - handed to the worker, whose waits then fail
+                self._server_error = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                replies.failed = f"the server thread failed: {self._server_error}"
+                print(f"partrain: error: parameter server {me} (a thread of worker rank {self.env.rank}): "
+                      f"{self._server_error}", file=sys.stderr, flush=True)
+
+        self._server_thread = threading.Thread(target=serve, daemon=True, name=f"ps-server-{me}")
+        self._server_thread.start()
+
     # ----- messages -------------------------------------------------------------------------------
     def _isend(self, s: int, tensors: list[torch.Tensor]) -> None:
-        dst = self.server_ranks[s]
-        self._sends.extend(wire.isend_tensors(tensors, dst, self._pg))
+        if s == self._local_server:
+            assert self._pipes is not None
+            self._sends.extend(self._pipes[0].isend(t) for t in tensors)
+            return
+        self._sends.extend(wire.isend_tensors(tensors, self.server_ranks[s], self._pg))
         self.comm_bytes += sum(wire.nbytes(t) for t in tensors)
 
+    def _irecv(self, s: int, t: torch.Tensor) -> Any:
+        """Post the receive of server ``s``'s next reply part into ``t``."""
+        if s == self._local_server:
+            assert self._pipes is not None
+            return self._pipes[1].irecv(t)
+        return dist.irecv(t, self.server_ranks[s], group=self._pg, tag=wire.TAG_REPLY)
+
     def _post_replies(self) -> list[tuple[torch.Tensor, torch.Tensor, list[Any]]]:
-        """Post the receives of every server's next parameters (before sending the request)."""
-        out = []
-        for s, owned in enumerate(self._plan):
-            head = torch.empty(wire.HEADER, dtype=torch.float64)
-            flat = torch.empty(sum(self._params[i].numel() for i in owned), dtype=self._dtype)
-            works = [dist.irecv(t, self.server_ranks[s], group=self._pg, tag=wire.TAG) for t in (head, flat)]
-            out.append((head, flat, works))
-        return out
+        """Post the receives of every server's next parameters (before sending the request).
+
+        Into one reply frame per server, reused: at most one pull is in flight."""
+        return [(head, flat, [self._irecv(s, buf)]) for s, (buf, head, flat) in enumerate(self._reply_frames)]
 
     def _wait(self, work: Any, s: int, what: str) -> None:
         try:
@@ -270,8 +343,12 @@ class ParameterServer(Strategy):
         hp = _hp_values(self._optimizer.param_groups, self._hp_slots)
         replies = self._post_replies()
         for s, owned in enumerate(self._plan):
-            grad = self._flat([self._params[i] for i in owned], grads=True)
-            self._isend(s, [wire.header(wire.PUSH, self._versions[s], hp.numel(), grad.numel()), hp, grad])
+            numel = self._reply_frames[s][2].numel()
+            buf, (hp_part, grad_part) = wire.frame(wire.header(wire.PUSH, self._versions[s], hp.numel(), numel),
+                                                   [(hp.numel(), torch.float64), (numel, self._dtype)])
+            hp_part.copy_(hp)
+            self._flat_into(grad_part, [self._params[i] for i in owned])
+            self._isend(s, [buf])  # one message: header, hyperparameters, gradient
         self._pending = replies
         self._pending_push = True
 
@@ -295,6 +372,16 @@ class ParameterServer(Strategy):
         payload = torch.empty(int(head[4]), dtype=torch.uint8)
         self._wait(self._post_raw([payload], s)[0], s, "answer")
         return head, wire.decode_json(payload)
+
+    def _flat_into(self, out: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """The gradients of ``tensors`` (zeros where none) written into the flat ``out``."""
+        if not tensors:
+            return
+        parts = [(torch.zeros_like(p) if p.grad is None else p.grad).detach().reshape(-1) for p in tensors]
+        if all(t.device.type == "cpu" and t.dtype == out.dtype for t in parts):
+            torch.cat(parts, out=out)  # straight into the message
+        else:
+            out.copy_(torch.cat(parts))
 
     def _flat(self, tensors: list[torch.Tensor], grads: bool) -> torch.Tensor:
         parts = []
@@ -373,7 +460,7 @@ class ParameterServer(Strategy):
         self.all_reduce_sum(torch.zeros(1))
 
     def _post_raw(self, tensors: list[torch.Tensor], s: int = 0) -> list[Any]:
-        return [dist.irecv(t, self.server_ranks[s], group=self._pg, tag=wire.TAG) for t in tensors]
+        return [self._irecv(s, t) for t in tensors]
 
     # ----- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -391,7 +478,7 @@ class ParameterServer(Strategy):
             payload = torch.empty(int(head[4]), dtype=torch.uint8)
             self._wait(self._post_raw([payload], s)[0], s, "send its state")
             meta = wire.decode_json(payload)
-            tensors = wire.recv_described(meta["tensors"], self.server_ranks[s], self._pg, self.timeout)
+            tensors = wire.recv_described(meta["tensors"], functools.partial(self._irecv, s), self.timeout)
             shards.append({"meta": payload.numpy().tobytes().decode(), "tensors": tensors})
         return {"format": "partrain.ps/1", "servers": shards}
 
@@ -431,9 +518,13 @@ class ParameterServer(Strategy):
             for s in range(self.servers):
                 self._isend(s, [wire.header(wire.DONE)])
             self._wait_sends()
+            if self._server_thread is not None:
+                # colocated: our server serves the others until they are done too
+                self._server_thread.join(self.timeout)
+                if self._server_thread.is_alive():
+                    print(f"partrain: warning: parameter server {self._local_server} (a thread of worker "
+                          f"{self.rank}) still serving after {self.timeout:g} s", file=sys.stderr, flush=True)
         except Exception as exc:  # never mask the error that brought us here
-            import sys
-
             print(f"partrain: warning: ps worker {self.rank} could not say goodbye to the servers: {exc}",
                   file=sys.stderr)
         finally:
