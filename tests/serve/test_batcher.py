@@ -332,6 +332,15 @@ def test_multi_input_requests() -> None:
 # ----------------------------------------------------------------- threads
 
 
+def run_threads(target, n: int, timeout: float) -> None:
+    """``target(k)`` in ``n`` threads at once, k = 0..n-1; returns when all ended (or ``timeout`` each)."""
+    threads = [threading.Thread(target=target, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def test_threads_submit_blocking_under_random_arrivals() -> None:
     b = Batcher(MODEL, max_batch_size=16).start_background()
     results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -347,11 +356,7 @@ def test_threads_submit_blocking_under_random_arrivals() -> None:
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_threads(worker, 8, timeout=60)
     b.stop_background()
     assert not errors and len(results) == 200
     for x, y in results.values():
@@ -446,11 +451,7 @@ def test_inline_answers_equal_the_model_alone_under_threads() -> None:
             x = torch.randn(1 + j % 3, 6, dtype=torch.float64, generator=rng)
             results[k * 100 + j] = (x, b.submit_threadsafe(x))
 
-    threads = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_threads(producer, 4, timeout=30)
     b.stop_background()
     assert len(results) == 200 and b.stats.answered == 200
     with torch.inference_mode():
