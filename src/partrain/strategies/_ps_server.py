@@ -165,7 +165,7 @@ class Server:
         return dist.irecv(t, self.worker_ranks[w], group=self.group, tag=wire.TAG)
 
     def _receiver(self, w: int) -> None:
-        """Thread: move worker ``w``'s messages to the inbox until it is done or gone.
+        """Thread: receive and handle worker ``w``'s messages until it is done or gone.
 
         Every message starts with a frame; until the worker's hello says how large its
         pushes are, the frame is a bare header. A push is that one frame."""

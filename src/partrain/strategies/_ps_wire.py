@@ -62,8 +62,7 @@ def header(op: int, *fields: float) -> torch.Tensor:
 def frame(head: torch.Tensor, parts: list[tuple[int, torch.dtype]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One uint8 buffer holding ``head`` and room for ``parts`` ((numel, dtype) each); returns
     the buffer and a typed view of each part, to be filled in place (one message, no copy)."""
-    total = HEADER_BYTES + sum(_padded(n * _itemsize(d)) for n, d in parts)
-    buf = torch.empty(total, dtype=torch.uint8)
+    buf = torch.empty(frame_bytes(parts), dtype=torch.uint8)
     buf[:HEADER_BYTES].view(torch.float64).copy_(head)
     return buf, split_frame(buf, parts)[1]
 
@@ -72,7 +71,7 @@ def split_frame(buf: torch.Tensor, parts: list[tuple[int, torch.dtype]]) -> tupl
     """The header and typed views of ``parts`` in a frame (the inverse of `frame`)."""
     views, offset = [], HEADER_BYTES
     for n, dtype in parts:
-        nb = n * _itemsize(dtype)
+        nb = n * dtype.itemsize
         if offset + nb > buf.numel():
             raise RuntimeError(f"Expected a parameter-server frame of at least {offset + nb} bytes. Received: "
                                f"{buf.numel()}")
@@ -82,11 +81,7 @@ def split_frame(buf: torch.Tensor, parts: list[tuple[int, torch.dtype]]) -> tupl
 
 
 def frame_bytes(parts: list[tuple[int, torch.dtype]]) -> int:
-    return HEADER_BYTES + sum(_padded(n * _itemsize(d)) for n, d in parts)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return HEADER_BYTES + sum(_padded(n * d.itemsize) for n, d in parts)
 
 
 def _padded(nbytes: int) -> int:
