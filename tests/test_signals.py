@@ -88,7 +88,9 @@ class Command:
         self.tmpdir = tmp_path / "tmp"
         self.tmpdir.mkdir()
         env = {**os.environ, "TMPDIR": str(self.tmpdir), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "partrain", *args], cwd=REPO, env=env,
+        # -X faulthandler: a command that hangs is sent SIGABRT (`finish`) and prints every
+        # thread's stack, so a failure says where it hung
+        self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "partrain", *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         self.out: list[str] = []
@@ -112,7 +114,15 @@ class Command:
         assert self.proc.poll() is None, f"exited with {self.proc.returncode} before {what}:\n{self.output()}"
 
     def finish(self, timeout: float = 60.0) -> int:
-        code = self.proc.wait(timeout)
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)  # faulthandler writes the stacks to stderr, then it dies
+            self.proc.wait(30)
+            for t in self._readers:
+                t.join(10)
+            raise AssertionError(f"still running {timeout:g} s after the signal; its stacks:\n{self.output()}"
+                                 ) from None
         for t in self._readers:
             t.join(10)
         return code

@@ -5,7 +5,8 @@ partrain rl act URL``, started here exactly as an outside program would. Once
 training is under way one actor is SIGKILLed (it loses its unsent segment only) and
 another joins; the learner must still reach a mean return of 475 over the last 20
 episodes within a bounded number of frames (a frame bound, never a time bound: on a
-slow machine it only takes longer), and every process must end on its own.
+slow machine it only takes longer), and every process must end on its own. A run
+that collapses short of 475 is followed by one more with other seeds (`ATTEMPTS`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from tests.waiting import wait_until
 
 pytest.importorskip("gymnasium")
 
-MAX_FRAMES = 300_000  # runs solve in ~70-130k frames; the bound leaves room for unlucky ones
+MAX_FRAMES = 250_000  # runs solve in ~70-135k frames; the bound leaves room for unlucky ones
+#: actor-critic runs across processes are not repeatable, and now and then one collapses after
+#: nearing 475 and stays below it for hundreds of thousands of frames (one CI run: 452 at 72k
+#: frames, 129 at 300k; 6 of 6 runs by hand solved in 71-135k): such a run is followed by a
+#: second one with other seeds, and the test fails when no run solves. A broken runtime fails
+#: every run.
+ATTEMPTS = 2
 PYTHON = [sys.executable, "-m", "partrain", "rl"]
 
 
@@ -40,11 +47,13 @@ def start_actor(url: str, seed: int, name: str) -> subprocess.Popen:
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.timeout(600)
-def test_learner_and_outside_actors_solve_cartpole_despite_a_killed_actor(tmp_path):
+def solve_once(tmp_path, seed: int) -> tuple[dict | None, str]:
+    """One run: the learner's summary (None when it did not solve within MAX_FRAMES) and its output.
+
+    Every check of the runtime is made here, whatever the run's luck."""
     summary = tmp_path / "summary.json"
     learner = subprocess.Popen(
-        [*PYTHON, "serve", "--port", "0", "--target", "475", "--max-frames", str(MAX_FRAMES), "--seed", "0",
+        [*PYTHON, "serve", "--port", "0", "--target", "475", "--max-frames", str(MAX_FRAMES), "--seed", str(seed),
          "--out", str(tmp_path / "run"), "--json", str(summary), "--report-every", "5"],
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     actors: list[subprocess.Popen] = []
@@ -54,26 +63,40 @@ def test_learner_and_outside_actors_solve_cartpole_despite_a_killed_actor(tmp_pa
         match = re.search(r"at (http://\S+)", first)
         assert match, first
         url = match.group(1)
-        actors = [start_actor(url, 1, "a1"), start_actor(url, 2, "a2")]
+        actors = [start_actor(url, 10 * seed + 1, "a1"), start_actor(url, 10 * seed + 2, "a2")]
         stats = lambda: httpx.get(f"{url}/rl/v1/stats", headers={"Authorization": "Bearer t0ken"},  # noqa: E731
                                   timeout=30).json()
         wait_until(lambda: stats()["version"] >= 20, "20 versions", timeout=300, interval=0.2)
         actors[0].send_signal(signal.SIGKILL)  # mid-run: it loses its unsent segment, nothing else
         actors[0].wait(30)
         at_kill = stats()["version"]
-        actors.append(start_actor(url, 3, "a3"))  # a newcomer joins a running learner
+        actors.append(start_actor(url, 10 * seed + 3, "a3"))  # a newcomer joins a running learner
         out, _ = learner.communicate(timeout=500)
         assert learner.returncode == 0, out
         result = json.loads(summary.read_text())
-        assert result["solved_frames"] is not None and result["solved_frames"] <= MAX_FRAMES, out
-        assert result["mean_return"] >= 475
         assert result["versions"] > at_kill
         for actor in actors[1:]:  # told "training ended" (410): they end on their own, status 0
             actor_out, _ = actor.communicate(timeout=60)
             assert actor.returncode == 0, actor_out
         assert (tmp_path / "run" / "curves.png").exists() and (tmp_path / "run" / "metrics.csv").exists()
+        if result["solved_frames"] is None:
+            return None, out
+        assert result["solved_frames"] <= MAX_FRAMES and result["mean_return"] >= 475, out
+        return result, out
     finally:
         for p in [learner, *actors]:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+
+
+@pytest.mark.timeout(900)
+def test_learner_and_outside_actors_solve_cartpole_despite_a_killed_actor(tmp_path):
+    outputs = []
+    for seed in range(ATTEMPTS):
+        result, out = solve_once(tmp_path / f"seed{seed}", seed)
+        if result is not None:
+            return
+        outputs.append(f"seed {seed}:\n{out}")
+    pytest.fail(f"no run of {ATTEMPTS} reached a mean return of 475 within {MAX_FRAMES} frames:\n"
+                + "\n".join(outputs))

@@ -12,6 +12,7 @@ takes the raw inputs.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import zipfile
 from dataclasses import dataclass
@@ -51,13 +52,31 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDatase
 
     Inputs are shaped (N, 1, 8, 8), scaled to [0, 1] then standardized.
     """
+    images, target = _digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = (x - 0.3) / 0.4
+    y = torch.tensor(target, dtype=torch.int64)
+    return _split(x, y, test_fraction, seed)
+
+
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The digits' images (N, 8, 8) and labels, read from scikit-learn's own data file.
+
+    Importing ``sklearn.datasets`` (and scipy with it) costs about 2 s of CPU per
+    process, and every worker of a run on digits loads them; the file is a CSV of 64
+    pixel columns and a label column. Where it is not found (another scikit-learn
+    layout), scikit-learn's loader reads it.
+    """
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running it
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(root, "datasets", "data", "digits.csv.gz")
+        if os.path.exists(path):
+            data = np.loadtxt(path, delimiter=",")
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits as _sk_digits
 
     bunch = _sk_digits()
-    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    x = (x - 0.3) / 0.4
-    y = torch.tensor(bunch.target, dtype=torch.int64)
-    return _split(x, y, test_fraction, seed)
+    return bunch.images, bunch.target
 
 
 def synthetic(samples: int = 4096, shape: tuple[int, ...] = (1, 8, 8), classes: int = 10,

@@ -4,9 +4,7 @@ model. Made by `partrain.strategies.pipeline.PipelineModule` when it cuts the mo
 
 from __future__ import annotations
 
-import ctypes
 import math
-import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,42 +18,11 @@ from torch.distributed.pipelining import PipelineStage
 from .._tree import map_tensors
 from ..errors import UsageError, error_line
 from ..train.task import describe
+from ._pipeline_split import SCHEDULES, as_args
 from ._pipeline_wire import broadcast_tensor, recv_tensors, send_tensors
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
-
-#: schedule name -> (torch class name, stages per process > 1, placement style)
-SCHEDULES: dict[str, tuple[str, bool, str]] = {
-    "gpipe": ("ScheduleGPipe", False, "loop"),
-    "1f1b": ("Schedule1F1B", False, "loop"),
-    "interleaved1f1b": ("ScheduleInterleaved1F1B", True, "loop"),
-    "loopedbfs": ("ScheduleLoopedBFS", True, "loop"),
-    "interleavedzerobubble": ("ScheduleInterleavedZeroBubble", True, "loop"),
-    "zbvzerobubble": ("ScheduleZBVZeroBubble", True, "v"),
-    "dualpipev": ("ScheduleDualPipeV", True, "v"),
-}
-
-
-def give_back_freed_memory() -> None:
-    """Return the other stages' layers, just freed, to the system (glibc keeps freed heap memory
-    up to a high trim threshold, which partrain's workers set for speed: `tune_allocator`)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator decides
-        pass
-
-
-def rows(x: Any) -> int:
-    t = x if isinstance(x, torch.Tensor) else x[0]
-    return int(t.shape[0])
-
-
-def first_rows(x: Any, b: int) -> Any:
-    return x[:b] if isinstance(x, torch.Tensor) else tuple(t[:b] for t in x)
-
 
 def _pad_rows(x: Any, index: torch.Tensor | None) -> Any:
     if index is None:
@@ -63,15 +30,6 @@ def _pad_rows(x: Any, index: torch.Tensor | None) -> Any:
     if isinstance(x, torch.Tensor):
         return x.index_select(0, index.to(x.device))
     return tuple(t.index_select(0, index.to(t.device)) for t in x)
-
-
-def as_args(x: Any) -> tuple[Any, ...]:
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
-        return tuple(x)
-    raise UsageError(f"Expected a tensor or a tuple of tensors as the model's inputs for strategy 'pipeline'. "
-                     f"Received: {describe(x)}")
 
 
 class _FirstStage(nn.Module):

@@ -10,6 +10,8 @@ pipeline stage; *cuts* are the child indices where chunks 1, 2, ... begin.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
+from ..train.task import describe
 
 #: how a model is cut when no names are given
 BALANCE = ("params", "time")
@@ -163,3 +166,47 @@ def stage_ranks(chunks: int, ranks: int, style: str) -> list[int]:
     if style == "v":
         return [s if s < ranks else 2 * ranks - 1 - s for s in range(chunks)]
     return [s % ranks for s in range(chunks)]
+
+
+# ----- batches and schedules (no torch.distributed.pipelining here: importing it costs
+# seconds of CPU, paid only by a process that runs a pipeline) -----------------------------
+
+#: schedule name -> (torch class name, stages per process > 1, placement style)
+SCHEDULES: dict[str, tuple[str, bool, str]] = {
+    "gpipe": ("ScheduleGPipe", False, "loop"),
+    "1f1b": ("Schedule1F1B", False, "loop"),
+    "interleaved1f1b": ("ScheduleInterleaved1F1B", True, "loop"),
+    "loopedbfs": ("ScheduleLoopedBFS", True, "loop"),
+    "interleavedzerobubble": ("ScheduleInterleavedZeroBubble", True, "loop"),
+    "zbvzerobubble": ("ScheduleZBVZeroBubble", True, "v"),
+    "dualpipev": ("ScheduleDualPipeV", True, "v"),
+}
+
+
+def give_back_freed_memory() -> None:
+    """Return the other stages' layers, just freed, to the system (glibc keeps freed heap memory
+    up to a high trim threshold, which partrain's workers set for speed: `tune_allocator`)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator decides
+        pass
+
+
+def rows(x: Any) -> int:
+    t = x if isinstance(x, torch.Tensor) else x[0]
+    return int(t.shape[0])
+
+
+def first_rows(x: Any, b: int) -> Any:
+    return x[:b] if isinstance(x, torch.Tensor) else tuple(t[:b] for t in x)
+
+
+def as_args(x: Any) -> tuple[Any, ...]:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    raise UsageError(f"Expected a tensor or a tuple of tensors as the model's inputs for strategy 'pipeline'. "
+                     f"Received: {describe(x)}")

@@ -49,7 +49,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -61,10 +61,22 @@ from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
 from ..train.task import batch_size
 from ._pipeline_optim import StageOptimizer, keep_stage_params, recv_object, send_object
-from ._pipeline_runtime import SCHEDULES, Runtime, as_args, first_rows, give_back_freed_memory, rows
-from ._pipeline_split import chunk_ranges, plan_cuts, sequential_children, stage_ranks
+from ._pipeline_split import (
+    SCHEDULES,
+    as_args,
+    chunk_ranges,
+    first_rows,
+    give_back_freed_memory,
+    plan_cuts,
+    rows,
+    sequential_children,
+    stage_ranks,
+)
 from ._pipeline_trace import split_points, trace_stages
 from .base import Strategy, register
+
+if TYPE_CHECKING:  # the runtime imports torch.distributed.pipelining: seconds, paid by a pipeline only
+    from ._pipeline_runtime import Runtime
 
 
 @register
@@ -416,6 +428,8 @@ class PipelineModule(nn.Module):
         keep = {id(p) for c in chunks.values() for p in c.parameters()}
         kept, total = keep_stage_params(self.optimizer.inner, keep)
         self.optimizer._kept, self.optimizer._total = kept, total
+        from ._pipeline_runtime import Runtime
+
         runtime = Runtime(self.strategy, chunks, owner, layout, names)
         object.__setattr__(self, "runtime", runtime)
         self.strategy.runtime = runtime
