@@ -112,7 +112,8 @@ def signals_raise(*, take_over: bool, on_signal: Callable[[int], None] | None = 
     ``take_over=False`` (library code) keeps any handler the program installed and
     replaces only the defaults; ``take_over=True`` (the command) replaces them all.
     Either way a signal the program ignores (``SIG_IGN``: a shell's background job)
-    stays ignored. Outside the main thread nothing is installed and None is yielded.
+    stays ignored. ``take_over=True`` also unblocks both in the main thread for the block
+    (a blocked mask is inherited from whichever thread started the process). Outside the main thread nothing is installed and None is yielded.
     """
     if threading.current_thread() is not threading.main_thread():
         yield None
@@ -125,6 +126,9 @@ def signals_raise(*, take_over: bool, on_signal: Callable[[int], None] | None = 
             continue
         if take_over or current in (signal.SIG_DFL, signal.default_int_handler):
             previous[sig] = signal.signal(sig, handler)
+    # a process started from a thread that blocked these signals inherits the mask: the
+    # command would never see them (a Ctrl-C stays pending while it waits on its workers)
+    old_mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS) if take_over else None
     undo_hook = _resend_lost_interrupts(handler)
     try:
         yield handler
@@ -132,6 +136,8 @@ def signals_raise(*, take_over: bool, on_signal: Callable[[int], None] | None = 
         undo_hook()
         for sig, old in previous.items():
             signal.signal(sig, old)
+        if old_mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
 def install_in_worker() -> None:
