@@ -3,8 +3,8 @@
 Four built-in scenarios, each a model and a synthetic task (Gaussian clusters, noisy
 enough that the loss falls over several epochs), 2 workers of one thread each:
 
-- ``compute``: a convolutional net with few parameters (three 3x3 convolutions, global
-  average pooling) on 16x16 images: compute-bound;
+- ``compute``: a convolutional net with few parameters (three 3x3 convolutions, average
+  pooling to 4x4) on 16x16 images: compute-bound;
 - ``comm``: a dense MLP (two 1024-wide hidden layers, 1.1 M parameters) at batch 8:
   communication-heavy;
 - ``straggler``: a small convolutional net with worker 1 slowed 3x (an injected delay);
@@ -75,11 +75,17 @@ def clusters(samples: int, shape: tuple[int, ...], seed: int = 0, noise: float =
     return TensorDataset(x[:samples], y[:samples]), TensorDataset(x[samples:], y[samples:])
 
 
-def conv_net(width: int = 32) -> nn.Module:
-    """Three 3x3 convolutions and global average pooling: much compute, few parameters."""
+def conv_net(width: int = 32, pool: int = 1) -> nn.Module:
+    """Three 3x3 convolutions and average pooling to ``pool`` x ``pool``: much compute, few parameters.
+
+    ``pool=1`` (global pooling) keeps no position: on the clusters, whose classes differ by
+    where the pixels are bright, such a net on 16x16 images barely learns in seconds (test
+    loss 2.30 to 2.29 in 3 epochs), and a time to a target loss 3% under the untrained one
+    is noise; pooled to 4x4 it reaches 0.58 in 2 epochs.
+    """
     return nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1),
-                         nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(width, 10))
+                         nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(pool),
+                         nn.Flatten(), nn.Linear(width * pool * pool, 10))
 
 
 def dense_mlp(in_features: int = 64, hidden: int = 1024, depth: int = 2) -> nn.Module:
@@ -108,7 +114,7 @@ class Scenario:
 
 
 SCENARIOS = (
-    Scenario("compute", "conv net, 16x16, few parameters", functools.partial(conv_net, 32), (1, 16, 16), 32),
+    Scenario("compute", "conv net, 16x16, few parameters", functools.partial(conv_net, 32, 4), (1, 16, 16), 32),
     Scenario("comm", "dense MLP 1.1 M parameters, batch 8", functools.partial(dense_mlp, 64, 1024, 2), (1, 8, 8), 8,
              lr=0.01),
     Scenario("straggler", "conv net, worker 1 slowed 3x", functools.partial(conv_net, 16), (1, 8, 8), 32,
