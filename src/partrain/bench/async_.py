@@ -6,8 +6,10 @@ the same ``partrain.fit`` loop with 2 workers of one thread each:
 
 - ``allreduce`` (the baseline every ratio is taken against, in the same
   straggler setting), ``ps`` with staleness 0, 2 and inf (1 server process),
-  and with staleness 2 and inf colocated (``colocate=True``: a server thread in
-  each worker process, no server process; only with ``--variants``),
+  with staleness 2 and inf and ``staleness_lr=True`` (each gradient's step divided
+  by its staleness; s=inf in the straggler runs by default), and with staleness 2 and
+  inf colocated (``colocate=True``: a server thread in each worker process, no server
+  process; only with ``--variants``),
   ``hogwild``, ``localsgd`` with period H (default 8) with and without the
   outer Nesterov optimizer (DiLoCo; outer lr 0.8, momentum 0.3), and DiLoCo
   with a long period (default 64, the strategy's default outer lr 0.8 and
@@ -98,6 +100,9 @@ def variants(period: int, long_period: int) -> list[Variant]:
         Variant("ps-s2", "ps s=2", "ps", {"staleness": 2}),
         # (not overlap=True: with it s=inf diverged here, test loss 6.3x allreduce's; see docs/strategies/ps.md)
         Variant("ps-sinf", "ps s=inf", "ps", {"staleness": math.inf}),
+        # each gradient's learning rate divided by its staleness (a straggler's late gradients count less)
+        Variant("ps-s2-slr", "ps s=2 staleness_lr", "ps", {"staleness": 2, "staleness_lr": True}),
+        Variant("ps-sinf-slr", "ps s=inf staleness_lr", "ps", {"staleness": math.inf, "staleness_lr": True}),
         # colocated: each worker process runs a server thread for half the parameters, no server process
         Variant("ps-s2-co", "ps s=2 colocated", "ps", {"staleness": 2, "colocate": True}),
         Variant("ps-sinf-co", "ps s=inf colocated", "ps", {"staleness": math.inf, "colocate": True}),
@@ -128,7 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--straggler", choices=("both", "off", "on"), default="both",
                    help="run without and with a worker slowed 2x (default both)")
     p.add_argument("--variants", default=None,
-                   help="comma-separated among allreduce, ps-s0, ps-s2, ps-sinf, ps-s2-co, ps-sinf-co, hogwild, "
+                   help="comma-separated among allreduce, ps-s0, ps-s2, ps-sinf, ps-s2-slr, ps-sinf-slr, ps-s2-co, "
+                        "ps-sinf-co, hogwild, "
                         "localsgd, diloco, "
                         "diloco-long, or all (default: those the goals need; allreduce always runs, it is the "
                         "baseline)")
@@ -232,7 +238,7 @@ def _unless_broken(run: Callable[[], dict[str, float]], name: str, report: Repor
 
 # the runs the goals need, per straggler setting: the default plan (--variants all: every variant)
 GOAL_VARIANTS = {False: ("allreduce", "ps-s2", "ps-sinf", "hogwild", "diloco-long"),
-                 True: ("allreduce", "ps-s2", "ps-sinf")}
+                 True: ("allreduce", "ps-s2", "ps-sinf", "ps-sinf-slr")}
 
 
 def _plan(args: argparse.Namespace, size: Size) -> list[Variant]:
@@ -323,12 +329,14 @@ def run(args: argparse.Namespace) -> Report:
     report.goal("async.hogwild_scaling", scaling, ">=", 1.7, "hogwild 2 workers / 1 process, samples/s")
 
     ps_speeds = [ratios[v.name]["speed_vs_allreduce"].median
-                 for v in (find(k, False) for k in ("ps-s0", "ps-s2", "ps-sinf", "ps-s2-co", "ps-sinf-co"))
+                 for v in (find(k, False) for k in ("ps-s0", "ps-s2", "ps-sinf", "ps-s2-slr", "ps-sinf-slr", "ps-s2-co",
+                                                    "ps-sinf-co"))
                  if v is not None]
     report.goal("async.ps_vs_allreduce", max((t for t in ps_speeds if not math.isnan(t)), default=None), ">=",
                 0.9, "without a straggler: best ps / allreduce, samples/s")
     ps_times = [ratios[v.name]["time_to_target_vs_allreduce"].median
-                for v in (find(k, True) for k in ("ps-s2", "ps-sinf", "ps-s2-co", "ps-sinf-co")) if v is not None]
+                for v in (find(k, True) for k in ("ps-s2", "ps-sinf", "ps-s2-slr", "ps-sinf-slr", "ps-s2-co", "ps-sinf-co"))
+                if v is not None]
     ps_best = min((t for t in ps_times if not math.isnan(t)), default=None)
     report.goal("async.ps_straggler_time", ps_best, "<=", 0.8,
                 f"with the straggler: best ps (s=2 or inf) / allreduce, time to test accuracy {size.target:g}")
