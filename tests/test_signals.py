@@ -93,11 +93,17 @@ class Command:
         # block_sigint: the command inherits a mask that blocks SIGINT, as from a thread that
         # blocked it (Python's resource tracker does while it starts its process)
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if block_sigint else None
+        # SIGINT at its default in the command, as a terminal starts it: a test run started in
+        # the background (`make test &`) ignores SIGINT, and an ignored signal stays ignored in
+        # every process started from there (partrain keeps it so: a background job's choice); a
+        # handler, unlike SIG_IGN, is reset to the default by exec
+        old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "partrain", *args], cwd=REPO,
                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                          start_new_session=True)
         finally:
+            signal.signal(signal.SIGINT, old_handler)
             if old_mask is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         self.out: list[str] = []
@@ -201,8 +207,8 @@ def train_args(out: Path) -> list[str]:
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGINT to the group (Ctrl-C)"])
 def test_sigterm_stops_train(tmp_path: Path, how: str) -> None:
     out = tmp_path / "run"
-    # Ctrl-C: started with SIGINT blocked in the inherited mask, which the command must undo (a
-    # full run of the suite hung here twice, with the stacks this gives: waiting on the workers)
+    # Ctrl-C: started with SIGINT blocked in the inherited mask, which the command must undo
+    # (before it did, the launcher waited on its workers forever with SIGINT pending)
     cmd = Command(train_args(out), tmp_path, block_sigint=how.startswith("SIGINT"))
     try:
         if how.startswith("SIGTERM"):  # mid-training: the workers write files, the case of the orphans
