@@ -17,6 +17,7 @@ import re
 import signal
 import subprocess
 import sys
+import warnings
 
 import httpx
 import pytest
@@ -98,5 +99,8 @@ def test_learner_and_outside_actors_solve_cartpole_despite_a_killed_actor(tmp_pa
         if result is not None:
             return
         outputs.append(f"seed {seed}:\n{out}")
+        # in the warnings summary of a passing run too: how often runs collapse is worth knowing
+        warnings.warn(f"CartPole run with seed {seed} did not reach 475 within {MAX_FRAMES} frames "
+                      f"({out.strip().splitlines()[-1] if out.strip() else 'no output'})", stacklevel=1)
     pytest.fail(f"no run of {ATTEMPTS} reached a mean return of 475 within {MAX_FRAMES} frames:\n"
                 + "\n".join(outputs))
