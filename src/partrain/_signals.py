@@ -113,7 +113,8 @@ def signals_raise(*, take_over: bool, on_signal: Callable[[int], None] | None = 
     replaces only the defaults; ``take_over=True`` (the command) replaces them all.
     Either way a signal the program ignores (``SIG_IGN``: a shell's background job)
     stays ignored. ``take_over=True`` also unblocks both in the main thread for the block
-    (a blocked mask is inherited from whichever thread started the process). Outside the main thread nothing is installed and None is yielded.
+    (a blocked mask is inherited from whichever thread started the process). Outside the
+    main thread nothing is installed and None is yielded.
     """
     if threading.current_thread() is not threading.main_thread():
         yield None

@@ -328,15 +328,13 @@ def run(args: argparse.Namespace) -> Report:
     report.figure("hogwild_scaling_2_workers_vs_1_process", scaling if scaling is not None else math.nan)
     report.goal("async.hogwild_scaling", scaling, ">=", 1.7, "hogwild 2 workers / 1 process, samples/s")
 
+    ps_keys = [v.key for v in variants(size.period, size.long_period) if v.strategy == "ps"]
     ps_speeds = [ratios[v.name]["speed_vs_allreduce"].median
-                 for v in (find(k, False) for k in ("ps-s0", "ps-s2", "ps-sinf", "ps-s2-slr", "ps-sinf-slr", "ps-s2-co",
-                                                    "ps-sinf-co"))
-                 if v is not None]
+                 for v in (find(k, False) for k in ps_keys) if v is not None]
     report.goal("async.ps_vs_allreduce", max((t for t in ps_speeds if not math.isnan(t)), default=None), ">=",
                 0.9, "without a straggler: best ps / allreduce, samples/s")
-    ps_times = [ratios[v.name]["time_to_target_vs_allreduce"].median
-                for v in (find(k, True) for k in ("ps-s2", "ps-sinf", "ps-s2-slr", "ps-sinf-slr", "ps-s2-co", "ps-sinf-co"))
-                if v is not None]
+    ps_times = [ratios[v.name]["time_to_target_vs_allreduce"].median  # asynchronous ones: s=2 or inf
+                for v in (find(k, True) for k in ps_keys if k != "ps-s0") if v is not None]
     ps_best = min((t for t in ps_times if not math.isnan(t)), default=None)
     report.goal("async.ps_straggler_time", ps_best, "<=", 0.8,
                 f"with the straggler: best ps (s=2 or inf) / allreduce, time to test accuracy {size.target:g}")
