@@ -88,8 +88,6 @@ class Command:
         self.tmpdir = tmp_path / "tmp"
         self.tmpdir.mkdir()
         env = {**os.environ, "TMPDIR": str(self.tmpdir), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        # -X faulthandler: a command that hangs is sent SIGABRT (`finish`) and prints every
-        # thread's stack, so a failure says where it hung
         # block_sigint: the command inherits a mask that blocks SIGINT, as from a thread that
         # blocked it (Python's resource tracker does while it starts its process)
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if block_sigint else None
@@ -98,7 +96,7 @@ class Command:
         # every process started from there (partrain keeps it so: a background job's choice); a
         # handler, unlike SIG_IGN, is reset to the default by exec
         old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
+        try:  # -X faulthandler: a command that hangs is sent SIGABRT (`finish`) and prints its stacks
             self.proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "partrain", *args], cwd=REPO,
                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                          start_new_session=True)
@@ -167,10 +165,11 @@ class Command:
 
 def _signal_masks(pid: int) -> str:
     """The process's and each thread's signal sets from /proc, as signal names."""
+    known = {s.value: s.name for s in signal.Signals}  # real-time signals beyond SIGRTMIN have no name
+
     def names(hexmask: str) -> list[str]:
         bits = int(hexmask, 16)
-        return [signal.Signals(n).name if n in signal.valid_signals() else str(n) for n in range(1, 65)
-                if bits >> (n - 1) & 1]
+        return [known.get(n, str(n)) for n in range(1, 65) if bits >> (n - 1) & 1]
     parts = []
     try:
         for task in sorted(os.listdir(f"/proc/{pid}/task")):
