@@ -383,16 +383,20 @@ def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[...
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        times = []
-        for _ in range(steps + 1):
-            t0 = time.perf_counter()
-            task.loss(task.forward(net, inputs), target).mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t0)
+        step = _training_step(net, opt, task, inputs, target)
+        step()  # first-call costs, untimed
+        return _median_time(step, steps)
     finally:
         torch.set_num_threads(before)
-    return statistics.median(times[1:])
+
+
+def _training_step(net: nn.Module, opt: Any, task: Any, inputs: Any, target: Any) -> Callable[[], None]:
+    """One training step on a fixed batch: forward, loss, backward, the optimizer's step."""
+    def step() -> None:
+        task.loss(task.forward(net, inputs), target).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
 
 
 def _bucket_sizes(model: nn.Module, inputs: Any, target: Any, task: Any, group: Any) -> list[int]:
@@ -454,14 +458,9 @@ def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[s
     inputs, target = task.split(batch)
     sizes = _bucket_sizes(model, inputs, target, task, group)
     net = model.train()
-    opt = job.optimizer_fn(net.parameters())
+    step = _training_step(net, job.optimizer_fn(net.parameters()), task, inputs, target)
     buffers = [torch.zeros(max(1, size // 4)) for size in sizes]
     small = torch.zeros(1)
-
-    def step() -> None:
-        task.loss(task.forward(net, inputs), target).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
     def reduce() -> None:
         for b in buffers:
