@@ -35,8 +35,11 @@ from partrain.compare.run import warm_up
 @pytest.fixture(scope="module", autouse=True)
 def _warm_pool(suite_pool):
     """The pool's processes import what a window needs before the first budget starts (seconds each,
-    the first time: a cold pool would spend a test's whole budget on it)."""
+    the first time: a cold pool would spend a test's whole budget on it), and so does this process:
+    torch's first optimizer imports torch._dynamo (1.5-2 s), which compare's first step guess would
+    otherwise pay out of a 6 s budget when this file runs alone."""
     partrain.launch(warm_up, clusters(64, (1, 8, 8)), workers=2, threads=1)
+    sgd(conv_net(16).parameters())
 
 
 def _parameter_bytes(model) -> int:

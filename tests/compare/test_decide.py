@@ -175,13 +175,16 @@ def test_bench_times_to_target_are_medians_over_runs_by_hand():
         # lowest 1.5 each: median 1.5
         "c": [run([2.0, 1.5], [0, 1.0])] * 3,
     }
-    target, times = times_to_target(runs)
+    target, times, each = times_to_target(runs)
     assert target == 1.0  # the median of 0.7, 1.0, 1.5
     # a: reaches 1.0 at 1.0 s; at 2 * (2 - 1) / (2 - 0.9) = 1.818 s; never (inf): median 1.818
     assert math.isclose(times["a"], 2 * 1.0 / 1.1)
     # b: 1.0 + (1.5 - 1.0) / (1.5 - 0.8) = 1.714; 4 * 1.0 / 1.3 = 3.077; 1.0 / 1.4 = 0.714: median 1.714
     assert math.isclose(times["b"], 1.0 + 0.5 / 0.7)
     assert math.isnan(times["c"])  # never reached
+    # every run's own time, in run order (NaN: never reached)
+    assert each["a"][0] == 1.0 and math.isclose(each["a"][1], 2 * 1.0 / 1.1) and math.isnan(each["a"][2])
+    assert all(math.isnan(t) for t in each["c"])
 
 
 def test_a_reference_that_never_reached_the_target_is_said_so():
@@ -195,3 +198,39 @@ def test_a_reference_that_never_reached_the_target_is_said_so():
         "never reached the target loss in its window")
     allreduce.speed = 1.0
     assert _why_faster(hog, allreduce, straggler=True).endswith("hogwild does not, 2.00x the speed to the target loss")
+
+
+def test_a_strategy_that_learns_far_worse_per_sample_is_not_recommended_however_fast():
+    # hogwild reaches the windows' shallow target first (3x allreduce's samples/s) but its loss at
+    # equal samples is ~3x allreduce's: it would level off higher, so the rule leaves it out of the
+    # ranking; local SGD learns as well per sample (4% above) and is next fastest
+    allreduce = window("allreduce", "allreduce", 100.0, compute=0.5, comm=0.5, bytes_per_sample=8000.0,
+                       curve=((0.0, 2.0), (1000.0, 0.5)))
+    allreduce.curve_s = [0.0, 10.0]
+    localsgd = window("localsgd H=8", "localsgd", 180.0, compute=0.5, comm=0.06, bytes_per_sample=1000.0,
+                      period=8, curve=((0.0, 2.0), (1000.0, 0.52), (1800.0, 0.45)))
+    localsgd.curve_s = [0.0, 5.56, 10.0]
+    hogwild = window("hogwild", "hogwild", 300.0, curve=((0.0, 2.0), (3000.0, 0.40)))
+    hogwild.curve_s = [0.0, 10.0]
+    rec = recommend([allreduce, localsgd, hogwild])
+    # at 1000 samples: hogwild 2.0 - 1.6 / 3 against allreduce's 0.5; local SGD 0.52
+    assert hogwild.loss_ratio == pytest.approx((2.0 - 1.6 / 3) / 0.5)
+    assert localsgd.loss_ratio == pytest.approx(1.04)
+    # the target is 0.45 (the median of 0.40, 0.45, 0.5): hogwild at 9.69 s, local SGD at 10 s
+    assert hogwild.time_to_loss == pytest.approx(1.55 / 1.6 * 10) and localsgd.time_to_loss == pytest.approx(10)
+    assert rec.pick == "localsgd H=8" and not rec.tied
+    assert rec.others["hogwild"] == ("1.03x the pick's speed: its loss at equal samples is 193% above allreduce's: "
+                                     "it reached the windows' target first, but is likely to level off above "
+                                     "where the others go on")
+
+
+def test_when_every_parallel_strategy_learns_far_worse_the_fastest_still_counts():
+    hogwild = window("hogwild", "hogwild", 300.0, curve=((0.0, 2.0), (3000.0, 0.2)))
+    single = window("single", "single", 100.0, workers=1, curve=((0.0, 2.0), (1000.0, 0.5)))
+    for m in (hogwild, single):
+        m.curve_s = [0.0, 10.0]
+    rec = recommend([single, hogwild])
+    assert hogwild.loss_ratio > 2  # against single, the reference without allreduce
+    # hogwild reaches 0.5 (the target) at 8.3 s, single at 10 s: no parallel strategy would be left to
+    # rank, so the filter steps aside and the fastest counts
+    assert rec.pick == "hogwild"

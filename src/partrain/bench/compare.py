@@ -45,7 +45,7 @@ from ..compare.report import format_result
 from ..errors import UsageError
 from ..launch import launch as partrain_launch
 from ..pool import WorkerPool
-from .harness import Report, pick_size, positive_int
+from .harness import Report, Spread, pick_size, positive_int
 
 
 @dataclass(frozen=True)
@@ -136,17 +136,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenarios", default=None, help=f"comma-separated among {[s.name for s in SCENARIOS]}")
 
 
-def time_to_loss(curve_s: list[float], losses: list[float], target: float) -> float:
-    """Training seconds until ``losses`` first reaches ``target`` (linear within an epoch); NaN if never."""
-    for i in range(1, len(losses)):
-        if losses[i] <= target:
-            before = losses[i - 1]
-            if before <= target or before == losses[i]:
-                return curve_s[i]
-            return curve_s[i - 1] + (curve_s[i] - curve_s[i - 1]) * (before - target) / (before - losses[i])
-    return math.nan
-
-
 #: runs to the target per strategy (alternating rounds: every strategy once per round); the median counts
 TARGET_RUNS = 3
 
@@ -182,19 +171,20 @@ def _to_target_runs(scenario: Scenario, data: Any, result: Any, train_s: float, 
     return runs
 
 
-def times_to_target(runs: dict[str, list[Any]]) -> tuple[float, dict[str, float]]:
-    """The target (the median over strategies of each one's median lowest loss) and each strategy's
+def times_to_target(runs: dict[str, list[Any]]) -> tuple[float, dict[str, float], dict[str, list[float]]]:
+    """The target (the median over strategies of each one's median lowest loss), each strategy's
     median time to it over its runs (a run that never reached it counts as infinitely long; NaN when
-    most runs never did)."""
+    most runs never did), and every run's time to it (NaN: never), in run order."""
+    from ..compare.decide import time_to_reach
+
     lows = sorted(statistics.median(min(v for _, v in r.curve) for r in rs) for rs in runs.values())
     target = float(lows[len(lows) // 2]) if lows else math.nan
-    times = {}
+    times, each_run = {}, {}
     for label, rs in runs.items():
-        each = sorted(time_to_loss(r.curve_s, [v for _, v in r.curve], target) for r in rs)
-        each = [t if t == t else math.inf for t in each]
-        mid = statistics.median(each)
+        each_run[label] = [time_to_reach(r.curve_s, [v for _, v in r.curve], target) for r in rs]
+        mid = statistics.median(sorted(t if t == t else math.inf for t in each_run[label]))
         times[label] = mid if math.isfinite(mid) else math.nan
-    return target, times
+    return target, times, each_run
 
 
 def _task() -> Any:
@@ -240,7 +230,12 @@ def run(args: argparse.Namespace) -> Report:
             report.say(f"\n--- scenario {scenario.name}: {scenario.about}")
             report.say(format_result(result))
             runs = _to_target_runs(scenario, data, result, train_s, report, rounds)
-            target, times = times_to_target(runs)
+            target, times, each_run = times_to_target(runs)
+            report.table(["strategy", "s to target, median (min-max) of runs that reached it", "runs at it",
+                          "final test loss"],
+                         [[label, Spread.of(ts).cell(), f"{sum(t == t for t in ts)}/{len(ts)}",
+                           Spread.of([r.curve[-1][1] for r in runs[label]]).cell()] for label, ts in each_run.items()],
+                         title=f"{scenario.name}: runs to the target loss {target:.3g}, {rounds} per strategy")
             reached = {k: t for k, t in times.items() if t == t}
             fastest = min(reached, key=reached.__getitem__) if reached else None
             pick = result.recommendation.pick if result.recommendation else None
@@ -266,7 +261,9 @@ def run(args: argparse.Namespace) -> Report:
                          reached.get(pick, math.nan) if pick else math.nan,
                          reached[fastest] if fastest else math.nan, regret, error, result.elapsed_s])
             for label, t in times.items():
-                report.figure(f"{scenario.name}.time_to_target.{label.replace(' ', '_')}", t)
+                key = f"{scenario.name}.time_to_target.{label.replace(' ', '_')}"
+                report.figure(key, t)
+                report.figure(f"{key}.runs", Spread.of(each_run[label]))
             report.figure(f"{scenario.name}.recommended", pick or "")
             report.figure(f"{scenario.name}.fastest", fastest or "")
             report.figure(f"{scenario.name}.regret", regret)

@@ -22,8 +22,14 @@ what-if link.
 
 **The rule** (`recommend`):
 
-1. (The loss at equal samples is shown, and names the cause when an asynchronous or
-   local-update strategy loses by more than ``loss_tolerance``.)
+1. The loss at equal samples is shown, and names the cause when an asynchronous or
+   local-update strategy loses by more than ``loss_tolerance``. One that loses by more than
+   `LOSS_LIMIT` (25%) is left out of the ranking, however fast it reached the windows'
+   target: a window is short and its target shallow, and a strategy that learns that much
+   worse per sample (hogwild's colliding updates on a dense model, stale gradients) levels
+   off above where the others go on (``partrain bench compare``'s comm scenario: hogwild
+   reached the windows' target first at 2.07x allreduce's loss at equal samples, then never
+   reached the 5-second runs' target). When every parallel strategy is left out, none is.
 2. ``single`` when no parallel strategy is faster than one process by more than the
    windows' noise (see Ties): parallelism must pay measurably for its processes.
 3. ``allreduce``, when it beats one process and its step waits little (communication and
@@ -52,6 +58,9 @@ from .measure import Measurement
 COMM_FLOOR = 0.20
 MARGIN = 0.25
 LOSS_TOLERANCE = 0.10
+#: an asynchronous or local-update strategy whose loss at equal samples is this far above the
+#: reference's is not recommended (see `converges_worse`)
+LOSS_LIMIT = 0.25
 #: the target loss must lie this far below the untrained loss to rank by time to it
 MIN_PROGRESS = 0.10
 #: the smallest relative difference in speed that is not called a tie
@@ -155,7 +164,11 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     ref = compare_losses(ok)
     set_speeds(ok)
     by_label = {m.label: m for m in ok}
-    parallel = [m for m in ok if m.workers > 1]
+    # a strategy that learns far worse per sample than the reference is not recommended on the
+    # strength of a short window: the windows' target is shallow, and such a strategy (hogwild's
+    # colliding updates on a dense model, stale gradients) levels off above where the others go on
+    parallel = [m for m in ok if m.workers > 1 and not converges_worse(m, ref)] or \
+        [m for m in ok if m.workers > 1]
     best = max(parallel, key=lambda m: m.speed) if parallel else None
     allreduce = by_label.get("allreduce")
     single = by_label.get("single")
@@ -188,7 +201,8 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         why = "the only strategy that ran"
     others = {m.label: _why_not(m, pick, ref, loss_tolerance) for m in measurements if m.label != pick.label}
     rec = Recommendation(pick.label, why, others)
-    rivals = sorted((m for m in ok if m is not pick and m.speed == m.speed), key=lambda m: m.speed, reverse=True)
+    rivals = sorted((m for m in ok if m is not pick and m.speed == m.speed and (m in parallel or m.workers == 1)),
+                    key=lambda m: m.speed, reverse=True)
     if rivals and pick.speed > 0 and math.isfinite(pick.speed):
         second = rivals[0]
         noise = max(window_noise(pick), window_noise(second), TIE_FLOOR)
@@ -198,6 +212,12 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
             rec.why = (f"tied with {second.label} ({second.speed / pick.speed:.2f}x its speed, within the windows' "
                        f"noise of {noise:.0%}); {why}")
     return rec
+
+
+def converges_worse(m: Measurement, ref: Measurement | None, limit: float = LOSS_LIMIT) -> bool:
+    """``m`` updates asynchronously or locally and its test loss at equal samples is more than
+    ``limit`` above the synchronous reference's."""
+    return ref is not None and m is not ref and not synchronous(m) and m.loss_ratio > 1 + limit
 
 
 def window_noise(m: Measurement) -> float:
@@ -277,7 +297,10 @@ def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_to
     ratio = m.speed / pick.speed if pick.speed else math.nan
     shares = m.shares()
     wait = waiting_share(m)
-    if ratio >= 1:
+    if ratio >= 1 and converges_worse(m, ref):
+        reason = (f"its loss at equal samples is {m.loss_ratio - 1:.0%} above {ref.label}'s: it reached the "
+                  "windows' target first, but is likely to level off above where the others go on")
+    elif ratio >= 1:
         reason = "as fast, but the pick keeps the exact gradient and needs no tuning"
     elif m.loss_ratio > 1 + loss_tolerance and ref is not None and not synchronous(m):
         reason = (f"its loss at equal samples is {m.loss_ratio - 1:.0%} above {ref.label}'s "

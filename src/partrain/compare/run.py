@@ -273,10 +273,12 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
 
 #: what the windows import in the workers: imported once, up front, by every process (seconds each
 #: on a loaded machine, which would otherwise land in the first window of each process)
+#: what a window's process imports, at warm-up instead of inside a window or the host probe.
+#: torch._dynamo: torch's first optimizer in a process imports it (1.5-2 s on a 2-core host)
 WORKER_MODULES = ("partrain.train.loop", "torch.nn.parallel", "partrain.strategies.allreduce",
                   "partrain.strategies.local_sgd", "partrain.strategies.hogwild",
                   "partrain.strategies.parameter_server", "partrain.strategies.pipeline", "partrain.compare.probe",
-                  "tqdm")
+                  "tqdm", "torch._dynamo")
 
 
 def warm_up(strategy: Any, data: Any) -> None:
