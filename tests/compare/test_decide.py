@@ -148,15 +148,26 @@ def test_top_two_within_the_windows_noise_are_a_tie():
     hog = window("hogwild", "hogwild", 230.0, compute=0.4, comm=0.0)
     local = window("localsgd H=8", "localsgd", 220.0, compute=0.4, comm=0.08, bytes_per_sample=1000.0, period=8)
     allreduce = window("allreduce", "allreduce", 100.0, compute=0.4, comm=0.6, bytes_per_sample=8000.0)
-    # no epoch times: the 5% floor; 220 / 230 = 0.957 is within it: tied, the pick is still the rule's
+    # no epoch times: the 5% floor; 220 / 230 = 0.957 is within it: tied, and of the two the safer,
+    # local SGD, is recommended (hogwild's workers overwrite each other's updates)
     rec = recommend([allreduce, hog, local])
-    assert rec.pick == "hogwild" and rec.tied == ["localsgd H=8"] and rec.noise == 0.05
-    assert rec.why.startswith("tied with localsgd H=8 (0.96x its speed, within the windows' noise of 5%); ")
+    assert rec.pick == "localsgd H=8" and rec.tied == ["hogwild"] and rec.noise == 0.05
+    assert rec.why == ("tied with hogwild (1.05x its speed, within the windows' noise of 5%); of the two, "
+                       "localsgd H=8 is the safer choice: it averages its workers' models every few steps, where "
+                       "hogwild lets its workers' updates overwrite each other")
+    assert rec.others["hogwild"].startswith("1.05x the pick's speed: as fast")
     # 200 / 230 = 0.87: outside 5%, but inside a window's 22% noise
     local = window("localsgd H=8", "localsgd", 200.0, compute=0.4, comm=0.08, bytes_per_sample=1000.0, period=8)
-    assert recommend([allreduce, hog, local]).tied == []
+    rec = recommend([allreduce, hog, local])
+    assert rec.pick == "hogwild" and rec.tied == []
     local.curve_s = noisy
-    assert recommend([allreduce, hog, local]).tied == ["localsgd H=8"]
+    assert recommend([allreduce, hog, local]).tied == ["hogwild"]
+    # a tie whose faster side is already the safer keeps the rule's pick and reason
+    ps_async = window("ps async", "ps", 220.0, compute=0.4, comm=0.1, staleness=math.inf)
+    rec = recommend([allreduce, window("localsgd H=8", "localsgd", 230.0, compute=0.4, comm=0.08,
+                                       bytes_per_sample=1000.0, period=8), ps_async])
+    assert rec.pick == "localsgd H=8" and rec.tied == ["ps async"]
+    assert rec.why.startswith("tied with ps async (0.96x its speed, within the windows' noise of 5%); comm is 60%")
 
 
 def test_bench_times_to_target_are_medians_over_runs_by_hand():

@@ -121,9 +121,22 @@ class VTrace:
     c_bar: float = 1.0
     max_grad_norm: float = 0.5
     normalize_advantages: bool = True  # per batch: the step size stops depending on the return's scale
+    #: gradient steps per batch, each with V-trace recomputed under the weights it updates (the
+    #: truncated ratios correct for the batch growing off-policy as the learner moves)
+    epochs: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"Expected epochs >= 1. Received: epochs={self.epochs!r}")
 
     def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> dict[str, float]:
-        """One gradient step of the V-trace actor-critic loss on ``batch``."""
+        """``epochs`` gradient steps of the V-trace actor-critic loss on ``batch``."""
+        figures: dict[str, float] = {}
+        for _ in range(self.epochs):
+            figures = self._step(model, optimizer, batch)
+        return figures
+
+    def _step(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> dict[str, float]:
         obs = batch["obs"]
         steps, envs = batch["actions"].shape
         logits, values = model(obs.reshape(-1, *obs.shape[2:]))
