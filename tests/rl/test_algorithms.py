@@ -184,3 +184,25 @@ def test_ppo_cuts_its_passes_short_once_enough_but_never_below_min_epochs():
     assert passes(PPO(epochs=5, min_epochs=2), lambda: False) == (5, 5.0)
     assert passes(PPO(epochs=5, min_epochs=2), None) == (5, 5.0)
     assert passes(PPO(epochs=5), lambda: True) == (5, 5.0)  # no min_epochs: a fixed count
+
+
+def test_vtrace_epochs_are_that_many_steps_each_under_the_weights_it_updates():
+    import copy
+
+    import pytest
+
+    torch.manual_seed(0)
+    model = ActorCritic(4, 2).double()
+    twin = copy.deepcopy(model)
+    batch = _batch(4, 4)
+    opt, twin_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(twin.parameters(), lr=0.05)
+    steps = []
+    opt.register_step_post_hook(lambda *_: steps.append(1))
+    figures = VTrace(epochs=3).update(model, opt, batch)
+    for _ in range(3):  # the reference: one-step updates, one after another, on the same batch
+        want = VTrace(epochs=1).update(twin, twin_opt, batch)
+    assert len(steps) == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    assert figures == want  # the figures of the last step
+    with pytest.raises(ValueError, match=r"^Expected epochs >= 1\. Received: epochs=0$"):
+        VTrace(epochs=0)

@@ -80,7 +80,8 @@ def _learner_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--algorithm", choices=("vtrace", "ppo"), default="vtrace",
                    help="learner update: V-trace actor-critic (one step per batch, the default) or PPO "
                         "(10 clipped epochs per batch: fewer frames, more learner time)")
-    p.add_argument("--epochs", type=int, default=None, help="ppo: passes per batch (default 10)")
+    p.add_argument("--epochs", type=int, default=None,
+                   help="gradient steps per batch (default: vtrace 1, ppo 10)")
     p.add_argument("--min-epochs", type=int, default=None,
                    help="ppo: run fewer passes, not under this many, once the next batch is waiting "
                         "(passes overlap collection; default: always --epochs)")
@@ -117,8 +118,8 @@ def _config(args: argparse.Namespace) -> Any:
     checkpoint = os.path.join(args.out, "checkpoint.pt")
     if args.resume and not os.path.exists(checkpoint):
         raise UsageError(f"Expected a checkpoint to resume from. Received: {checkpoint!r} (no such file)")
-    if (args.epochs is not None or args.min_epochs is not None) and args.algorithm != "ppo":
-        raise UsageError(f"Expected --epochs/--min-epochs with --algorithm ppo. Received: --algorithm {args.algorithm}")
+    if args.min_epochs is not None and args.algorithm != "ppo":
+        raise UsageError(f"Expected --min-epochs with --algorithm ppo. Received: --algorithm {args.algorithm}")
     if args.min_epochs is not None and args.min_epochs > (args.epochs or PPO_EPOCHS):
         raise UsageError(f"Expected --min-epochs <= --epochs ({args.epochs or PPO_EPOCHS}). Received: --min-epochs "
                          f"{args.min_epochs}")
