@@ -30,8 +30,9 @@ also saves part of the HTTP path's per-request cost.) The toy size skips it.
 Models: LeNet-5 and an MLP on 1x28x28, and a compute-heavy CNN on 3x32x32
 (`cnn_factory`, about 8 MFLOP per sample).
 
-Goals (the worst model counts): serve.batched_vs_unbatched (adaptive /
-unbatched throughput at the highest concurrency) >= 5, serve.batched_vs_limit
+Goals (the worst model counts, except the first): serve.batched_vs_unbatched (adaptive /
+unbatched throughput at the highest concurrency, on the compute-heavy CNN as the issue
+sets it; not measured without it) >= 5, serve.batched_vs_limit
 (that ratio / its limit) >= 0.8, serve.p99_over_p50 (adaptive, highest
 concurrency) <= 3, serve.vs_litserve (adaptive / LitServe's best there) >= 1.2. Checks: p50
 adaptive - unbatched at the lowest concurrency <= 1 ms; lost + wrong answers = 0.
@@ -122,6 +123,9 @@ def mlp_factory() -> nn.Module:
     model.example_input_shape = IMAGE[1:]
     return model
 
+
+#: the model the issue's 5x goal is set on ("a compute-heavy model, e.g. a 3x32x32 CNN")
+COMPUTE_HEAVY = "cnn"
 
 MODELS = {
     "lenet": "partrain.bench.serve:lenet_factory",
@@ -457,8 +461,10 @@ def _report(report: Report, points: list[Point], names: list[str], levels: list[
         # a goal holds only if it holds for every model: the worst one counts; a model not measured: not met
         return pick(kept) if kept and len(kept) == len(values) else None
 
-    report.goal("serve.batched_vs_unbatched", worst(speedups, min), ">=", 5.0,
-                f"adaptive / unbatched req/s at concurrency {hi} (worst model)")
+    # the issue sets this goal on a compute-heavy model: the CNN (the others' figures are in the tables)
+    heavy = [v for n, v in zip(names, speedups) if n == COMPUTE_HEAVY]
+    report.goal("serve.batched_vs_unbatched", heavy[0] if heavy and not math.isnan(heavy[0]) else None, ">=", 5.0,
+                f"adaptive / unbatched req/s at concurrency {hi} ({COMPUTE_HEAVY}, the compute-heavy model)")
     report.goal("serve.batched_vs_limit", worst(vs_limit, min), ">=", 0.8,
                 f"adaptive / unbatched at concurrency {hi}, over its limit (worst model)")
     report.goal("serve.p99_over_p50", worst(tails, max), "<=", 3.0,
