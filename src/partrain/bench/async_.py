@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import os
 import time
@@ -222,16 +223,12 @@ def seconds_to_accuracy(history: list[dict[str, float]], target: float) -> float
 
     Read at epoch ends alone, every variant's time to the target fell on an epoch's end and
     ratios between variants moved in steps of whole epochs."""
-    elapsed, before = 0.0, None
-    for r in history:
-        start, elapsed = elapsed, elapsed + r["seconds"]
-        accuracy = r["test_accuracy"]
-        if accuracy >= target:
-            if before is None or accuracy == before:
-                return elapsed
-            return start + (elapsed - start) * (target - before) / (accuracy - before)
-        before = accuracy
-    return math.nan
+    from ..compare.decide import time_to_reach
+
+    ends = list(itertools.accumulate(r["seconds"] for r in history))
+    errors = [-r["test_accuracy"] for r in history]  # a falling curve, as time_to_reach reads losses
+    # the first evaluation repeated as the curve's start: reached there, its end counts
+    return time_to_reach(ends[:1] + ends, errors[:1] + errors, -target)
 
 
 def _unless_broken(run: Callable[[], dict[str, float]], name: str, report: Report) -> Callable[[], dict[str, float]]:
