@@ -106,6 +106,14 @@ def vtrace(behaviour_logp: Tensor, target_logp: Tensor, rewards: Tensor, values:
     return vs, advantages
 
 
+def _check_counts(settings: object, *names: str) -> None:
+    """Each named setting is an int >= 1 (one line otherwise)."""
+    for name in names:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Expected {name} >= 1. Received: {name}={value!r}")
+
+
 @dataclass
 class VTrace:
     """IMPALA's actor-critic with V-trace off-policy corrections: ``epochs`` gradient steps per update.
@@ -131,8 +139,7 @@ class VTrace:
     epochs: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
-            raise ValueError(f"Expected epochs >= 1. Received: epochs={self.epochs!r}")
+        _check_counts(self, "epochs")
 
     def update(self, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch) -> dict[str, float]:
         """``epochs`` gradient steps of the V-trace actor-critic loss on ``batch``."""
@@ -203,10 +210,7 @@ class PPO:
     min_epochs: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("epochs", "minibatches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Expected {name} >= 1. Received: {name}={value!r}")
+        _check_counts(self, "epochs", "minibatches")
         if self.min_epochs is not None and (isinstance(self.min_epochs, bool) or not isinstance(self.min_epochs, int)
                                             or not 1 <= self.min_epochs <= self.epochs):
             raise ValueError(f"Expected 1 <= min_epochs <= epochs ({self.epochs}). "
