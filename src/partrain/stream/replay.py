@@ -16,8 +16,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..serve.batcher import Pending, batch_key
-
 
 @dataclass
 class Remembered:
@@ -26,10 +24,6 @@ class Remembered:
     inputs: tuple[Tensor, ...]
     target: Tensor
     weight: float
-
-    def as_pending(self, pad: bool) -> Pending:
-        """As a request, so the batcher's own stacking and padding code puts it in a batch."""
-        return Pending(self.inputs, 1, None, key=batch_key(self.inputs, pad))
 
 
 class ReplayBuffer:

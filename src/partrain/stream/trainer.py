@@ -142,16 +142,25 @@ may set the same (it is process-wide, so the library does not).
 """
 
 
-class _Item:
-    """What travels with an item through the batcher, unbatched (the `Pending` payload)."""
+@dataclass(eq=False, slots=True)
+class _Entry(Pending):
+    """One item through the batcher: its sample's inputs without a batch dim, and what trains on it.
 
-    __slots__ = ("target", "weight", "item_id", "submitted")
+    The label, weight and id live on the request itself rather than in a payload
+    object: per item, every object that outlives the hand-over is one more for
+    the cyclic collector to count and scan while the stream runs.
+    """
 
-    def __init__(self, target: Tensor | None, weight: float, item_id: Hashable | None) -> None:
-        self.target = target
-        self.weight = weight
-        self.item_id = item_id
-        self.submitted = time.monotonic()
+    target: Tensor | None = None
+    weight: float = 1.0
+    item_id: Hashable | None = None
+
+
+def _sample_key(parts: tuple[Tensor, ...], pad: bool) -> tuple:
+    """`batch_key` of the samples with their batch dim: which items may share a step."""
+    if pad:
+        return tuple([(t.dim() + 1, t.dtype, t.device) for t in parts])
+    return tuple([(t.shape, t.dtype, t.device) for t in parts])
 
 
 class OnlineTrainer:
@@ -249,6 +258,7 @@ class OnlineTrainer:
         self._base_lr = [g["lr"] for g in optimizer.param_groups]
         self._buffer = ReplayBuffer(replay_capacity, seed)
         self._target_spec: tuple[tuple[int, ...], torch.dtype] | None = None
+        self._key: tuple | None = None  # the last item's shape, dtype, device and batch key
         self._seen: OrderedDict[Hashable, None] = OrderedDict()  # ids accepted (the last dedup_window)
         self._trained_ids: OrderedDict[Hashable, None] = OrderedDict()  # what a checkpoint keeps
         self._cond = threading.Condition()  # guards accepting, waiting count, ids and stats
@@ -282,25 +292,40 @@ class OnlineTrainer:
 
     def _submit(self, x: Inputs, y: Any, weight: float, id: Hashable | None,  # noqa: A002
                 wait: bool) -> concurrent.futures.Future:
-        inputs = self._check_inputs(x)
+        # Per item, on the producer's thread and under the GIL the step needs between its torch
+        # calls: every microsecond here is one the step can wait. The common item (one tensor,
+        # a tensor label, weight 1, no id) takes the short branches.
+        if x.__class__ is Tensor and self.input_shape is None:
+            inputs: tuple[Tensor, ...] = (x,)  # the sample as it is: the step stacks the batch
+            cached = self._key  # items of a stream share their shape: one key object for all of them
+            if cached is None or x.shape != cached[0] or x.dtype != cached[1] or x.device != cached[2]:
+                cached = self._key = (x.shape, x.dtype, x.device, _sample_key(inputs, self.pad))
+            key = cached[3]
+        else:
+            inputs = self._check_inputs(x)
+            key = _sample_key(inputs, self.pad)
         target = self._check_target(y)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
-                math.isfinite(weight) and weight >= 0):
-            raise UsageError(f"Expected an item weight >= 0. Received: weight={weight!r}")
+        if weight != 1.0 or weight.__class__ is not float:
+            self._check_weight(weight)
         if id is not None and not isinstance(id, (str, int)):
             raise UsageError(f"Expected an item id as a str or int. Received: {type(id).__name__}")
         with self._cond:
-            self._admit(id, wait)
+            if self._closed or id is not None or self._waiting >= self.max_queue:
+                self._admit(id, wait)
+                if id is not None:
+                    self._seen[id] = None
+                    while len(self._seen) > self.dedup_window:
+                        self._seen.popitem(last=False)
             self._waiting += 1
             self._stats.accepted += 1
-            if id is not None:
-                self._seen[id] = None
-                while len(self._seen) > self.dedup_window:
-                    self._seen.popitem(last=False)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        # positional (a keyword call costs more, per item): inputs, rows, future, deadline, enqueued,
+        # key, dead, dispatched, payload, evict, then _Entry's target, weight, item_id
+        entry = _Entry(inputs, 1, future, None, time.monotonic(), key, False, False, None,
+                       self.overflow == "drop_oldest", target, float(weight), id)
         # outside the lock: a step starting now must not wait for this hand-over
         try:
-            future = self._batcher.submit_threadsafe(inputs, payload=_Item(target, float(weight), id),
-                                                     evict_oldest=self.overflow == "drop_oldest")
+            self._batcher.hand_over(entry)
         except BatcherClosed:
             with self._cond:
                 self._waiting -= 1
@@ -308,6 +333,12 @@ class OnlineTrainer:
                 self._seen.pop(id, None)
             raise TrainerClosed(f"Online trainer {self.name!r} is closed") from None
         return future
+
+    @staticmethod
+    def _check_weight(weight: Any) -> None:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+                math.isfinite(weight) and weight >= 0):
+            raise UsageError(f"Expected an item weight >= 0. Received: weight={weight!r}")
 
     async def asubmit(self, x: Inputs, y: Any = None, *, weight: float = 1.0,
                       id: Hashable | None = None) -> Prediction:  # noqa: A002
@@ -354,11 +385,7 @@ class OnlineTrainer:
         if self._closed:
             raise TrainerClosed(f"Online trainer {self.name!r} is closed")
 
-    def _check_inputs(self, x: Inputs) -> tuple[Tensor, ...] | Tensor:
-        if isinstance(x, Tensor) and self.input_shape is None:  # the common case, cheaply
-            # x[None], not x.unsqueeze(0): indexing keeps the GIL, where an op's binding lets it go
-            # and then waits to take it back from the step's thread (~10 us per item under load)
-            return x[None]
+    def _check_inputs(self, x: Inputs) -> tuple[Tensor, ...]:
         parts = (x,) if isinstance(x, Tensor) else tuple(x) if isinstance(x, (tuple, list)) else None
         if not parts or not all(isinstance(t, Tensor) for t in parts):
             raise UsageError(f"Expected an item's x as a Tensor or a tuple of Tensors (one sample, no batch "
@@ -366,19 +393,20 @@ class OnlineTrainer:
         if self.input_shape is not None and tuple(parts[0].shape) != self.input_shape:
             raise UsageError(f"Expected an input of shape {list(self.input_shape)}. "
                              f"Received: {list(parts[0].shape)}")
-        return tuple(t[None] for t in parts)
+        return parts
 
     def _check_target(self, y: Any) -> Tensor | None:
         if y is None:
             return None
         target = y if isinstance(y, Tensor) else torch.as_tensor(y)
-        spec = (tuple(target.shape), target.dtype)
-        if self._target_spec is None:  # the first label sets the contract (set once, under the lock)
+        spec = self._target_spec
+        if spec is None:  # the first label sets the contract (set once, under the lock)
             with self._cond:
                 if self._target_spec is None:
-                    self._target_spec = spec
-        if spec != self._target_spec:
-            shape, dtype = self._target_spec
+                    self._target_spec = (tuple(target.shape), target.dtype)
+                spec = self._target_spec
+        if target.shape != spec[0] or target.dtype != spec[1]:
+            shape, dtype = spec
             raise UsageError(f"Expected a label of shape {list(shape)} and dtype {dtype} like the first one. "
                              f"Received: shape {list(target.shape)}, dtype {target.dtype}")
         return target
@@ -439,7 +467,7 @@ class OnlineTrainer:
                 self._stats.failed += len(batch)
             raise
         now = time.monotonic()
-        self.metrics.record_latencies([now - p.payload.submitted for p in batch])
+        self.metrics.record_latencies([now - p.enqueued for p in batch])  # enqueued: its hand-over
         with self._cond:
             self._stats.predicted += len(batch)
         self._after_step(record)
@@ -449,17 +477,17 @@ class OnlineTrainer:
         """Forward, predictions, update: what a failure turns into an error for every item of the batch."""
         t0 = time.perf_counter()
         version = self.version
-        labelled = [p for p in batch if p.payload.target is not None]
+        labelled = [p for p in batch if p.target is not None]
         replayed = self._buffer.sample(self.replay) if labelled and self.replay else []
         key = batch[0].key
         if not self.pad:  # without padding a batch holds one shape: replay only items of this one
             replayed = [r for r in replayed if batch_key(r.inputs, False) == key]
-        rows = list(batch) + [r.as_pending(self.pad) for r in replayed]
+        # every row as a sample without its batch dim (replay keeps a batch dim of 1: its row 0)
+        samples = [p.inputs for p in batch] + [tuple(t[0] for t in r.inputs) for r in replayed]
         n_replayed = len(replayed)
-        padded = self.pad and len({tuple(tuple(t.shape[1:]) for t in p.inputs) for p in rows}) > 1
-        stacked, own = stack_batch(rows, self.pad_value, same_shapes=not self.pad)
+        stacked, own, padded = _stack_samples(samples, self.pad, self.pad_value)
         stacked = tuple(t.to(self.device) for t in stacked)
-        n = sum(p.rows for p in batch)
+        n = len(batch)
         model = self.model
 
         if self.eval_predictions:
@@ -489,15 +517,15 @@ class OnlineTrainer:
 
         loss_value, lr = math.nan, self._current_lr()
         if update:
-            index = [i for i, p in enumerate(batch) if p.payload.target is not None]
-            index += list(range(len(batch), len(rows)))
-            target = torch.stack([p.payload.target for p in labelled] + [r.target for r in replayed]).to(self.device)
-            given = [p.payload.weight for p in labelled] + [r.weight for r in replayed]
+            index = [i for i, p in enumerate(batch) if p.target is not None]
+            index += list(range(len(batch), len(samples)))
+            target = torch.stack([p.target for p in labelled] + [r.target for r in replayed]).to(self.device)
+            given = [p.weight for p in labelled] + [r.weight for r in replayed]
             # every weight 1 (the common case): the plain mean, without a weights tensor and its ops
             weights = None if all(w == 1.0 for w in given) else torch.tensor(given, dtype=torch.float64,
                                                                              device=self.device)
             # every row labelled (the common case): the output as it is, no gather
-            picked = output if len(index) == len(rows) else _rows_at(output, torch.tensor(index, device=self.device))
+            picked = output if len(index) == len(samples) else _rows_at(output, torch.tensor(index, device=self.device))
             loss = weighted_loss(self.loss_fn, picked, target, weights)
             loss_value = float(loss.detach())
             if math.isfinite(loss_value) and (weights is None or float(weights.sum()) > 0):
@@ -512,7 +540,7 @@ class OnlineTrainer:
                 self.items_trained += len(labelled)
                 if self.replay:
                     for p in labelled:
-                        self._buffer.add(Remembered(p.inputs, p.payload.target, p.payload.weight))
+                        self._buffer.add(Remembered(tuple(t[None] for t in p.inputs), p.target, p.weight))
             else:
                 update = False
                 log.warning("stream: non-finite loss %s at version %d: update skipped", loss_value, version)
@@ -520,7 +548,7 @@ class OnlineTrainer:
         seconds = time.perf_counter() - t0
         self.metrics.record_step(items=len(batch), loss=loss_value, lr=lr, version=self.version,
                                  items_trained=self.items_trained)
-        record = StepRecord(version, tuple(p.payload.item_id for p in batch), len(batch), len(labelled),
+        record = StepRecord(version, tuple(p.item_id for p in batch), len(batch), len(labelled),
                             n_replayed, loss_value, lr, update, seconds)
         return predictions, record
 
@@ -550,8 +578,8 @@ class OnlineTrainer:
                 st.skipped_updates += 1
             if updated:
                 for p in labelled:
-                    if p.payload.item_id is not None:
-                        self._trained_ids[p.payload.item_id] = None
+                    if p.item_id is not None:
+                        self._trained_ids[p.item_id] = None
                 while len(self._trained_ids) > self.dedup_window:
                     self._trained_ids.popitem(last=False)
 
@@ -705,6 +733,24 @@ def unpack_item(item: Any) -> tuple[Any, Any, float, Hashable | None]:
             raise UsageError(f"Expected an item as x, (x, y) or a dict. Received: a tuple of {len(item)}")
         return item[0], item[1], 1.0, None
     return item, None, 1.0, None
+
+
+def _stack_samples(samples: list[tuple[Tensor, ...]], pad: bool,
+                   pad_value: float) -> tuple[tuple[Tensor, ...], list[list[tuple[int, ...]]], bool]:
+    """The batch of ``samples`` (each a tuple of inputs without a batch dim), per input.
+
+    Returns the batched inputs, each row's own input shapes (only when padding was
+    applied; `split_outputs` cuts the answers back with them) and whether it was.
+    Without padding every sample has one shape (the items' keys saw to it): a plain
+    ``torch.stack``. With padding, the batcher's `stack_batch` (the project's one
+    padding rule) on views with a batch dim of 1.
+    """
+    if not pad:
+        return tuple(torch.stack([s[i] for s in samples]) for i in range(len(samples[0]))), [], False
+    padded = len({tuple(tuple(t.shape) for t in s) for s in samples}) > 1
+    rows = [Pending(tuple(t[None] for t in s), 1, None) for s in samples]
+    stacked, own = stack_batch(rows, pad_value, same_shapes=not padded)
+    return stacked, own, padded
 
 
 def _rows(output: Outputs, start: int, stop: int) -> Outputs:
