@@ -288,6 +288,60 @@ def test_a_failing_step_answers_its_items_with_the_error_and_the_loop_goes_on():
     assert good.version == 0 and stats.failed == 1 and stats.trained == 1
 
 
+class _GatedBackward(torch.autograd.Function):
+    """Identity whose backward waits for ``gate`` (or raises ``error``): "the update is running"."""
+
+    @staticmethod
+    def forward(ctx, x, gate, error):
+        ctx.gate, ctx.error = gate, error
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        assert ctx.gate.wait(30), "the test never opened the gate"
+        if ctx.error is not None:
+            raise ctx.error
+        return grad, None, None
+
+
+class GateBackward(nn.Module):
+    def __init__(self, inner: nn.Module, error: Exception | None = None) -> None:
+        super().__init__()
+        self.inner, self.gate, self.error = inner, threading.Event(), error
+
+    def forward(self, x):
+        return _GatedBackward.apply(self.inner(x), self.gate, self.error)
+
+
+def test_predictions_are_answered_before_the_update_runs():
+    reference = mlp64()
+    model = GateBackward(mlp64())
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse")
+    x, y = torch.randn(6, dtype=torch.float64), torch.randn(2, dtype=torch.float64)
+    try:
+        prediction = trainer.submit(x, y).result(30)  # the backward pass waits for the gate meanwhile
+        assert prediction.version == 0 and trainer.version == 0 and trainer.stats.trained == 0
+        assert torch.equal(prediction.output, reference(x[None])[0].detach())
+    finally:
+        model.gate.set()
+    stats = trainer.close()
+    assert stats.trained == 1 and stats.updates == 1 and trainer.version == 1
+
+
+def test_an_update_that_fails_after_the_answers_is_counted_and_logged(caplog):
+    model = GateBackward(mlp64(), error=RuntimeError("backward broke"))
+    model.gate.set()
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse")
+    with caplog.at_level("ERROR", logger="partrain.stream"):
+        first = trainer.predict(torch.zeros(6, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+        second = trainer.predict(torch.ones(6, dtype=torch.float64), torch.zeros(2, dtype=torch.float64))
+        stats = trainer.close()
+    assert first.version == 0 and second.version == 0  # answered both times; no update went through
+    assert stats.predicted == 2 and stats.failed == 0 and stats.trained == 0 and stats.failed_updates == 2
+    lines = [r.getMessage() for r in caplog.records if "backward broke" in r.getMessage()]
+    assert len(lines) == 2 and "predicted, not trained on" in lines[0]
+
+
 def test_a_non_finite_loss_skips_the_update():
     model = mlp64()
     before = copy.deepcopy(model.state_dict())

@@ -862,6 +862,21 @@ class Batcher:
         if self.inline:
             await asyncio.sleep(0)  # let the loop's callbacks (a stop, a wake-up) run between batches
 
+    def answer_now(self, batch: Sequence[Pending], results: Sequence[Any]) -> None:
+        """From inside ``run_batch`` on an ``inline`` batcher: answer the batch's callers before it returns.
+
+        For a ``run_batch`` whose answers are ready before its work ends (the online
+        trainer's predictions, made before its update). The batch's own answers
+        later find the futures done and leave them as they are; an exception the
+        hook raises afterwards no longer reaches those callers (the hook reports it).
+        """
+        if not self.inline:
+            raise RuntimeError("Expected answer_now() from run_batch on an inline batcher (the loop's own "
+                               "thread). Received: a call on a batcher that runs batches in a worker thread")
+        for item, result in zip(batch, results):
+            if _settle(item.future, result=result):
+                self.stats.answered += 1
+
     def _flush_answers(self) -> None:
         """Answer the callers of the finished batch whose answers wait (see ``overlap_answers``)."""
         while self._deferred:

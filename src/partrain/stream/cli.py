@@ -200,9 +200,10 @@ def run(args: argparse.Namespace) -> int:
     if stats.updates == 0:
         raise UsageError(f"Expected labelled items to train on. Received: {stats.accepted} items accepted, "
                          f"{stats.failed} failed, no update taken (no labels, or every loss non-finite)")
-    if stats.skipped_updates or stats.failed:
+    if stats.skipped_updates or stats.failed or stats.failed_updates:
         # a run that skipped updates (non-finite loss) or failed steps is not a clean run: say so in the status
         print(f"partrain stream: error: {stats.skipped_updates} updates skipped (non-finite loss), "
+              f"{stats.failed_updates} updates failed after their predictions, "
               f"{stats.failed} items failed (their step raised)", file=sys.stderr)
         return 1
     return 0

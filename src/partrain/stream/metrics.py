@@ -23,7 +23,8 @@ COLUMNS = ("time_s", "version", "items_trained", "items_per_s", "steps", "mean_b
            "queue_depth", "loss", "lr", "latency_p50_ms", "latency_p99_ms", "accepted", "dropped",
            "rejected", "duplicates", "failed", "malformed")
 #: counts of steps, not items: exposed as partrain_stream_steps_total{kind=...}
-STEP_COUNTS = {"steps": "all", "updates": "updated", "skipped_updates": "skipped_non_finite"}
+STEP_COUNTS = {"steps": "all", "updates": "updated", "skipped_updates": "skipped_non_finite",
+               "failed_updates": "failed_after_answer"}
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 

@@ -18,7 +18,9 @@ accumulate for the next one (dequeue-all, bounded by ``max_batch``). The step it
 The prediction each item gets comes from the batch's forward pass, that is,
 from the weights *before* the update that trains on it: an item's prediction
 never saw its own label. `Prediction.version` says which weights (the update
-that trains on the item is ``version + 1``).
+that trains on the item is ``version + 1``). The answer goes out as soon as the
+forward pass made it, before the backward pass and the update: an item waits
+for the step in progress and its own batch's forward pass, not for its update.
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ class DuplicateItem(RuntimeError):
 class StreamStats:
     """Counts since start. Every accepted item ends as exactly one of: ``predicted`` (answered:
     trained on when labelled, ``trained`` counts those), ``dropped`` (evicted by drop-oldest),
-    ``failed`` (its step raised; the error is its answer) or ``abandoned`` (closed without drain)."""
+    ``failed`` (its step raised before the predictions; the error is its answer) or ``abandoned``
+    (closed without drain). Steps: ``updates``, ``skipped_updates`` (non-finite loss) and
+    ``failed_updates`` (the backward pass or the optimizer raised after the batch was answered)."""
 
     accepted: int = 0
     predicted: int = 0
@@ -100,6 +104,7 @@ class StreamStats:
     steps: int = 0
     updates: int = 0
     skipped_updates: int = 0  # non-finite loss: the step predicted but did not update
+    failed_updates: int = 0  # the update raised after its batch was answered: predicted, not trained on
     rejected: int = 0
     dropped: int = 0
     duplicates: int = 0
@@ -169,7 +174,7 @@ class OnlineTrainer:
     ``submit(x, y=None)`` returns a future of the item's `Prediction`. One
     worker thread takes every item queued while the previous step ran as the
     next batch (at most ``max_batch``), runs the model on it once, answers each
-    item with its rows of the output, and takes one ``optimizer`` step on the
+    item with its rows of the output at once (before the backward pass), and takes one ``optimizer`` step on the
     labelled items' weighted mean loss (``loss_fn``: a name among
     `partrain.stream.options.LOSSES` or ``callable(output, target)``).
 
@@ -259,6 +264,8 @@ class OnlineTrainer:
         self._buffer = ReplayBuffer(replay_capacity, seed)
         self._target_spec: tuple[tuple[int, ...], torch.dtype] | None = None
         self._key: tuple | None = None  # the last item's shape, dtype, device and batch key
+        self._batch_answered = False  # the running step has sent its predictions (these)
+        self._batch_predictions: list[Prediction] = []
         self._seen: OrderedDict[Hashable, None] = OrderedDict()  # ids accepted (the last dedup_window)
         self._trained_ids: OrderedDict[Hashable, None] = OrderedDict()  # what a checkpoint keeps
         self._cond = threading.Condition()  # guards accepting, waiting count, ids and stats
@@ -460,18 +467,32 @@ class OnlineTrainer:
         with self._cond:
             self._waiting -= len(batch)
             self._cond.notify_all()
+        self._batch_answered = False
         try:
             predictions, record = self._step(batch)
-        except BaseException:
+        except Exception as exc:
+            if not self._batch_answered:  # the forward pass failed: the error is every item's answer
+                with self._cond:
+                    self._stats.failed += len(batch)
+                raise
+            # the batch has its predictions: the error can reach nobody else, so it is said here
+            log.error("stream: the update after version %d failed; its %d item(s) were predicted, not trained "
+                      "on: %s", self.version, len(batch), error_line(exc))
             with self._cond:
-                self._stats.failed += len(batch)
-            raise
+                self._stats.steps += 1
+                self._stats.failed_updates += 1
+            return self._batch_predictions
+        self._after_step(record)
+        return predictions
+
+    def _answer(self, batch: list[Pending], predictions: list[Prediction]) -> None:
+        """Send each item its prediction now, before the update: its latency ends here."""
+        self._batcher.answer_now(batch, predictions)
+        self._batch_answered, self._batch_predictions = True, predictions
         now = time.monotonic()
         self.metrics.record_latencies([now - p.enqueued for p in batch])  # enqueued: its hand-over
         with self._cond:
             self._stats.predicted += len(batch)
-        self._after_step(record)
-        return predictions
 
     def _step(self, batch: list[Pending]) -> tuple[list[Prediction], StepRecord]:
         """Forward, predictions, update: what a failure turns into an error for every item of the batch."""
@@ -509,11 +530,13 @@ class OnlineTrainer:
             # item by item costs two tensor calls, and two GIL hand-offs, per item)
             if shown.dim() == 0 or shown.shape[0] != n:
                 split_outputs(shown, batch, stacked, own, padded)  # raises its one-line error
-            predictions = [Prediction(row, version) for row in shown.detach().unbind(0)]
+            # a copy (one call): a caller may change its answer in place while the update still runs
+            predictions = [Prediction(row, version) for row in shown.detach().clone().unbind(0)]
         else:
             answers = split_outputs(_detached(shown), batch, tuple(t[:n] for t in stacked), own[:len(batch)],
                                     padded)
             predictions = [Prediction(_drop_batch_dim(a), version) for a in answers]
+        self._answer(batch, predictions)
 
         loss_value, lr = math.nan, self._current_lr()
         if update:
