@@ -133,7 +133,7 @@ class StepRecord:
     loss: float  # the weighted mean loss of the update; NaN when nothing was labelled
     lr: float
     updated: bool
-    seconds: float
+    seconds: float  # the step's own work: stacking, forward, loss, backward, update (not answering callers)
 
 
 SWITCH_INTERVAL = 0.001
@@ -266,6 +266,7 @@ class OnlineTrainer:
         self._key: tuple | None = None  # the last item's shape, dtype, device and batch key
         self._batch_answered = False  # the running step has sent its predictions (these)
         self._batch_predictions: list[Prediction] = []
+        self._answer_seconds = 0.0  # of the running step, spent answering its callers
         self._seen: OrderedDict[Hashable, None] = OrderedDict()  # ids accepted (the last dedup_window)
         self._trained_ids: OrderedDict[Hashable, None] = OrderedDict()  # what a checkpoint keeps
         self._cond = threading.Condition()  # guards accepting, waiting count, ids and stats
@@ -487,8 +488,10 @@ class OnlineTrainer:
 
     def _answer(self, batch: list[Pending], predictions: list[Prediction]) -> None:
         """Send each item its prediction now, before the update: its latency ends here."""
+        t0 = time.perf_counter()
         self._batcher.answer_now(batch, predictions)
         self._batch_answered, self._batch_predictions = True, predictions
+        self._answer_seconds = time.perf_counter() - t0
         now = time.monotonic()
         self.metrics.record_latencies([now - p.enqueued for p in batch])  # enqueued: its hand-over
         with self._cond:
@@ -568,7 +571,7 @@ class OnlineTrainer:
                 update = False
                 log.warning("stream: non-finite loss %s at version %d: update skipped", loss_value, version)
         self._count_step(batch, labelled, n_replayed, update)
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0 - self._answer_seconds
         self.metrics.record_step(items=len(batch), loss=loss_value, lr=lr, version=self.version,
                                  items_trained=self.items_trained)
         record = StepRecord(version, tuple(p.item_id for p in batch), len(batch), len(labelled),
