@@ -313,13 +313,35 @@ def too_few_values(rank):
     return errors
 
 
+def shift_mismatch(rank):
+    """Ranks whose running means differ: the shifted sums would be wrong, so every rank raises."""
+    m = SyncBatchNorm(3)
+    with torch.no_grad():
+        m.running_mean.fill_(float(rank))
+    try:
+        m(torch.randn(4, 3))
+    except UsageError as exc:
+        return str(exc)
+    return None
+
+
 def two_rank_worker(strategy, cases):
-    return {
+    import partrain.nn.sync_batchnorm as sbn
+    out = {
         "cases": [run_sync_case(case, strategy.rank) for case in cases],
         "ddp": run_ddp(strategy, 1),
         "ddp_accumulate": run_ddp(strategy, 2),
         "too_few": too_few_values(strategy.rank),
+        "mismatch": shift_mismatch(strategy.rank),
     }
+    # the same through all-reduces (what more than _GATHER_MAX_RANKS gloo ranks, or NCCL, take)
+    gather_max, sbn._GATHER_MAX_RANKS = sbn._GATHER_MAX_RANKS, 1
+    try:
+        out["reduce_cases"] = [run_sync_case(case, strategy.rank) for case in cases[:3]]
+        out["reduce_mismatch"] = shift_mismatch(strategy.rank)
+    finally:
+        sbn._GATHER_MAX_RANKS = gather_max
+    return out
 
 
 def reference_case(case):
@@ -406,3 +428,24 @@ def test_two_ranks_too_few_values_is_an_error_on_every_rank(two_ranks):
         assert len(r["too_few"]) == 2
         assert "more than 1 value per channel" in r["too_few"][0] and "Received: 0" in r["too_few"][0]
         assert "Received: 1" in r["too_few"][1]
+
+
+def test_two_ranks_through_all_reduce_equal_batchnorm_on_global_batch(two_ranks):
+    """The all-reduce path (more gloo ranks than an all-gather pays for, or NCCL) against the reference."""
+    cases, results = two_ranks
+    for i, case in enumerate(cases[:3]):
+        ref = reference_case(case)
+        lo = 0
+        for rank, size in enumerate(case["sizes"]):
+            got = results[rank]["reduce_cases"][i]
+            for step in range(len(case["xs"])):
+                close(got["y"][step], ref["y"][step][lo:lo + size], f"case {i} rank {rank} y")
+                close(got["dx"][step], ref["dx"][step][lo:lo + size], f"case {i} rank {rank} dx")
+            lo += size
+
+
+def test_ranks_with_different_running_means_get_one_error_on_every_rank(two_ranks):
+    _, results = two_ranks
+    for key in ("mismatch", "reduce_mismatch"):
+        for r in results:
+            assert r[key] is not None and "same running_mean on every rank" in r[key], (key, r[key])
