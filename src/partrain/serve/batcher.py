@@ -98,18 +98,21 @@ def as_inputs(x: Inputs) -> tuple[Tensor, ...]:
     return inputs
 
 
-def batch_key(inputs: tuple[Tensor, ...], pad: bool) -> tuple:
+def batch_key(inputs: tuple[Tensor, ...], pad: bool, *, batched: bool = True) -> tuple:
     """Requests with equal keys may share a batch.
 
     Without padding the key is every input's trailing shape and dtype (grouping by
     shape); with padding only the rank and dtype must agree, trailing sizes may differ.
+    ``batched=False``: the inputs are single samples without their batch dim, and
+    the key is the one they would have with it (the online trainer's items).
     """
+    lead = 1 if batched else 0
     if len(inputs) == 1:  # the common case, without a list per request
         t = inputs[0]
-        return ((t.dim(), t.dtype, t.device),) if pad else ((t.shape[1:], t.dtype, t.device),)
+        return ((t.dim() + 1 - lead, t.dtype, t.device),) if pad else ((t.shape[lead:], t.dtype, t.device),)
     if pad:
-        return tuple([(t.dim(), t.dtype, t.device) for t in inputs])
-    return tuple([(t.shape[1:], t.dtype, t.device) for t in inputs])  # torch.Size is a tuple
+        return tuple([(t.dim() + 1 - lead, t.dtype, t.device) for t in inputs])
+    return tuple([(t.shape[lead:], t.dtype, t.device) for t in inputs])  # torch.Size is a tuple
 
 
 def collect_batch(queue: deque[Pending], max_batch_size: int, now: float) -> tuple[list[Pending], list[Pending]]:

@@ -161,13 +161,6 @@ class _Entry(Pending):
     item_id: Hashable | None = None
 
 
-def _sample_key(parts: tuple[Tensor, ...], pad: bool) -> tuple:
-    """`batch_key` of the samples with their batch dim: which items may share a step."""
-    if pad:
-        return tuple([(t.dim() + 1, t.dtype, t.device) for t in parts])
-    return tuple([(t.shape, t.dtype, t.device) for t in parts])
-
-
 class OnlineTrainer:
     """Train ``model`` online on items submitted from any thread or event loop.
 
@@ -264,8 +257,7 @@ class OnlineTrainer:
         self._buffer = ReplayBuffer(replay_capacity, seed)
         self._target_spec: tuple[tuple[int, ...], torch.dtype] | None = None
         self._key: tuple | None = None  # the last item's shape, dtype, device and batch key
-        self._batch_answered = False  # the running step has sent its predictions (these)
-        self._batch_predictions: list[Prediction] = []
+        self._answered: list[Prediction] | None = None  # the running step's predictions, once sent
         self._answer_seconds = 0.0  # of the running step, spent answering its callers
         self._seen: OrderedDict[Hashable, None] = OrderedDict()  # ids accepted (the last dedup_window)
         self._trained_ids: OrderedDict[Hashable, None] = OrderedDict()  # what a checkpoint keeps
@@ -307,11 +299,11 @@ class OnlineTrainer:
             inputs: tuple[Tensor, ...] = (x,)  # the sample as it is: the step stacks the batch
             cached = self._key  # items of a stream share their shape: one key object for all of them
             if cached is None or x.shape != cached[0] or x.dtype != cached[1] or x.device != cached[2]:
-                cached = self._key = (x.shape, x.dtype, x.device, _sample_key(inputs, self.pad))
+                cached = self._key = (x.shape, x.dtype, x.device, batch_key(inputs, self.pad, batched=False))
             key = cached[3]
         else:
             inputs = self._check_inputs(x)
-            key = _sample_key(inputs, self.pad)
+            key = batch_key(inputs, self.pad, batched=False)
         target = self._check_target(y)
         if weight != 1.0 or weight.__class__ is not float:
             self._check_weight(weight)
@@ -468,13 +460,15 @@ class OnlineTrainer:
         with self._cond:
             self._waiting -= len(batch)
             self._cond.notify_all()
-        self._batch_answered = False
+        self._answered = None
         try:
             predictions, record = self._step(batch)
-        except Exception as exc:
-            if not self._batch_answered:  # the forward pass failed: the error is every item's answer
+        except BaseException as exc:
+            if self._answered is None:  # before the predictions: the error is every item's answer
                 with self._cond:
                     self._stats.failed += len(batch)
+                raise
+            if not isinstance(exc, Exception):
                 raise
             # the batch has its predictions: the error can reach nobody else, so it is said here
             log.error("stream: the update after version %d failed; its %d item(s) were predicted, not trained "
@@ -482,7 +476,7 @@ class OnlineTrainer:
             with self._cond:
                 self._stats.steps += 1
                 self._stats.failed_updates += 1
-            return self._batch_predictions
+            return self._answered
         self._after_step(record)
         return predictions
 
@@ -490,7 +484,7 @@ class OnlineTrainer:
         """Send each item its prediction now, before the update: its latency ends here."""
         t0 = time.perf_counter()
         self._batcher.answer_now(batch, predictions)
-        self._batch_answered, self._batch_predictions = True, predictions
+        self._answered = predictions
         self._answer_seconds = time.perf_counter() - t0
         now = time.monotonic()
         self.metrics.record_latencies([now - p.enqueued for p in batch])  # enqueued: its hand-over
@@ -498,7 +492,8 @@ class OnlineTrainer:
             self._stats.predicted += len(batch)
 
     def _step(self, batch: list[Pending]) -> tuple[list[Prediction], StepRecord]:
-        """Forward, predictions, update: what a failure turns into an error for every item of the batch."""
+        """Forward, predictions (answered at once, `_answer`), update; a failure before the answers is
+        every item's error, one after them a failed update (`_run_batch`)."""
         t0 = time.perf_counter()
         version = self.version
         labelled = [p for p in batch if p.target is not None]
