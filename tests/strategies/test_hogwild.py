@@ -116,5 +116,7 @@ def test_fit_converges_and_resumes(tmp_path):
     resumed = run(epochs=3, resume="auto")
     assert [r["epoch"] for r in resumed.history] == [1, 2, 3]
     assert resumed.final["hogwild_updates"] == 2 * units  # counters start again with the resumed job
-    assert resumed.test_accuracy >= 0.9
+    # unsynchronised updates make the figure vary with the interleaving: 0.96-0.97 on a quiet machine,
+    # 0.883 once in CI under two pytest workers' load; one process reaches 0.95 (chance: 0.1)
+    assert resumed.test_accuracy >= 0.85
     assert resumed.history[-1]["train_loss"] < 0.5 * first.history[0]["train_loss"]
