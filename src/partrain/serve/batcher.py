@@ -725,15 +725,15 @@ class Batcher:
             self._wakeup.set()
             return
         for item in taken:
-            self._accept(item, item.evict, now)
+            self._accept(item, now)
 
-    def _accept(self, item: Pending, evict_oldest: bool, now: float) -> None:
+    def _accept(self, item: Pending, now: float) -> None:
         """On the loop: put a `submit_threadsafe` request in the queue (or answer why not)."""
         if not self._accepting:
             _settle(item.future, error=BatcherClosed(f"Batcher {self.name!r} is not accepting requests"))
             return
         if self._queued >= self.max_queue:
-            oldest = next((p for p in self._queue if not p.dead), None) if evict_oldest else None
+            oldest = next((p for p in self._queue if not p.dead), None) if item.evict else None
             if oldest is None:
                 self.stats.rejected += 1
                 _settle(item.future, error=QueueFull(

@@ -258,7 +258,6 @@ class OnlineTrainer:
         self._target_spec: tuple[tuple[int, ...], torch.dtype] | None = None
         self._key: tuple | None = None  # the last item's shape, dtype, device and batch key
         self._answered: list[Prediction] | None = None  # the running step's predictions, once sent
-        self._answer_seconds = 0.0  # of the running step, spent answering its callers
         self._seen: OrderedDict[Hashable, None] = OrderedDict()  # ids accepted (the last dedup_window)
         self._trained_ids: OrderedDict[Hashable, None] = OrderedDict()  # what a checkpoint keeps
         self._cond = threading.Condition()  # guards accepting, waiting count, ids and stats
@@ -480,16 +479,19 @@ class OnlineTrainer:
         self._after_step(record)
         return predictions
 
-    def _answer(self, batch: list[Pending], predictions: list[Prediction]) -> None:
-        """Send each item its prediction now, before the update: its latency ends here."""
+    def _answer(self, batch: list[Pending], predictions: list[Prediction]) -> float:
+        """Send each item its prediction now, before the update: its latency ends here.
+
+        Returns the seconds the answers took (callbacks included): not the step's own work."""
         t0 = time.perf_counter()
         self._batcher.answer_now(batch, predictions)
         self._answered = predictions
-        self._answer_seconds = time.perf_counter() - t0
+        answering = time.perf_counter() - t0
         now = time.monotonic()
         self.metrics.record_latencies([now - p.enqueued for p in batch])  # enqueued: its hand-over
         with self._cond:
             self._stats.predicted += len(batch)
+        return answering
 
     def _step(self, batch: list[Pending]) -> tuple[list[Prediction], StepRecord]:
         """Forward, predictions (answered at once, `_answer`), update; a failure before the answers is
@@ -534,7 +536,7 @@ class OnlineTrainer:
             answers = split_outputs(_detached(shown), batch, tuple(t[:n] for t in stacked), own[:len(batch)],
                                     padded)
             predictions = [Prediction(_drop_batch_dim(a), version) for a in answers]
-        self._answer(batch, predictions)
+        answering = self._answer(batch, predictions)
 
         loss_value, lr = math.nan, self._current_lr()
         if update:
@@ -566,7 +568,7 @@ class OnlineTrainer:
                 update = False
                 log.warning("stream: non-finite loss %s at version %d: update skipped", loss_value, version)
         self._count_step(batch, labelled, n_replayed, update)
-        seconds = time.perf_counter() - t0 - self._answer_seconds
+        seconds = time.perf_counter() - t0 - answering
         self.metrics.record_step(items=len(batch), loss=loss_value, lr=lr, version=self.version,
                                  items_trained=self.items_trained)
         record = StepRecord(version, tuple(p.item_id for p in batch), len(batch), len(labelled),
