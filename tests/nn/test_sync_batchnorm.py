@@ -18,6 +18,7 @@ float32 error instead of a fixed tolerance.
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -334,13 +335,18 @@ def two_rank_worker(strategy, cases):
         "too_few": too_few_values(strategy.rank),
         "mismatch": shift_mismatch(strategy.rank),
     }
-    # the same through all-reduces (what more than _GATHER_MAX_RANKS gloo ranks, or NCCL, take)
-    gather_max, sbn._GATHER_MAX_RANKS = sbn._GATHER_MAX_RANKS, 1
+    out["host_exchange"] = sbn._host_exchange(None) is not None
+    # the same through gloo's all-gather (ranks on several hosts), then through all-reduces
+    # (more than _GATHER_MAX_RANKS gloo ranks over several hosts, or NCCL)
+    exchange, gather_max = sbn._HOST_EXCHANGE, sbn._GATHER_MAX_RANKS
+    sbn._HOST_EXCHANGE = False
     try:
+        out["gloo_cases"] = [run_sync_case(case, strategy.rank) for case in cases[:3]]
+        sbn._GATHER_MAX_RANKS = 1
         out["reduce_cases"] = [run_sync_case(case, strategy.rank) for case in cases[:3]]
         out["reduce_mismatch"] = shift_mismatch(strategy.rank)
     finally:
-        sbn._GATHER_MAX_RANKS = gather_max
+        sbn._HOST_EXCHANGE, sbn._GATHER_MAX_RANKS = exchange, gather_max
     return out
 
 
@@ -430,14 +436,18 @@ def test_two_ranks_too_few_values_is_an_error_on_every_rank(two_ranks):
         assert "Received: 1" in r["too_few"][1]
 
 
-def test_two_ranks_through_all_reduce_equal_batchnorm_on_global_batch(two_ranks):
-    """The all-reduce path (more gloo ranks than an all-gather pays for, or NCCL) against the reference."""
+@pytest.mark.parametrize("path", ["gloo_cases", "reduce_cases"])
+def test_two_ranks_through_gloo_equal_batchnorm_on_global_batch(two_ranks, path):
+    """gloo's all-gather (ranks on several hosts) and the all-reduce path (more gloo ranks than an
+    all-gather pays for, or NCCL) against the reference; the other tests ran through shared memory."""
     cases, results = two_ranks
+    if sys.platform.startswith("linux"):
+        assert all(r["host_exchange"] for r in results)
     for i, case in enumerate(cases[:3]):
         ref = reference_case(case)
         lo = 0
         for rank, size in enumerate(case["sizes"]):
-            got = results[rank]["reduce_cases"][i]
+            got = results[rank][path][i]
             for step in range(len(case["xs"])):
                 close(got["y"][step], ref["y"][step][lo:lo + size], f"case {i} rank {rank} y")
                 close(got["dx"][step], ref["dx"][step][lo:lo + size], f"case {i} rank {rank} dx")

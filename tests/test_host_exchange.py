@@ -1,0 +1,82 @@
+"""HostExchange: shared-memory all-gathers between the ranks of one host, checked against what each rank sent.
+
+One launch of 3 ranks covers: rows equal every rank's input over many calls (the
+double-buffered slots are reused every other call) for several dtypes and sizes,
+an empty row, a row too large for a slot (None: the caller's collective); the
+group timeout when a rank does not arrive (an error, not a hang); the agreement
+(a rank with ``PARTRAIN_HOST_EXCHANGE=0``, or one that cannot see the segment as
+on another host, makes every rank of that group keep gloo).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import partrain
+from partrain import host_exchange
+from partrain.host_exchange import SLOT_BYTES, ExchangeTimeout, HostExchange
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX shared memory on Linux only")
+
+CALLS = 300
+
+
+def row(rank: int, call: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """What rank ``rank`` sends in call ``call``: distinct per rank and call."""
+    return (torch.arange(n, dtype=torch.float64) + 1000 * rank + call).to(dtype)
+
+
+def worker(strategy, monkeypatch_env: str):
+    rank, world = strategy.rank, dist.get_world_size()
+    out: dict[str, object] = {}
+    exchange = HostExchange.for_group(None)
+    out["world"] = exchange is not None and exchange.world == world
+    mismatches = 0
+    shapes = [(torch.float64, 193), (torch.float32, 7), (torch.int64, 1), (torch.float64, 0)]
+    for call in range(CALLS):
+        dtype, n = shapes[call % len(shapes)]
+        rows = exchange.all_gather(row(rank, call, dtype, n))
+        expected = torch.stack([row(r, call, dtype, n) for r in range(world)])
+        mismatches += not (rows.dtype == dtype and rows.shape == (world, n) and torch.equal(rows, expected))
+    out["mismatches"] = mismatches
+    out["too_large"] = exchange.all_gather(torch.zeros(SLOT_BYTES // 8 + 1, dtype=torch.float64))
+
+    # the agreement: one rank with the exchange switched off, then one that cannot see the segment
+    import os
+    if rank == 2:
+        os.environ[monkeypatch_env] = "0"
+    out["off"] = HostExchange.for_group(dist.new_group(list(range(world))))
+    os.environ.pop(monkeypatch_env, None)
+    if rank == 1:
+        real = host_exchange._shm_path
+        host_exchange._shm_path = lambda token: real(token) + "-elsewhere"
+    out["elsewhere"] = HostExchange.for_group(dist.new_group(list(range(world))))
+    if rank == 1:
+        host_exchange._shm_path = real
+
+    # a rank that does not arrive: the other gets the timeout error
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        ex = HostExchange.for_group(pair)
+        if rank == 0:
+            ex.timeout = 0.2
+            try:
+                ex.all_gather(torch.zeros(3))
+            except ExchangeTimeout as exc:
+                out["timeout"] = str(exc)
+    return out
+
+
+def test_rows_agreement_and_timeout():
+    results = partrain.launch(worker, host_exchange._ENV, workers=3, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["world"], rank
+        assert r["mismatches"] == 0, rank
+        assert r["too_large"] is None
+        assert r["off"] is None and r["elsewhere"] is None, rank
+    message = results[0]["timeout"]
+    assert "Expected all 2 ranks" in message and "Received: 0 of 1" in message
