@@ -3,13 +3,16 @@
 One launch of 3 ranks covers: rows equal every rank's input over many calls (the
 double-buffered slots are reused every other call) for several dtypes and sizes,
 an empty row, a row too large for a slot (None: the caller's collective); the
-group timeout when a rank does not arrive (an error, not a hang); the agreement
+group timeout when a rank does not arrive and a peer whose process exited (errors,
+not hangs); the agreement
 (a rank with ``PARTRAIN_HOST_EXCHANGE=0``, or one that cannot see the segment as
 on another host, makes every rank of that group keep gloo).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -18,7 +21,7 @@ import torch.distributed as dist
 
 import partrain
 from partrain import host_exchange
-from partrain.host_exchange import SLOT_BYTES, ExchangeTimeout, HostExchange
+from partrain.host_exchange import SLOT_BYTES, ExchangeError, HostExchange
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX shared memory on Linux only")
 
@@ -32,7 +35,7 @@ def row(rank: int, call: int, dtype: torch.dtype, n: int) -> torch.Tensor:
 
 def worker(strategy, monkeypatch_env: str):
     rank, world = strategy.rank, dist.get_world_size()
-    out: dict[str, object] = {}
+    out: dict[str, object] = {"pid": os.getpid()}
     exchange = HostExchange.for_group(None)
     out["world"] = exchange is not None and exchange.world == world
     mismatches = 0
@@ -46,7 +49,6 @@ def worker(strategy, monkeypatch_env: str):
     out["too_large"] = exchange.all_gather(torch.zeros(SLOT_BYTES // 8 + 1, dtype=torch.float64))
 
     # the agreement: one rank with the exchange switched off, then one that cannot see the segment
-    import os
     if rank == 2:
         os.environ[monkeypatch_env] = "0"
     out["off"] = HostExchange.for_group(dist.new_group(list(range(world))))
@@ -66,9 +68,23 @@ def worker(strategy, monkeypatch_env: str):
             ex.timeout = 0.2
             try:
                 ex.all_gather(torch.zeros(3))
-            except ExchangeTimeout as exc:
+            except ExchangeError as exc:
                 out["timeout"] = str(exc)
+            # a peer whose process has exited: an error at the next check, long before the timeout
+            out["peers"] = dict(ex._peers)
+            ex.timeout, ex._peers = 600, {1: _exited_pid()}
+            try:
+                ex.all_gather(torch.zeros(3))
+            except ExchangeError as exc:
+                out["exited"] = str(exc)
     return out
+
+
+def _exited_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
 
 
 def test_rows_agreement_and_timeout():
@@ -80,3 +96,5 @@ def test_rows_agreement_and_timeout():
         assert r["off"] is None and r["elsewhere"] is None, rank
     message = results[0]["timeout"]
     assert "Expected all 2 ranks" in message and "Received: 0 of 1" in message
+    assert results[0]["peers"] == {1: results[1]["pid"]}
+    assert "rank 1's process" in results[0]["exited"] and "has exited" in results[0]["exited"]

@@ -29,8 +29,10 @@ How it stays correct:
   ``sem_post``/``sem_wait`` order the memory accesses around them (release and
   acquire), on any architecture.
 - **No hang.** A wait spins briefly (`SPIN_SECONDS`, free when the peers are
-  about to arrive), then sleeps in ``sem_timedwait`` up to the group's timeout
-  and raises `ExchangeTimeout` naming what it waited for.
+  about to arrive), then sleeps in ``sem_timedwait``. Every `CHECK_SECONDS` it
+  looks whether each peer's process still exists (pids from the segment's
+  header; a dead peer is an error at once, as gloo's closed socket would be),
+  and at the group's timeout it raises `ExchangeError` naming what it waited for.
 
 Linux only (named POSIX semaphores and ``/dev/shm`` through ctypes); elsewhere,
 with ``PARTRAIN_HOST_EXCHANGE=0``, for CUDA tensors or rows larger than a slot
@@ -63,11 +65,17 @@ SLOT_BYTES = 1 << 18
 SPIN_SECONDS = 50e-6
 _ENV = "PARTRAIN_HOST_EXCHANGE"
 _MAGIC = b"partrain-host-exchange"
-_HEADER = 64  # bytes before the slots: magic + token
+#: a sleeping wait wakes this often to see whether every peer's process is still there
+CHECK_SECONDS = 0.5
 
 
-class ExchangeTimeout(RuntimeError):
-    """A rank did not reach a shared-memory exchange within the group's timeout."""
+def _header_bytes(world: int) -> int:
+    """Bytes before the slots: magic and token (32), then each rank's pid (8 each), rounded up to 64."""
+    return -(-(32 + 8 * world) // 64) * 64
+
+
+class ExchangeError(RuntimeError):
+    """A rank did not reach a shared-memory exchange: its process exited, or the group's timeout passed."""
 
 
 class _Timespec(ctypes.Structure):
@@ -130,10 +138,16 @@ class HostExchange:
         self._handles, self._mine = handles, handles[rank]
         self._others = [h for r, h in enumerate(handles) if r != rank]
         self._map = view
-        self._bytes = torch.frombuffer(view, dtype=torch.uint8, offset=_HEADER,
+        self._bytes = torch.frombuffer(view, dtype=torch.uint8, offset=_header_bytes(world),
                                        count=2 * world * SLOT_BYTES).view(2, world, SLOT_BYTES)
         self.timeout = timeout
         self.calls = 0
+        pids = [int.from_bytes(view[32 + 8 * r : 40 + 8 * r], "little") for r in range(world)]
+        # peers whose process this rank can see (same pid namespace): a wait that sleeps checks
+        # they are still there, so a rank that died is an error at once rather than at the timeout
+        self._peers = {r: pid for r, pid in enumerate(pids) if r != rank and _alive(pid)}
+        if len(self._peers) != world - 1:
+            self._peers = {}
 
     # ----- setting up, once per group (collective)
 
@@ -153,12 +167,14 @@ class HostExchange:
     def _agree(cls, group: Group) -> HostExchange | None:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         sems = _Semaphores.get() if os.environ.get(_ENV, "1") != "0" else None
-        size = _HEADER + 2 * world * SLOT_BYTES
+        size = _header_bytes(world) + 2 * world * SLOT_BYTES
         token = torch.zeros(1, dtype=torch.int64)
         created = None
         if rank == 0 and sems is not None:
             token[0] = secrets.randbits(62) + 1
             created = cls._create(sems, int(token), world, size)
+            if created is not None:
+                _write_pid(created[1], rank)
             if created is None:
                 token.zero_()
         src = dist.get_global_rank(group, 0) if group is not None else 0
@@ -166,6 +182,8 @@ class HostExchange:
         if int(token) == 0:
             return None  # rank 0 could not make one: every rank knows it from the token
         opened = created if rank == 0 else (cls._open(sems, int(token), world, size) if sems is not None else None)
+        if opened is not None and rank != 0:
+            _write_pid(opened[1], rank)  # before the all-reduce below: every rank reads them after it
         flag = torch.tensor([1 if opened is not None else 0], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         if rank == 0:
@@ -261,23 +279,54 @@ class HostExchange:
         if got == posts:
             return
         deadline = time.time() + self.timeout
-        when = _Timespec(int(deadline), int((deadline % 1) * 1e9))
         while got < posts:
+            now = time.time()
+            if now >= deadline:
+                raise ExchangeError(
+                    f"Expected all {self.world} ranks at the shared-memory exchange (call {self.calls}) within "
+                    f"{self.timeout:g} s, the process group's timeout. Received: {got} of {posts} other rank(s)")
+            wake = min(deadline, now + CHECK_SECONDS)
+            when = _Timespec(int(wake), int((wake % 1) * 1e9))
             if sems.timedwait(mine, ctypes.byref(when)) == 0:
                 got += 1
                 continue
             err = ctypes.get_errno()
-            if err == errno.EINTR:
-                continue
             if err == errno.ETIMEDOUT:
-                raise ExchangeTimeout(
-                    f"Expected all {self.world} ranks at the shared-memory exchange (call {self.calls}) within "
-                    f"{self.timeout:g} s, the process group's timeout. Received: {got} of {posts} other rank(s)")
-            raise OSError(err, f"sem_timedwait failed in the host exchange: {os.strerror(err)}")
+                self._check_peers(got, posts)
+            elif err != errno.EINTR:
+                raise OSError(err, f"sem_timedwait failed in the host exchange: {os.strerror(err)}")
+
+    def _check_peers(self, got: int, posts: int) -> None:
+        for r, pid in self._peers.items():
+            if not _alive(pid):
+                raise ExchangeError(
+                    f"Expected all {self.world} ranks at the shared-memory exchange (call {self.calls}). "
+                    f"Received: {got} of {posts} other rank(s); rank {r}'s process (pid {pid}) has exited")
 
     def __del__(self) -> None:  # the group is gone: its semaphores' handles go too (the mapping with its tensor)
         for handle in getattr(self, "_handles", ()):
             self._sems.close(handle)
+
+
+def _write_pid(view: mmap.mmap, rank: int) -> None:
+    view[32 + 8 * rank : 40 + 8 * rank] = os.getpid().to_bytes(8, "little")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists as this process sees it (a zombie counts as gone)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _shm_path(token: int) -> str:
