@@ -61,6 +61,19 @@ class ActorCritic(nn.Module):
                 "hidden": self.hidden}
 
 
+def default_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """Adam for the learner: fused (one kernel over every parameter) where the parameters allow it.
+
+    The learner steps a small model many times per second, so per-parameter dispatch counts: one
+    20-pass PPO update of `ActorCritic` on 256 frames took 48 ms fused against 69 ms with the
+    default per-tensor loop (one thread, this project's 2-core CI host), one V-trace update 2.6 ms
+    against 3.9 ms. Same update rule; the sums run in another order, so not bit-identical.
+    """
+    params = list(model.parameters())
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    return torch.optim.Adam(params, lr=lr, fused=fused or None)
+
+
 def _mlp(inputs: int, hidden: int, outputs: int, last_gain: float) -> nn.Sequential:
     net = nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
                         nn.Linear(hidden, outputs))

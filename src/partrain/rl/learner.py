@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from ..errors import UsageError
 from ..train.checkpoint import load_checkpoint, save_checkpoint
-from .algorithms import Algorithm, VTrace
+from .algorithms import Algorithm, VTrace, default_optimizer
 from .envs import sample_actions
 from .wire import Segment, encode_weights, stack_segments
 
@@ -107,7 +107,7 @@ class Learner:
                 raise UsageError(f"Expected {name} >= 1. Received: {name}={value!r}")
         self.model = model
         self.algorithm: Algorithm = algorithm if algorithm is not None else VTrace()
-        self.optimizer = optimizer if optimizer is not None else torch.optim.Adam(model.parameters(), lr=lr)
+        self.optimizer = optimizer if optimizer is not None else default_optimizer(model, lr)
         self.obs_shape = tuple(int(d) for d in obs_shape)
         self.num_actions = int(num_actions)
         self.unroll, self.batch_segments, self.max_lag = unroll, batch_segments, max_lag

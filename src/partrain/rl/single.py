@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .algorithms import ActorCritic, Algorithm, VTrace
+from .algorithms import ActorCritic, Algorithm, VTrace, default_optimizer
 from .envs import EnvRunner, env_spec, sample_actions
 
 
@@ -41,7 +41,7 @@ def train_single(env: str = "CartPole-v1", *, num_envs: int = 16, unroll: int = 
     torch.manual_seed(seed)
     obs_dim, num_actions = env_spec(env)
     model = ActorCritic(obs_dim, num_actions, hidden)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    optimizer = default_optimizer(model, lr)
     algo = algorithm if algorithm is not None else VTrace()
     runner = EnvRunner(env, num_envs, seed=seed)
     generator = torch.Generator().manual_seed(seed)
