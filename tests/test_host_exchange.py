@@ -5,8 +5,8 @@ double-buffered slots are reused every other call) for several dtypes and sizes,
 an empty row, a row too large for a slot (None: the caller's collective); the
 group timeout when a rank does not arrive and a peer whose process exited (errors,
 not hangs); the agreement
-(a rank with ``PARTRAIN_HOST_EXCHANGE=0``, or one that cannot see the segment as
-on another host, makes every rank of that group keep gloo).
+(a rank with ``PARTRAIN_HOST_EXCHANGE=0``, one that cannot see the segment as on
+another host, or no room for it on /dev/shm makes every rank of that group keep gloo).
 """
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ def worker(strategy, monkeypatch_env: str):
     out["elsewhere"] = HostExchange.for_group(dist.new_group(list(range(world))))
     if rank == 1:
         host_exchange._shm_path = real
+    # no room on /dev/shm where rank 0 makes the segment
+    if rank == 0:
+        fallocate = os.posix_fallocate
+        os.posix_fallocate = _no_space
+    out["full"] = HostExchange.for_group(dist.new_group(list(range(world))))
+    if rank == 0:
+        os.posix_fallocate = fallocate
 
     # a rank that does not arrive: the other gets the timeout error
     pair = dist.new_group([0, 1])
@@ -80,6 +87,10 @@ def worker(strategy, monkeypatch_env: str):
     return out
 
 
+def _no_space(fd: int, offset: int, length: int) -> None:
+    raise OSError(28, "No space left on device")
+
+
 def _exited_pid() -> int:
     """The pid of a process that has exited and been reaped."""
     child = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -93,7 +104,7 @@ def test_rows_agreement_and_timeout():
         assert r["world"], rank
         assert r["mismatches"] == 0, rank
         assert r["too_large"] is None
-        assert r["off"] is None and r["elsewhere"] is None, rank
+        assert r["off"] is None and r["elsewhere"] is None and r["full"] is None, rank
     message = results[0]["timeout"]
     assert "Expected all 2 ranks" in message and "Received: 0 of 1" in message
     assert results[0]["peers"] == {1: results[1]["pid"]}

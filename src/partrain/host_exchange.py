@@ -203,7 +203,9 @@ class HostExchange:
         except OSError:
             return None
         try:
-            os.ftruncate(fd, size)
+            # reserved now: on a full /dev/shm (a container's 64 MB default) the first write to a
+            # page that was only truncated into existence would be a SIGBUS, not an error
+            os.posix_fallocate(fd, 0, size)
             view = mmap.mmap(fd, size)
         except OSError:
             os.close(fd)
