@@ -288,8 +288,14 @@ def run_online(work: Workload, n: int, max_batch: int, rate: float | None = None
     model, opt = work.fresh()
     steps, batches = [], []
     track = _Answers(n)
+    # the trainer answers before its update and calls on_step after it: the last warm-up step's
+    # record can arrive after `_drive` cleared the warm-up's, so warm-up steps are told by count
+    warm_left = [WARM_WAVES * WARM_ITEMS if rate is not None else 0]
 
     def on_step(record) -> None:
+        if warm_left[0] > 0:
+            warm_left[0] -= record.items
+            return
         steps.append(record.seconds)
         batches.append(record.items)
 
@@ -307,7 +313,7 @@ def _drive(submit: Callable[[int, _Answers], None], close: Callable[[], object],
     """Hand items 0..n-1 to ``submit`` (warm first at a fixed rate), wait for every answer, then ``close``."""
     try:
         if rate is not None:
-            _warm(submit)  # its steps are recorded before its answers are set: cleared here
+            _warm(submit)  # the hand queue records its warm-up steps before answering: cleared here
             steps.clear()
             batches.clear()
         start = _produce(n, rate, lambda i: submit(i, track))
