@@ -401,3 +401,32 @@ def test_after_a_signal_the_resource_sharers_tracebacks_are_not_shown() -> None:
         except Exception as exc:  # noqa: BLE001
             hook(type(exc), exc, exc.__traceback__)
     assert [type(e) for e in seen] == [ZeroDivisionError]  # the sharer's is dropped, any other one shown
+
+
+def test_the_first_child_starts_with_sigint_blocked_though_it_starts_the_resource_tracker(tmp_path: Path) -> None:
+    """CPython's resource tracker, started by the first spawned child, unblocks SIGINT in the calling
+    thread once it runs: `starting_processes` must still hand the child a blocked SIGINT (a Ctrl-C
+    during the first worker's imports printed a traceback in CI). In a fresh interpreter, where no
+    tracker runs yet; the child reports the mask it started with."""
+    (tmp_path / "probe.py").write_text(textwrap.dedent("""
+        import signal
+
+        def report(conn):
+            conn.send(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    """))
+    script = textwrap.dedent(f"""
+        import multiprocessing as mp, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import probe
+        from partrain._process import starting_processes
+        ctx = mp.get_context("spawn")
+        here, there = ctx.Pipe()
+        with starting_processes():
+            child = ctx.Process(target=probe.report, args=(there,))
+            child.start()
+        print("blocked" if here.recv() else "unblocked")
+        child.join(60)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["blocked"]

@@ -161,9 +161,28 @@ def starting_processes() -> Iterator[None]:
         return
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
+        _start_resource_tracker(old | {signal.SIGINT})
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _start_resource_tracker(mask: Iterable[int]) -> None:
+    """multiprocessing's resource tracker, started now if it is not running, then ``mask`` again.
+
+    A spawned child gets the tracker's descriptor, so the first ``Process.start()`` starts
+    the tracker, and CPython's ``resource_tracker.ensure_running`` unblocks SIGINT and
+    SIGTERM in the calling thread once it has: the first child then started with SIGINT
+    unblocked, and a Ctrl-C during its imports printed a traceback of its own (seen in CI).
+    """
+    from multiprocessing import resource_tracker
+
+    try:
+        resource_tracker.ensure_running()
+    except OSError:
+        pass  # `Process.start()` will try again and report it
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def unblock_interrupts() -> None:
