@@ -173,21 +173,23 @@ class HostExchange:
         if rank == 0 and sems is not None:
             token[0] = secrets.randbits(62) + 1
             created = cls._create(sems, int(token), world, size)
-            if created is not None:
-                _write_pid(created[1], rank)
             if created is None:
                 token.zero_()
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast(token, src=src, group=group)
-        if int(token) == 0:
-            return None  # rank 0 could not make one: every rank knows it from the token
-        opened = created if rank == 0 else (cls._open(sems, int(token), world, size) if sems is not None else None)
-        if opened is not None and rank != 0:
-            _write_pid(opened[1], rank)  # before the all-reduce below: every rank reads them after it
-        flag = torch.tensor([1 if opened is not None else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        if rank == 0:
-            _unlink(sems, int(token), world)  # every rank has opened (or given up): the names can go
+        try:
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            dist.broadcast(token, src=src, group=group)
+            if int(token) == 0:
+                return None  # rank 0 could not make one: every rank knows it from the token
+            opened = created
+            if rank != 0 and sems is not None:
+                opened = cls._open(sems, int(token), world, size)
+            if opened is not None:
+                _write_pid(opened[1], rank)  # before the all-reduce below: every rank reads them after it
+            flag = torch.tensor([1 if opened is not None else 0], dtype=torch.int64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        finally:
+            if created is not None:
+                _unlink(sems, int(token), world)  # every rank has opened (or given up, or failed): the names go
         if int(flag) == 0:
             if opened is not None:
                 _close(sems, *opened)
