@@ -8,6 +8,7 @@ and thread tests under random arrivals, deadlines and cancellations.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
 import threading
 import time
@@ -457,3 +458,52 @@ def test_inline_answers_equal_the_model_alone_under_threads() -> None:
     with torch.inference_mode():
         for x, f in results.values():
             torch.testing.assert_close(f.result(0), net(x), rtol=1e-12, atol=1e-12)
+
+
+class _CountingFuture(concurrent.futures.Future):
+    """Counts every attempt to set it (a second one raises, as any future's does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set_result(self, result) -> None:
+        self.sets += 1
+        super().set_result(result)
+
+
+@pytest.mark.parametrize("part", [False, True])
+def test_answer_now_sets_each_future_once_and_the_batch_is_not_answered_again(part: bool) -> None:
+    """``answer_now`` from ``run_batch`` (the online trainer's early predictions): callers get the early
+    answer, not the batch's return value; with the whole batch, the batcher does not set them again."""
+    gate, entered = threading.Event(), threading.Event()
+    answered_before_return = []
+
+    def run_batch(batch):
+        entered.set()
+        if not gate.wait(30):
+            raise TimeoutError("the test never opened the gate")
+        early = batch[: len(batch) - 1] if part else batch
+        b.answer_now(early, [("early", p.payload) for p in early])
+        answered_before_return.append(all(p.future.done() for p in early))
+        return [("late", p.payload) for p in batch]
+
+    b = Batcher(None, run_batch=run_batch, max_batch_size=64, policy="none", inline=True).start_background()
+    first = _CountingFuture()
+    b.hand_over(Pending((torch.zeros(1, 2),), 1, first, payload=-1, key=batch_key((torch.zeros(1, 2),), False)))
+    wait_until(entered.is_set, "the first batch to start")
+    futures = [_CountingFuture() for _ in range(5)]
+    for i, f in enumerate(futures):  # one batch of 5, taken when the gate opens
+        b.hand_over(Pending((torch.zeros(1, 2),), 1, f, payload=i, key=batch_key((torch.zeros(1, 2),), False)))
+    gate.set()
+    b.stop_background()
+    assert answered_before_return == [True, True]
+    assert b.stats.answered == 6 and b.in_flight == 0
+    if part:  # the last of each batch was not answered early: it gets the batch's own answer
+        assert first.result(0) == ("late", -1)
+        assert [f.result(0) for f in futures] == [("early", i) for i in range(4)] + [("late", 4)]
+        assert [f.sets for f in futures] == [2, 2, 2, 2, 1]  # the batch's second try finds them done
+    else:
+        assert first.result(0) == ("early", -1) and first.sets == 1
+        assert [f.result(0) for f in futures] == [("early", i) for i in range(5)]
+        assert [f.sets for f in futures] == [1] * 5

@@ -490,6 +490,7 @@ class Batcher:
         self._refusing = False  # stop_background was called: refuse new requests before the loop stops
         self._draining = True
         self._in_flight = 0  # requests dispatched and not answered yet
+        self._answered_early: Sequence[Pending] | None = None  # the running batch, if `answer_now` answered it
         self._thread: threading.Thread | None = None
         self._inbox: deque[Pending] = deque()  # submit_threadsafe -> the loop
         self._inbox_scheduled = False
@@ -854,9 +855,13 @@ class Batcher:
         st.model_seconds += seconds
         st.batch_sizes[rows] = st.batch_sizes.get(rows, 0) + 1
         if results is not None:
-            self._deferred.append((batch, results))
-            if not self.overlap_answers:
-                self._flush_answers()
+            if batch is self._answered_early:  # `answer_now` answered every caller: nothing to settle twice
+                self._in_flight -= len(batch)
+            else:
+                self._deferred.append((batch, results))
+                if not self.overlap_answers:
+                    self._flush_answers()
+        self._answered_early = None
         if self.on_batch is not None:
             try:
                 self.on_batch(rows, len(batch), seconds)
@@ -869,9 +874,11 @@ class Batcher:
         """From inside ``run_batch`` on an ``inline`` batcher: answer the batch's callers before it returns.
 
         For a ``run_batch`` whose answers are ready before its work ends (the online
-        trainer's predictions, made before its update). The batch's own answers
-        later find the futures done and leave them as they are; an exception the
-        hook raises afterwards no longer reaches those callers (the hook reports it).
+        trainer's predictions, made before its update). Called with the very batch
+        ``run_batch`` got, the batch's own answers are then skipped (setting a done
+        future again costs a lock and an exception per caller); for part of it, they
+        find those futures done and leave them as they are. An exception the hook
+        raises afterwards no longer reaches the callers answered (the hook reports it).
         """
         if not self.inline:
             raise RuntimeError("Expected answer_now() from run_batch on an inline batcher (the loop's own "
@@ -879,6 +886,8 @@ class Batcher:
         for item, result in zip(batch, results):
             if _settle(item.future, result=result):
                 self.stats.answered += 1
+        if len(results) == len(batch):
+            self._answered_early = batch
 
     def _flush_answers(self) -> None:
         """Answer the callers of the finished batch whose answers wait (see ``overlap_answers``)."""
