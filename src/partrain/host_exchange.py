@@ -214,15 +214,12 @@ class HostExchange:
             os.unlink(path)
             return None
         os.close(fd)
-        view[: len(_MAGIC) + 8] = _MAGIC + token.to_bytes(8, "little")
-        handles = []
-        for r in range(world):
-            handle = sems.open(_sem_name(token, r), os.O_CREAT | os.O_EXCL, 0o600, 0)
-            if handle in (None, _SEM_FAILED):
-                _close(sems, handles, view)
-                _unlink(sems, token, r)
-                return None
-            handles.append(handle)
+        view[: len(_stamp(token))] = _stamp(token)
+        handles = _semaphores(sems, token, world, create=True)
+        if handles is None:
+            view.close()
+            _unlink(sems, token, world)
+            return None
         return handles, view
 
     @staticmethod
@@ -237,16 +234,10 @@ class HostExchange:
             return None
         finally:
             os.close(fd)
-        if view[: len(_MAGIC) + 8] != _MAGIC + token.to_bytes(8, "little"):
+        handles = _semaphores(sems, token, world, create=False) if view[: len(_stamp(token))] == _stamp(token) else None
+        if handles is None:
             view.close()
             return None
-        handles = []
-        for r in range(world):
-            handle = sems.open(_sem_name(token, r), 0, 0, 0)
-            if handle in (None, _SEM_FAILED):
-                _close(sems, handles, view)
-                return None
-            handles.append(handle)
         return handles, view
 
     # ----- the exchange
@@ -275,11 +266,11 @@ class HostExchange:
         sems, mine = self._sems, self._mine
         got = 0
         spin_until = time.perf_counter() + SPIN_SECONDS
-        while got < posts and sems.trywait(mine) == 0:
-            got += 1
-        while got < posts and time.perf_counter() < spin_until:
+        while got < posts:
             if sems.trywait(mine) == 0:
                 got += 1
+            elif time.perf_counter() >= spin_until:
+                break
         if got == posts:
             return
         deadline = time.time() + self.timeout
@@ -310,6 +301,25 @@ class HostExchange:
     def __del__(self) -> None:  # the group is gone: its semaphores' handles go too (the mapping with its tensor)
         for handle in getattr(self, "_handles", ()):
             self._sems.close(handle)
+
+
+def _stamp(token: int) -> bytes:
+    """What rank 0 writes at the segment's start: a rank that reads it back shares the memory."""
+    return _MAGIC + token.to_bytes(8, "little")
+
+
+def _semaphores(sems: _Semaphores, token: int, world: int, create: bool) -> list[int] | None:
+    """One named semaphore per rank, created (rank 0) or opened; None (and none left open) on a failure."""
+    handles = []
+    for r in range(world):
+        name = _sem_name(token, r)
+        handle = sems.open(name, os.O_CREAT | os.O_EXCL, 0o600, 0) if create else sems.open(name, 0, 0, 0)
+        if handle in (None, _SEM_FAILED):
+            for opened in handles:
+                sems.close(opened)
+            return None
+        handles.append(handle)
+    return handles
 
 
 def _write_pid(view: mmap.mmap, rank: int) -> None:
