@@ -1,4 +1,4 @@
-"""An actor that partrain did not start: connect to a learner by URL, act, send, pull.
+"""An actor that partrain did not start: connect to a learner by URL, act, send (and pull).
 
 Start a learner first:   partrain rl serve --env CartPole-v1 --port 8100 --target 475
 Then run this (as many copies as you like, at any time):
@@ -45,9 +45,9 @@ def main(url: str, mode: str = "local", num_envs: int = 8) -> None:
                     nxt.append(o)
                 obs = torch.as_tensor(np.stack(nxt), dtype=torch.float32)
             seg["obs"][unroll] = obs
-            actor.send(seg, finished)  # with the version(s) that acted; a full queue is retried
-            if mode == "local":
-                actor.pull()  # one conditional request: a download only when the version changed
+            # with the version(s) that acted; a full queue is retried. pull: the answer brings the
+            # weights when a newer version exists (each version downloaded once; same request)
+            actor.send(seg, finished, pull=True)
     except LearnerDone:  # the learner finished training
         print(f"done: {actor.stats.frames} frames sent, {actor.stats.pulls} weight versions pulled")
     finally:

@@ -68,6 +68,18 @@ def test_paired_ratio_is_taken_round_by_round():
         paired_ratio([1.0, 2.0], [1.0])
 
 
+def test_a_target_never_reached_is_the_slowest_round_of_a_time_ratio_and_null_in_json():
+    from partrain.bench.rl import Run, _unreached_last
+
+    runs = [Run(1.0, seconds_to_target=3.0), Run(1.0), Run(1.0, seconds_to_target=5.0)]  # seed 1 never got there
+    ratio = paired_ratio(_unreached_last(runs), [10.0, 10.0, 10.0])
+    assert ratio.values == (0.3, math.inf, 0.5)
+    assert (ratio.median, ratio.low, ratio.high) == (0.5, 0.3, math.inf)  # left out, it would be 0.4
+    assert ratio.cell() == "0.5 (0.3-inf)"
+    assert ratio.to_json() == {"median": 0.5, "min": 0.3, "max": None, "rounds": [0.3, None, 0.5]}
+    assert math.isnan(paired_ratio(_unreached_last(runs), [math.nan] * 3).median)  # the baseline's missing
+
+
 @pytest.mark.parametrize("value, op, target, met", [
     (1.0, ">=", 0.98, True), (0.97, ">=", 0.98, False), (0.98, ">=", 0.98, True),
     (0.7, "<=", 0.7, True), (0.71, "<=", 0.7, False),

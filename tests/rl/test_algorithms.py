@@ -14,7 +14,7 @@ import math
 import torch
 
 from partrain.rl import VTrace, vtrace
-from partrain.rl.algorithms import ActorCritic
+from partrain.rl.algorithms import ActorCritic, policy_logits
 
 REWARDS = [1.0, 0.5, -1.0, 2.0]
 VALUES = [0.3, -0.2, 0.7, 0.1]
@@ -206,3 +206,21 @@ def test_vtrace_epochs_are_that_many_steps_each_under_the_weights_it_updates():
     assert figures == want  # the figures of the last step
     with pytest.raises(ValueError, match=r"^Expected epochs >= 1\. Received: epochs=0$"):
         VTrace(epochs=0)
+
+
+def test_acting_logits_are_the_forwards_with_or_without_a_policy_head_of_their_own():
+    torch.manual_seed(0)
+    model, obs = ActorCritic(4, 3, hidden=8), torch.randn(5, 4)
+
+    class ForwardOnly(torch.nn.Module):  # a user's model that keeps only the forward contract
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return self.inner(x)
+
+    want = model(obs)[0].detach()
+    assert torch.equal(policy_logits(model, obs), want)  # the policy head alone: the same arithmetic
+    assert torch.equal(policy_logits(ForwardOnly(), obs), want)
+    assert not policy_logits(model, obs).requires_grad

@@ -283,8 +283,8 @@ class Report:
 
 
 def _finite(v: float) -> float | None:
-    """JSON has no NaN: a missing figure is written as null."""
-    return None if math.isnan(v) else float(v)
+    """JSON has no NaN or infinity: a missing (or never reached) figure is written as null."""
+    return float(v) if math.isfinite(v) else None
 
 
 # --------------------------------------------------------------------------- sizes and threads

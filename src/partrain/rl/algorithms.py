@@ -14,6 +14,8 @@ acted), which may lag the learner's: V-trace corrects for that lag.
 
 The model contract: ``model(obs) -> (logits, value)`` with ``logits`` ``[N, A]`` for
 a discrete action space and ``value`` ``[N]``. `ActorCritic` is a small MLP that keeps it.
+A model may also have ``policy_logits(obs) -> logits``: acting (`policy_logits`) then
+skips the value head, which only the learner needs.
 """
 
 from __future__ import annotations
@@ -55,10 +57,22 @@ class ActorCritic(nn.Module):
     def forward(self, obs: Tensor) -> tuple[Tensor, Tensor]:
         return self.policy(obs), self.value(obs).squeeze(-1)
 
+    def policy_logits(self, obs: Tensor) -> Tensor:
+        """The policy head alone: what acting needs (half the forward's work)."""
+        return self.policy(obs)
+
     def spec(self) -> dict[str, int | str]:
         """What an actor needs to build the same module (``GET /rl/v1/info``)."""
         return {"kind": "ActorCritic", "obs_dim": self.obs_dim, "num_actions": self.num_actions,
                 "hidden": self.hidden}
+
+
+def policy_logits(model: nn.Module, obs: Tensor) -> Tensor:
+    """The logits ``model`` acts with, without gradients: its ``policy_logits(obs)`` where it has
+    one (no value head computed), else the first output of ``model(obs)``."""
+    head = getattr(model, "policy_logits", None)
+    with torch.inference_mode():
+        return head(obs) if callable(head) else model(obs)[0]
 
 
 def default_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:

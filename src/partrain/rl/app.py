@@ -12,9 +12,12 @@ Routes added here (same bearer token as the OIP routes):
 ==========================  =====  ====================================================
 ``/rl/v1/info``             GET    env, obs shape, actions, unroll, model spec, version
 ``/rl/v1/weights``          GET    safetensors; ``ETag: "V"``; ``If-None-Match: "V"`` -> 304
-``/rl/v1/segments``         POST   a safetensors segment -> ``{"version": V}``; 400 bad
-                                   segment, 409 weights too stale (pull, then go on),
-                                   503 + ``Retry-After`` queue full, 410 training ended
+``/rl/v1/segments``         POST   a safetensors segment -> ``{"version": V}``; with
+                                   ``?weights_since=V`` the weights instead (as ``GET
+                                   /rl/v1/weights``) when newer than V; 400 bad segment
+                                   or parameter, 409 weights too stale (pull, then go
+                                   on), 503 + ``Retry-After`` queue full, 410 training
+                                   ended
 ``/rl/v1/stats``            GET    the learner's figures and the inference batch sizes
 ==========================  =====  ====================================================
 """
@@ -77,16 +80,28 @@ def create_learner_app(learner: Learner, *, token: str | None = None, max_batch_
             "model": learner.model_spec, "finished": learner.finished, "policy_model": POLICY,
         })
 
+    async def weights_response() -> Response:
+        version, blob = await asyncio.to_thread(learner.weights)
+        return Response(blob, media_type=CONTENT_TYPE,
+                        headers={"ETag": f'"{version}"', VERSION_HEADER: str(version)})
+
     async def weights(request: Request) -> Response:
         asked = request.headers.get("if-none-match", "").strip()
         version = learner.version
         if asked == f'"{version}"':  # unchanged: no body, nothing serialised
             return Response(status_code=304, headers={"ETag": f'"{version}"', VERSION_HEADER: str(version)})
-        version, blob = await asyncio.to_thread(learner.weights)
-        return Response(blob, media_type=CONTENT_TYPE,
-                        headers={"ETag": f'"{version}"', VERSION_HEADER: str(version)})
+        return await weights_response()
 
     async def segments(request: Request) -> Response:
+        since = request.query_params.get("weights_since")
+        if since is not None:
+            try:
+                since_version: int | None = int(since)
+            except ValueError:
+                return error_response(400, f"Expected weights_since as a version number (an integer). "
+                                           f"Received: {since[:40]!r}")
+        else:
+            since_version = None
         decoder = body_decoder(request.headers.get("content-encoding"), MAX_SEGMENT_BYTES)
         async for chunk in request.stream():
             decoder.feed(chunk)
@@ -102,6 +117,9 @@ def create_learner_app(learner: Learner, *, token: str | None = None, max_batch_
             return error_response(503, str(exc), {"Retry-After": "1"})
         except ValueError as exc:
             return error_response(400, str(exc))
+        if since_version is not None and learner.version > since_version:
+            # the actor's pull rides on its segment's answer: one round trip instead of two
+            return await weights_response()
         return json_response({"version": version})
 
     async def stats(request: Request) -> Response:

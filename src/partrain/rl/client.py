@@ -5,7 +5,9 @@ Two modes, chosen per actor:
 - ``"local"``: the actor keeps a copy of the policy and runs it itself. `Actor.pull`
   asks for the weights with ``If-None-Match: "V"`` (its version): an unchanged version
   costs one empty 304 answer, a new one its safetensors bytes, so each version is
-  downloaded at most once. `run_actor` pulls every ``pull_every`` segments.
+  downloaded at most once. ``Actor.send(..., pull=True)`` asks the same question on the
+  segment's own request (``?weights_since=V``), so acting, sending and pulling cost one
+  round trip per segment; `run_actor` does so every ``pull_every`` segments.
 - ``"central"``: the actor sends observations to the learner's Open Inference Protocol
   endpoint and gets actions back; the learner batches every actor's requests.
 
@@ -27,7 +29,7 @@ from torch import Tensor, nn
 
 from ..errors import UsageError
 from ..serve.protocol import HEADER, decode_infer_response, encode_request
-from .algorithms import ActorCritic
+from .algorithms import ActorCritic, policy_logits
 from .envs import EnvRunner, sample_actions
 from .wire import CONTENT_TYPE, decode_weights, encode_segment
 
@@ -127,21 +129,23 @@ class Actor:
         if response.status_code == 304:
             self.stats.unchanged += 1
             return False
-        state, version = decode_weights(response.content)
+        self._load(response.content)
+        return True
+
+    def _load(self, blob: bytes) -> None:
+        assert self.model is not None
+        state, version = decode_weights(blob)
         self.model.load_state_dict(state)
         self.version = version
         self.stats.pulls += 1
         self.stats.pulled_versions.append(version)
-        return True
 
     # ------------------------------------------------------------------ acting
 
     def act(self, obs: Tensor) -> tuple[Tensor, Tensor, int]:
         """Actions for a batch of observations: ``(actions, logp, version)``."""
         if self.model is not None:
-            with torch.inference_mode():
-                logits, _ = self.model(obs)
-            actions, logp = sample_actions(logits, self._generator)
+            actions, logp = sample_actions(policy_logits(self.model, obs), self._generator)
             return actions, logp, self.version
         body, headers = encode_request({"obs": obs.float()}, binary=True, binary_output=True,
                                        outputs=["action", "logp", "version"])
@@ -156,16 +160,27 @@ class Actor:
 
     # ------------------------------------------------------------------ experience
 
-    def send(self, segment: dict[str, Tensor], episode_returns: list[float]) -> bool:
-        """Send one segment; False when the learner refused it as too stale (weights pulled then)."""
+    def send(self, segment: dict[str, Tensor], episode_returns: list[float], *, pull: bool = False) -> bool:
+        """Send one segment; False when the learner refused it as too stale (weights pulled then).
+
+        ``pull`` (local inference): the answer brings the weights when the learner's version is
+        newer than this actor's, as `pull` would, without a request of its own.
+        """
+        pull = pull and self.model is not None
         response = self._request("POST", "/rl/v1/segments", content=encode_segment(segment, episode_returns,
                                                                                   self.name),
-                                 headers={"Content-Type": CONTENT_TYPE})
+                                 headers={"Content-Type": CONTENT_TYPE},
+                                 params={"weights_since": self.version} if pull else None)
         if response.status_code == 409:  # our weights are too old: this segment is lost, catch up
             self.stats.dropped += 1
             if self.model is not None:
                 self.pull()
             return False
+        if pull:
+            if response.headers.get("content-type", "").startswith(CONTENT_TYPE):
+                self._load(response.content)
+            else:
+                self.stats.unchanged += 1
         self.stats.segments += 1
         self.stats.frames += int(segment["actions"].numel())
         self.stats.episodes += len(episode_returns)
@@ -226,10 +241,8 @@ def run_actor(url: str, env: str | None = None, *, num_envs: int = 8, mode: str 
     try:
         while max_frames is None or actor.stats.frames < max_frames:
             segment, finished = runner.rollout(actor.act, unroll)
-            actor.send(segment, finished)
             sent += 1
-            if actor.model is not None and sent % pull_every == 0:
-                actor.pull()
+            actor.send(segment, finished, pull=sent % pull_every == 0)
             if on_segment is not None:
                 on_segment(actor)
     except LearnerDone:

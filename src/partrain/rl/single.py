@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .algorithms import ActorCritic, Algorithm, VTrace, default_optimizer
+from .algorithms import ActorCritic, Algorithm, VTrace, default_optimizer, policy_logits
 from .envs import EnvRunner, env_spec, sample_actions
 
 
@@ -49,9 +49,7 @@ def train_single(env: str = "CartPole-v1", *, num_envs: int = 16, unroll: int = 
     version = 0
 
     def act(obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        with torch.inference_mode():
-            logits, _ = model(obs)
-        actions, logp = sample_actions(logits, generator)
+        actions, logp = sample_actions(policy_logits(model, obs), generator)
         return actions, logp, version
 
     t0 = time.perf_counter()

@@ -1,0 +1,60 @@
+"""`EnvRunner.rollout` against a hand-written gymnasium loop: the same observations, rewards,
+ends and episode returns, step by step (CartPole-v1, 3 environments, episodes that end inside
+the segment)."""
+
+from __future__ import annotations
+
+import gymnasium
+import numpy as np
+import torch
+
+from partrain.rl.envs import EnvRunner
+
+
+def pattern(t: int, i: int) -> int:
+    return (t // 3 + i) % 2  # runs of three pushes the same way: episodes of ~10-40 steps
+
+
+def test_rollout_equals_a_hand_written_gymnasium_loop():
+    envs, steps, seed = 3, 60, 7
+    runner = EnvRunner("CartPole-v1", envs, seed=seed)
+    clock = {"t": 0}
+
+    def act(obs):
+        t = clock["t"]
+        clock["t"] += 1
+        actions = torch.tensor([pattern(t, i) for i in range(envs)])
+        return actions, torch.full((envs,), -0.5), 4
+
+    segment, finished = runner.rollout(act, steps)
+    runner.close()
+
+    by_hand = [gymnasium.make("CartPole-v1") for _ in range(envs)]
+    obs = [e.reset(seed=seed + i)[0] for i, e in enumerate(by_hand)]
+    returns, ended = [0.0] * envs, []
+    want_obs, want_rewards, want_dones = [np.stack(obs)], [], []
+    for t in range(steps):
+        rewards, dones = [], []
+        for i, e in enumerate(by_hand):
+            o, r, terminated, truncated, _ = e.step(pattern(t, i))
+            returns[i] += r
+            rewards.append(r)
+            dones.append(1.0 if terminated else 0.0)
+            if terminated or truncated:
+                ended.append(returns[i])
+                returns[i] = 0.0
+                o, _ = e.reset()
+            obs[i] = o
+        want_obs.append(np.stack(obs))
+        want_rewards.append(rewards)
+        want_dones.append(dones)
+
+    assert torch.equal(segment["obs"], torch.tensor(np.stack(want_obs), dtype=torch.float32))
+    assert torch.equal(segment["rewards"], torch.tensor(want_rewards, dtype=torch.float32))
+    assert torch.equal(segment["dones"], torch.tensor(want_dones, dtype=torch.float32))
+    assert segment["dones"].sum() >= 3  # episodes did end inside the segment
+    assert finished == ended
+    assert torch.equal(segment["actions"], torch.tensor([[pattern(t, i) for i in range(envs)] for t in range(steps)]))
+    assert torch.equal(segment["versions"], torch.full((steps, envs), 4))
+    assert segment["rewards"].dtype == segment["dones"].dtype == torch.float32
+    assert runner.frames == steps * envs
