@@ -94,14 +94,11 @@ def create_learner_app(learner: Learner, *, token: str | None = None, max_batch_
 
     async def segments(request: Request) -> Response:
         since = request.query_params.get("weights_since")
-        if since is not None:
-            try:
-                since_version: int | None = int(since)
-            except ValueError:
-                return error_response(400, f"Expected weights_since as a version number (an integer). "
-                                           f"Received: {since[:40]!r}")
-        else:
-            since_version = None
+        try:
+            since_version = None if since is None else int(since)
+        except ValueError:
+            return error_response(400, f"Expected weights_since as a version number (an integer). "
+                                       f"Received: {since[:40]!r}")
         decoder = body_decoder(request.headers.get("content-encoding"), MAX_SEGMENT_BYTES)
         async for chunk in request.stream():
             decoder.feed(chunk)
