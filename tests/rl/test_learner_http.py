@@ -77,26 +77,25 @@ def test_versions_are_monotonic_and_each_is_pulled_at_most_once(served):
 
 def test_a_segments_answer_brings_newer_weights_so_a_pull_costs_no_request_of_its_own(served):
     learner, url = served
-    http = httpx.Client(base_url=url, headers=AUTH, timeout=30)
+    with httpx.Client(base_url=url, headers=AUTH, timeout=30) as http:
 
-    def post(since):
-        return http.post("/rl/v1/segments", content=encode_segment(segment(learner.version), []),
-                         params=None if since is None else {"weights_since": since})
+        def post(since):
+            return http.post("/rl/v1/segments", content=encode_segment(segment(learner.version), []),
+                             params=None if since is None else {"weights_since": since})
 
-    learner.publish()  # version 1
-    newer = post(0)
-    assert newer.status_code == 200 and newer.headers["content-type"].startswith(CONTENT_TYPE)
-    state, version = decode_weights(newer.content)  # what GET /rl/v1/weights answers
-    assert version == learner.version == 1 and newer.headers["etag"] == '"1"'
-    assert state.keys() == learner.acting.state_dict().keys()
-    assert all(torch.equal(state[k], v) for k, v in learner.acting.state_dict().items())
-    assert post(1).json() == {"version": 1}  # not newer: the usual answer, no weights
-    assert post(None).json() == {"version": 1}  # not asked: the usual answer
-    bad = post("latest")
-    assert bad.status_code == 400 and bad.json()["error"] == (
-        "Expected weights_since as a version number (an integer). Received: 'latest'")
-    assert learner.queue_depth == 3  # the bad request's segment was not taken
-    http.close()
+        learner.publish()  # version 1
+        newer = post(0)
+        assert newer.status_code == 200 and newer.headers["content-type"].startswith(CONTENT_TYPE)
+        state, version = decode_weights(newer.content)  # what GET /rl/v1/weights answers
+        assert version == learner.version == 1 and newer.headers["etag"] == '"1"'
+        assert state.keys() == learner.acting.state_dict().keys()
+        assert all(torch.equal(state[k], v) for k, v in learner.acting.state_dict().items())
+        assert post(1).json() == {"version": 1}  # not newer: the usual answer, no weights
+        assert post(None).json() == {"version": 1}  # not asked: the usual answer
+        bad = post("latest")
+        assert bad.status_code == 400 and bad.json()["error"] == (
+            "Expected weights_since as a version number (an integer). Received: 'latest'")
+        assert learner.queue_depth == 3  # the bad request's segment was not taken
 
     with connect(url, token=TOKEN, name="a0") as actor:  # connecting pulls version 1
         assert actor.send(segment(1), [1.0], pull=True)
