@@ -247,6 +247,39 @@ def test_overflow_block_waits_for_room_then_times_out():
     assert stats.accepted == stats.predicted == 3 and stats.rejected == 1
 
 
+def test_a_blocked_producer_gets_room_before_the_steps_forward_pass():
+    """A batch's items leave the queue's count before its forward pass (which runs without the
+    GIL), not after the step: a producer blocked on the full queue hands its item over while
+    that forward runs."""
+    landed = threading.Event()
+    seen: list[bool] = []
+
+    class SecondWaits(Gated):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 2:  # the second step's forward: the blocked item must land meanwhile
+                seen.append(landed.wait(30))
+                return self.lin(x)
+            return super().forward(x)
+
+    model = SecondWaits()
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse", max_queue=1,
+                            overflow="block", block_timeout=30.0)
+    first = trainer.submit(x2(), y1())
+    wait_until(model.entered.is_set, "the first step to start")
+    second = trainer.submit(x2(2.0), y1())  # the queue is full now
+    blocked = threading.Thread(target=lambda: (trainer.submit(x2(3.0), y1()), landed.set()))
+    blocked.start()
+    model.gate.set()  # the first step ends; the second takes the queued item and runs its forward
+    assert second.result(60).version == 1
+    blocked.join(30)
+    stats = trainer.close()
+    assert seen == [True] and first.result(5).version == 0
+    assert stats.accepted == stats.predicted == 3
+
+
 def test_close_drains_every_accepted_item_or_reports_it():
     trainer, model = gated_trainer()
     running = trainer.submit(x2(), y1())

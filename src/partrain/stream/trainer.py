@@ -456,13 +456,12 @@ class OnlineTrainer:
         microseconds per item between two steps: at thousands of items per second
         that is the difference to a hand-written loop.)
         """
-        with self._cond:
-            self._waiting -= len(batch)
-            self._cond.notify_all()
+        self._released = False
         self._answered = None
         try:
             predictions, record = self._step(batch)
         except BaseException as exc:
+            self._release(batch)
             if self._answered is None:  # before the predictions: the error is every item's answer
                 with self._cond:
                     self._stats.failed += len(batch)
@@ -478,6 +477,19 @@ class OnlineTrainer:
             return self._answered
         self._after_step(record)
         return predictions
+
+    def _release(self, batch: list[Pending]) -> None:
+        """The batch's items leave the queue's count, once: blocked producers may go on.
+
+        Called by the step just before its forward pass, which runs without the GIL: the
+        producers' hand-overs (a few microseconds of GIL each, a batch of them at once when
+        the queue was full) then overlap the forward pass instead of the step's own Python
+        work before it (at saturation they delayed each step by ~4 ms of 40)."""
+        if not self._released:
+            self._released = True
+            with self._cond:
+                self._waiting -= len(batch)
+                self._cond.notify_all()
 
     def _answer(self, batch: list[Pending], predictions: list[Prediction]) -> float:
         """Send each item its prediction now, before the update: its latency ends here.
@@ -510,6 +522,7 @@ class OnlineTrainer:
         stacked = tuple(t.to(self.device) for t in stacked)
         n = len(batch)
         model = self.model
+        self._release(batch)
 
         if self.eval_predictions:
             model.eval()
