@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -17,6 +18,7 @@ import torch
 
 from partrain.rl import ActorCritic, Learner, LearnerServer, connect
 from partrain.rl.envs import EnvRunner
+from partrain.rl.learner import ACTIVE_WITHIN
 from partrain.rl.wire import CONTENT_TYPE, Segment, decode_weights, encode_segment
 from partrain.serve.protocol import HEADER, decode_infer_response, encode_request
 from partrain.train.checkpoint import load_checkpoint
@@ -245,3 +247,22 @@ def test_train_waits_for_every_actor_and_starts_its_clock_with_a_fresh_model():
     st = stats_box["st"]
     assert st.frames == 2 * 4 * 2 and st.segments == 2 and learner.version == 2  # batch_segments=1
     assert list(st.returns) == [4.0, 5.0] and st.episodes == 2  # nothing from before the clock
+
+
+def test_the_default_batch_takes_one_segment_per_acting_actor():
+    """batch_segments=None: an update waits for one segment per actor that sent one in the last
+    ACTIVE_WITHIN s (at least 2, at most max_queue), so the policy lag stays near one version."""
+    learner = make_learner(batch_segments=None, max_queue=8)
+    seg = lambda actor: Segment(tensors=segment(0), version=0, actor=actor, episode_returns=[])  # noqa: E731
+    assert learner.batch_target() == 2  # nobody has sent yet
+    for actor in "abc":
+        learner.offer(seg(actor))
+    assert learner.active_actors() == 3 and learner.batch_target() == 3
+    st = learner.train(max_frames=3 * 4 * 2, timeout=60)
+    assert learner.version == 1 and st.segments == 3 and len(st.lags) == 3  # one update of all three
+    learner._seen["c"] -= 2 * ACTIVE_WITHIN  # "c" went quiet: it no longer counts
+    assert learner.active_actors() == 2 and learner.batch_target() == 2
+    capped = make_learner(batch_segments=None, max_queue=2)
+    capped._seen.update(dict.fromkeys("abc", time.monotonic()))
+    assert capped.active_actors() == 3 and capped.batch_target() == 2  # never more than the queue holds
+    assert make_learner(batch_segments=5).batch_target() == 5  # a fixed setting wins

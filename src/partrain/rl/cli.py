@@ -87,7 +87,9 @@ def _learner_options(p: argparse.ArgumentParser) -> None:
                         "(passes overlap collection; default: always --epochs)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate")
     p.add_argument("--unroll", type=int, default=16, help="steps per segment")
-    p.add_argument("--batch-segments", type=int, default=2, help="segments per update (= per version)")
+    p.add_argument("--batch-segments", type=int, default=None,
+                   help="segments per update (= per version; default: one per actor acting, at least 2, "
+                        "which keeps the policy lag at about 1 version)")
     p.add_argument("--max-queue", type=int, default=8,
                    help="segments that may wait; beyond, actors are told to retry later (503)")
     p.add_argument("--max-lag", type=int, default=10,

@@ -39,7 +39,7 @@ class LearnerConfig:
     hidden: int = 64
     lr: float = 1e-3
     unroll: int = 16
-    batch_segments: int = 2
+    batch_segments: int | None = None  # None: one per actor acting, at least 2 (`Learner.batch_target`)
     max_queue: int = 8
     max_lag: int = 10
     algorithm: str = "vtrace"  # see ALGORITHMS
