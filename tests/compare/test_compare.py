@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import pytest
 
@@ -91,6 +92,12 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
     bw, lat = saved["link"]["bandwidth"], saved["link"]["latency_s"]
     step2 = saved["constants"]["host_factor"] * t1 + saved["constants"]["contention_s"] + size / bw + 2 * k * lat
     assert saved["validation"]["predicted"] == pytest.approx(2 * 32 / step2, rel=1e-12)
+    # the host's CPU time that went elsewhere during each window (Linux's /proc): shares of every core's time
+    for s in saved["strategies"]:
+        if os.path.exists("/proc/stat"):
+            assert 0.0 <= s["host_steal"] <= 1.0 and 0.0 <= s["host_other"] <= 1.0, s
+    assert "host load" in text and ("caution: the windows ran under different host load" in text) == (
+        saved["host_load_warning"] is not None)
     csv_lines = (tmp_path / "compare.csv").read_text().splitlines()
     assert csv_lines[0].startswith("label,strategy,workers") and len(csv_lines) == 3
     assert (tmp_path / "compare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

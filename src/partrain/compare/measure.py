@@ -23,6 +23,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 from ..errors import UsageError, WorkerError, first_line
 from ..strategies.base import Strategy, get_strategy
+from . import hostload
 from .options import Straggler
 from .probe import ProbeSpec, probed_model, read_records, steady_rate
 
@@ -94,6 +95,15 @@ class Measurement:
     time_to_loss: float = math.nan
     #: what the rule ranks by: 1 / time_to_loss (or the effective samples/s without loss curves)
     speed: float = math.nan
+    #: shares of the host's CPU time during the window that went elsewhere (`partrain.compare.hostload`):
+    #: stolen by the hypervisor, and used by processes outside this one's tree; NaN without /proc
+    host_steal: float = math.nan
+    host_other: float = math.nan
+
+    @property
+    def host_load(self) -> float:
+        """The host's CPU time that went elsewhere during the window (steal + other processes)."""
+        return self.host_steal + self.host_other
 
     @property
     def ok(self) -> bool:
@@ -148,6 +158,7 @@ def measure(job: Job, candidate: Candidate, workers: int, epoch_samples: int, ep
     m = Measurement(candidate.label, candidate.strategy, dict(candidate.options), n, processes=world)
     data = functools.partial(window_data, job.data, epoch_samples, TEST_SAMPLES)
     t0 = time.perf_counter()
+    cpu_before = hostload.sample()
     with tempfile.TemporaryDirectory(prefix="partrain-compare-") as tmp:
         spec = ProbeSpec(tmp, worker_ranks, straggler.worker if straggler else None,
                          straggler.slowdown if straggler else 1.0)
@@ -163,6 +174,7 @@ def measure(job: Job, candidate: Candidate, workers: int, epoch_samples: int, ep
             return m
         records = read_records(tmp, n)
     m.wall_s = time.perf_counter() - t0
+    m.host_steal, m.host_other = hostload.shares(cpu_before, hostload.sample())
     assert result is not None  # fit returns worker 0's result when it launched the workers
     fill_from_history(m, result.history, records, initial_loss)
     return m

@@ -10,12 +10,13 @@ from typing import Any
 
 from ..scaling import BEYOND, CONTENTION, FORMULAS, HOST_FACTOR, THROUGHPUT
 from ..tables import format_table
+from .hostload import spread_warning
 from .measure import Measurement
 from .options import bandwidth_text
 from .run import CompareResult
 
 COLUMNS = ("strategy", "workers", "samples/s", "s to target", "data", "compute", "comm", "bubble",
-           "bytes/sample", "loss/single", "loss/allreduce", "peak MB")
+           "bytes/sample", "loss/single", "loss/allreduce", "peak MB", "host load")
 
 
 def ranked(result: CompareResult) -> list[Measurement]:
@@ -58,7 +59,8 @@ def table_rows(result: CompareResult) -> list[list[Any]]:
                      _pct(shares["compute"]), _pct(shares["comm"]),
                      _pct(shares["bubble"]) if m.strategy == "pipeline" else "-",
                      float(round(m.bytes_per_sample)), _times(m.loss_vs_single),
-                     _times(m.loss_ratio) if result.measurement("allreduce") else "-", m.peak_rss_mb])
+                     _times(m.loss_ratio) if result.measurement("allreduce") else "-", m.peak_rss_mb,
+                     _pct(m.host_load)])
     return rows
 
 
@@ -83,13 +85,17 @@ def format_result(result: CompareResult) -> str:
                  "what the rank follows" if target == target else
                  "ranked by samples/s (the windows did not train far enough to time a target loss)")
     lines.append(f"{ranked_by}; data/compute/comm: shares of a worker's step; loss/X: test loss at equal samples "
-                 "over X's; * recommended")
+                 "over X's; host load: the host's CPU time that went elsewhere during the window (stolen by a "
+                 "hypervisor or used by other processes); * recommended")
     rec = result.recommendation
     if rec is not None:
         lines += ["", f"recommended: {rec.pick} - {rec.why}"]
         for label, why in rec.others.items():
             if not why.startswith(("skipped", "failed")):  # those are listed under the table
                 lines.append(f"  {label}: {why}")
+    warning = spread_warning(result.measurements)
+    if warning:
+        lines.append(f"caution: {warning}")
     if result.constants is not None:
         c = result.constants
         link = (f"B = {result.link[0] / 1e6:,.0f} MB/s, a = {result.link[1] * 1e6:.0f} us" if result.link
@@ -144,6 +150,7 @@ def to_json(result: CompareResult) -> dict[str, Any]:
         "buckets": result.buckets, "probe": result.probe,
         "predictions": [vars(p) for p in result.predictions],
         "validation": result.validation or None,
+        "host_load_warning": spread_warning(result.measurements),
     })
 
 
@@ -152,7 +159,7 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
                                       "samples", "window_s", "wall_s", "samples_per_s", "effective_samples_per_s",
                                       "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
                                       "bytes_per_step", "bytes_per_sample", "loss_ratio", "loss_vs_single",
-                                      "time_to_loss", "speed", "peak_rss_mb")}
+                                      "time_to_loss", "speed", "peak_rss_mb", "host_steal", "host_other")}
     out["options"] = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in m.options.items()}
     out["curve"] = [list(p) for p in m.curve]
     return out
@@ -160,7 +167,8 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
 
 CSV_FIELDS = ("label", "strategy", "workers", "status", "reason", "steps", "samples", "samples_per_s",
               "effective_samples_per_s", "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
-              "bytes_per_sample", "loss_ratio", "loss_vs_single", "peak_rss_mb", "time_to_loss", "speed")
+              "bytes_per_sample", "loss_ratio", "loss_vs_single", "peak_rss_mb", "time_to_loss", "speed",
+              "host_steal", "host_other")
 
 
 def write_outputs(result: CompareResult, out_dir: str) -> dict[str, str]:
