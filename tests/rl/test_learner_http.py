@@ -266,3 +266,13 @@ def test_the_default_batch_takes_one_segment_per_acting_actor():
     capped._seen.update(dict.fromkeys("abc", time.monotonic()))
     assert capped.active_actors() == 3 and capped.batch_target() == 2  # never more than the queue holds
     assert make_learner(batch_segments=5).batch_target() == 5  # a fixed setting wins
+
+
+def test_unnamed_actors_are_told_apart(served):
+    """Two connections without a name get names of their own: the learner counts both as acting."""
+    learner, url = served
+    with connect(url, token=TOKEN) as a, connect(url, token=TOKEN) as b:
+        assert a.name and b.name and a.name != b.name
+        a.send(segment(0), [])
+        b.send(segment(0), [])
+    assert learner.active_actors() == 2

@@ -19,6 +19,9 @@ pulled at once; a learner that finished training (410) ends `run_actor` normally
 
 from __future__ import annotations
 
+import itertools
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +37,7 @@ from .envs import EnvRunner, sample_actions
 from .wire import CONTENT_TYPE, decode_weights, encode_segment
 
 MODES = ("local", "central")
+_UNNAMED = itertools.count()
 
 
 class LearnerDone(RuntimeError):
@@ -67,7 +71,9 @@ class Actor:
             raise UsageError(f"Expected mode 'local' or 'central'. Received: {mode!r}")
         self.url = url.rstrip("/")
         self.mode = mode
-        self.name = name
+        # a name per connection by default: the learner counts acting actors by name (one segment each
+        # per update) and tells each one when training ended
+        self.name = name or f"actor-{socket.gethostname()}-{os.getpid()}-{next(_UNNAMED)}"
         self.reconnect_timeout = reconnect_timeout
         self.stats = ActorStats()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -207,6 +213,8 @@ def connect(url: str, *, token: str | None = None, mode: str = "local", model: n
 
     ``mode``: ``"local"`` (keep a copy of the policy; ``model`` builds it when the
     learner's model is not an `ActorCritic`) or ``"central"`` (the learner acts).
+    ``name``: what the learner calls this actor (default: ``actor-HOST-PID-N``, one per
+    connection; the learner counts acting actors by name).
     """
     return Actor(url, token=token, mode=mode, model=model, name=name, reconnect_timeout=reconnect_timeout,
                  seed=seed)
