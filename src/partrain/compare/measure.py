@@ -157,8 +157,8 @@ def measure(job: Job, candidate: Candidate, workers: int, epoch_samples: int, ep
     worker_ranks = tuple(r for r, role in enumerate(strat.roles(world)) if role == "worker")
     m = Measurement(candidate.label, candidate.strategy, dict(candidate.options), n, processes=world)
     data = functools.partial(window_data, job.data, epoch_samples, TEST_SAMPLES)
+    cpu_before = hostload.sample()  # before the clock: reading /proc is not the window's time
     t0 = time.perf_counter()
-    cpu_before = hostload.sample()
     with tempfile.TemporaryDirectory(prefix="partrain-compare-") as tmp:
         spec = ProbeSpec(tmp, worker_ranks, straggler.worker if straggler else None,
                          straggler.slowdown if straggler else 1.0)

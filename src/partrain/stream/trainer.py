@@ -258,6 +258,7 @@ class OnlineTrainer:
         self._target_spec: tuple[tuple[int, ...], torch.dtype] | None = None
         self._key: tuple | None = None  # the last item's shape, dtype, device and batch key
         self._answered: list[Prediction] | None = None  # the running step's predictions, once sent
+        self._released = False  # the running step's items have left the queue's count (`_release`)
         self._seen: OrderedDict[Hashable, None] = OrderedDict()  # ids accepted (the last dedup_window)
         self._trained_ids: OrderedDict[Hashable, None] = OrderedDict()  # what a checkpoint keeps
         self._cond = threading.Condition()  # guards accepting, waiting count, ids and stats
