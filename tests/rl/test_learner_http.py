@@ -18,7 +18,7 @@ import torch
 
 from partrain.rl import ActorCritic, Learner, LearnerServer, connect
 from partrain.rl.envs import EnvRunner
-from partrain.rl.learner import ACTIVE_WITHIN
+from partrain.rl.learner import ACTIVE_WITHIN, ExperienceFull, StaleWeights, TrainingDone
 from partrain.rl.wire import CONTENT_TYPE, Segment, decode_weights, encode_segment
 from partrain.serve.protocol import HEADER, decode_infer_response, encode_request
 from partrain.train.checkpoint import load_checkpoint
@@ -276,3 +276,21 @@ def test_unnamed_actors_are_told_apart(served):
         a.send(segment(0), [])
         b.send(segment(0), [])
     assert learner.active_actors() == 2
+
+
+def test_offer_nowait_queues_when_there_is_room_and_answers_none_when_full():
+    """The server's first try, on its event loop: no wait, no count; the checks as `offer`'s."""
+    learner = make_learner(max_queue=1, max_lag=2)
+    seg = lambda v: Segment(tensors=segment(v), version=v, actor="a", episode_returns=[])  # noqa: E731
+    assert learner.offer_nowait(seg(0)) == 0 and learner.queue_depth == 1
+    assert learner.offer_nowait(seg(0)) is None and learner.stats.rejected_full == 0
+    with pytest.raises(ExperienceFull):
+        learner.offer(seg(0))
+    assert learner.stats.rejected_full == 1
+    for _ in range(3):
+        learner.publish()
+    with pytest.raises(StaleWeights):
+        learner.offer_nowait(seg(0))
+    learner.finished = True
+    with pytest.raises(TrainingDone):
+        learner.offer_nowait(seg(3))

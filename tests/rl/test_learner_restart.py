@@ -35,15 +35,22 @@ def make_learner(path: str, seed: int, resume: bool = False) -> Learner:
 
 
 def record_offers(learner: Learner) -> list[int]:
-    """The version of every segment the learner is offered, in arrival order."""
+    """The version of every segment the learner is offered, in arrival order (the server tries
+    `offer_nowait` first and waits with `offer` when the queue is full: such a segment is listed
+    twice, next to itself)."""
     versions: list[int] = []
-    offer = learner.offer
+    offer, offer_nowait = learner.offer, learner.offer_nowait
 
     def recording(segment, wait=0.0):  # noqa: ANN001, ANN202 - wraps Learner.offer
         versions.append(segment.version)
         return offer(segment, wait)
 
+    def recording_nowait(segment):  # noqa: ANN001, ANN202 - wraps Learner.offer_nowait
+        versions.append(segment.version)
+        return offer_nowait(segment)
+
     learner.offer = recording  # type: ignore[method-assign]
+    learner.offer_nowait = recording_nowait  # type: ignore[method-assign]
     return versions
 
 

@@ -104,8 +104,11 @@ def create_learner_app(learner: Learner, *, token: str | None = None, max_batch_
             decoder.feed(chunk)
         segment = decode_segment(decoder.finish(), learner.obs_shape, learner.num_actions)
         try:
-            # back-pressure: hold the actor up to QUEUE_WAIT s for room before "retry later"
-            version = await asyncio.to_thread(learner.offer, segment, QUEUE_WAIT)
+            # room now (the common case): queued here, on the event loop, without a thread hop
+            version = learner.offer_nowait(segment)
+            if version is None:
+                # back-pressure: hold the actor up to QUEUE_WAIT s for room (off the loop) before "retry later"
+                version = await asyncio.to_thread(learner.offer, segment, QUEUE_WAIT)
         except TrainingDone as exc:
             return error_response(410, str(exc))
         except StaleWeights as exc:
