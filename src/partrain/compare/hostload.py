@@ -101,8 +101,8 @@ def sample() -> CpuSample | None:
 def shares(before: CpuSample | None, after: CpuSample | None) -> tuple[float, float]:
     """``(steal, other)`` between two samples, as shares of every core's time (NaN, NaN if unknown).
 
-    A process of the tree that ended between the samples takes its ticks with it, so ``own``
-    can drop; ``other`` is clamped to [0, 1] and is a lower bound then."""
+    A process of the tree that ended between the samples takes its ticks with it (``own``
+    undercounts), so ``other`` is then an upper bound; both are clamped to [0, 1]."""
     if before is None or after is None or after.total <= before.total:
         return math.nan, math.nan
     span = after.total - before.total
