@@ -37,7 +37,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # the HTTP pieces (httpx, starlette) are the `serve` extra: import them only when asked
+    # imported only when asked: the learner's server (starlette, uvicorn) is the `serve` extra, and an
+    # actor's client (the standard library's http.client) needs safetensors, the `rl` extra
     if name in ("Actor", "LearnerDone", "connect", "run_actor"):
         from . import client
 

@@ -81,7 +81,9 @@ def create_learner_app(learner: Learner, *, token: str | None = None, max_batch_
         })
 
     async def weights_response() -> Response:
-        version, blob = await asyncio.to_thread(learner.weights)
+        # serialised by the training thread when it published (actors pull every version), else here
+        cached = learner.cached_weights()
+        version, blob = cached if cached is not None else await asyncio.to_thread(learner.weights)
         return Response(blob, media_type=CONTENT_TYPE,
                         headers={"ETag": f'"{version}"', VERSION_HEADER: str(version)})
 

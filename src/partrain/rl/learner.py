@@ -129,6 +129,7 @@ class Learner:
             p.requires_grad_(False)
         self._lock = threading.Lock()  # acting copy, version and the weights cache change together
         self._weights: tuple[int, bytes] | None = None
+        self._pulled = False  # the current version's weights were asked for: serialise the next one eagerly
         self._queue: queue.Queue[Segment] = queue.Queue(maxsize=max_queue)
         self._generator = torch.Generator().manual_seed(seed)
         self._stop = threading.Event()
@@ -143,21 +144,41 @@ class Learner:
     # ------------------------------------------------------------------ versions and weights
 
     def publish(self, increment: bool = True) -> int:
-        """Copy the trained weights into the acting copy as the next version; return it."""
+        """Copy the trained weights into the acting copy as the next version; return it.
+
+        When the previous version's weights were asked for (local-inference actors pull every
+        version), the new ones are serialised here, on the training thread, so that the server
+        answers from `cached_weights` without a thread hop of its own (~0.35 ms of CPU each).
+        """
         with self._lock, torch.no_grad():
             for dst, src in zip(self.acting.state_dict().values(), self.model.state_dict().values()):
                 dst.copy_(src)
             if increment:
                 self.version += 1
             self._weights = None
-            return self.version
+            version, pulled, self._pulled = self.version, self._pulled, False
+        if pulled:  # only this thread writes the acting copy: serialised outside the lock
+            blob = encode_weights(self.acting.state_dict(), version)
+            with self._lock:
+                if self.version == version and self._weights is None:
+                    self._weights = (version, blob)
+        return version
 
     def weights(self) -> tuple[int, bytes]:
         """``(version, safetensors bytes)`` of the acting weights; serialised once per version."""
         with self._lock:
+            self._pulled = True
             if self._weights is None or self._weights[0] != self.version:
                 self._weights = (self.version, encode_weights(self.acting.state_dict(), self.version))
             return self._weights
+
+    def cached_weights(self) -> tuple[int, bytes] | None:
+        """`weights` when the current version is serialised already (no lock, no work), else None."""
+        cached = self._weights
+        if cached is None or cached[0] != self.version:
+            return None
+        self._pulled = True
+        return cached
 
     def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Central inference on a batch: ``(actions, logp, logits, value, version)`` row by row."""
