@@ -82,9 +82,11 @@ class Connection:
     """One persistent HTTP/1.1 connection to a learner, on the standard library's ``http.client``.
 
     An actor makes one request per segment (local inference) or one per step (central), so the
-    client's own cost counts: ~160 us of CPU per request here against ~530 us through httpx.
+    client's own cost counts: a segment's POST cost ~0.28 ms of the actor's CPU here against
+    ~1.0 ms through httpx (4 alternating rounds of 500 against one learner).
     A request that fails on the wire (refused, reset, timed out) closes the connection and
-    raises ``OSError`` or ``http.client.HTTPException``; the next one connects afresh.
+    raises ``OSError`` or ``http.client.HTTPException``; the next one connects afresh. The
+    learner is reached directly: ``HTTP_PROXY`` and the like are not read.
     """
 
     def __init__(self, url: str, headers: dict[str, str], timeout: float):
