@@ -7,7 +7,10 @@ round trip bit for bit, and a malformed or dishonest segment must get one 400 li
 
 from __future__ import annotations
 
+import http.client
 import math
+import socket
+import threading
 
 import pytest
 import safetensors.torch
@@ -123,3 +126,42 @@ def test_a_connection_refuses_a_url_it_cannot_speak_to_in_one_line():
     for url in ("ftp://127.0.0.1:1", "127.0.0.1:8000"):
         with pytest.raises(Exception, match="Expected a learner URL such as http://127.0.0.1:8000. Received"):
             Connection(url, {}, 1.0)
+
+
+def _one_shot_server(answers: list[bool]) -> tuple[str, threading.Thread, list[int]]:
+    """A raw HTTP/1.1 server on 127.0.0.1: connection k reads one request, answers it (keep-alive
+    implied) when ``answers[k]``, then closes, as a server does with a connection idle too long."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(30)
+    served: list[int] = []
+
+    def run() -> None:
+        with listener:
+            for k, answer in enumerate(answers):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(30)
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        data += conn.recv(4096)
+                    served.append(k)
+                    if answer:
+                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", thread, served
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_once_but_a_fresh_failure_is_raised():
+    url, thread, served = _one_shot_server([True, True, False])
+    conn = Connection(url, {}, 30.0)
+    assert conn.request("GET", "/a").content == b"ok"
+    # the server closed that kept-alive connection: the request goes out again on a new one
+    assert conn.request("POST", "/b", content=b"x").content == b"ok"
+    # a new connection that fails is the caller's to handle (its retries, its deadline)
+    conn.close()
+    with pytest.raises((http.client.HTTPException, OSError)):
+        conn.request("GET", "/c")
+    thread.join(30)
+    assert served == [0, 1, 2]

@@ -62,6 +62,9 @@ class ActorStats:
     infer_seconds: list[float] = field(default_factory=list)  # central mode: per request
 
 
+_CLOSED_WHILE_IDLE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
 @dataclass
 class Response:
     """One answer: status, headers (case-insensitive ``get``), body."""
@@ -101,19 +104,26 @@ class Connection:
     def request(self, method: str, path: str, *, content: bytes | None = None,
                 headers: dict[str, str] | None = None, params: dict[str, Any] | None = None) -> Response:
         target = self._prefix + path + ("?" + urllib.parse.urlencode(params) if params else "")
-        if self._conn is None:
-            self._conn = self._factory(self._host, self._port, timeout=self._timeout)
-        conn = self._conn
-        try:
-            conn.request(method, target, body=content, headers={**self._headers, **(headers or {})})
-            answer = conn.getresponse()
-            body = answer.read()
-        except (OSError, http.client.HTTPException):
-            self.close()
-            raise
-        if answer.will_close:
-            self.close()
-        return Response(answer.status, answer.msg, body)
+        for attempt in (1, 2):
+            reused = self._conn is not None
+            if self._conn is None:
+                self._conn = self._factory(self._host, self._port, timeout=self._timeout)
+            conn = self._conn
+            try:
+                conn.request(method, target, body=content, headers={**self._headers, **(headers or {})})
+                answer = conn.getresponse()
+                body = answer.read()
+            except (OSError, http.client.HTTPException) as exc:
+                self.close()
+                # a kept-alive connection that the server closed while it was idle (uvicorn: after
+                # 5 s) fails on its next use, before the request was read: once more on a fresh one
+                if reused and attempt == 1 and isinstance(exc, _CLOSED_WHILE_IDLE):
+                    continue
+                raise
+            if answer.will_close:
+                self.close()
+            return Response(answer.status, answer.msg, body)
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         if self._conn is not None:
