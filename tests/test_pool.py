@@ -107,3 +107,33 @@ def test_a_collective_entered_by_one_rank_alone_is_named_as_such():
     assert e.value.rank == 1
     assert str(e.value).endswith("(every other rank had already returned: a collective this rank entered alone, "
                                  "e.g. code that takes another path on some ranks)")
+
+
+STOPPED_WHILE_STARTING = """
+import os, signal
+from multiprocessing import Pipe
+from partrain import pool
+
+original = pool.watch_parent
+
+def terminated_while_starting(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # the caller stops it before it has taken a job
+    return original(*args, **kwargs)
+
+pool.watch_parent = terminated_while_starting
+ours, theirs = Pipe()
+pool._process_main(theirs, True)
+print("returned quietly")
+"""
+
+
+def test_a_worker_stopped_while_it_starts_exits_quietly():
+    """Ctrl-C right after a launch: the launcher's SIGTERM can reach a worker before it has set
+    up (here: while it starts watching its parent). It must end as an idle one does, without a
+    traceback of its own beside the launcher's one line (a CI run once showed one)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", STOPPED_WHILE_STARTING], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout.strip(), done.stderr.strip()) == (0, "returned quietly", "")

@@ -223,10 +223,12 @@ _PARENT_GRACE = 5.0  # seconds for a job to unwind after the caller died, then e
 
 def _process_main(conn: Any, one_shot: bool) -> None:
     install_in_worker()
-    unblock_interrupts()
     rendezvous: list[str] = []  # the temporary directory of the job running now (see the watch)
-    watch_parent(_PARENT_GRACE, on_death=lambda: _remove_temporary(rendezvous))
     try:
+        # inside the try: a SIGINT pending since the fork, or the caller's SIGTERM while this
+        # process still starts (Ctrl-C right after a launch), ends it quietly like one when idle
+        unblock_interrupts()
+        watch_parent(_PARENT_GRACE, on_death=lambda: _remove_temporary(rendezvous))
         while True:
             try:
                 job = conn.recv()
