@@ -17,6 +17,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from partrain.errors import UsageError
 from partrain.rl import ActorCritic, Learner
 from partrain.rl.client import Connection, load_weights
 from partrain.rl.wire import decode_segment, decode_weights, encode_segment, encode_weights
@@ -124,7 +125,7 @@ def test_a_learner_serialises_a_version_as_it_publishes_once_actors_pull():
 
 def test_a_connection_refuses_a_url_it_cannot_speak_to_in_one_line():
     for url in ("ftp://127.0.0.1:1", "127.0.0.1:8000"):
-        with pytest.raises(Exception, match="Expected a learner URL such as http://127.0.0.1:8000. Received"):
+        with pytest.raises(UsageError, match="Expected a learner URL such as http://127.0.0.1:8000. Received"):
             Connection(url, {}, 1.0)
 
 
