@@ -5,9 +5,10 @@ LitServe on the same model, path and JSON as ``partrain serve``. It needs the
 ``bench`` extra (``pip install 'partrain[bench]'``: LitServe) and runs as its own
 process::
 
-    python -m partrain.bench._litserve_app NAME FACTORY INPUT_SHAPE MAX_BATCH_SIZE BATCH_TIMEOUT THREADS
+    python -m partrain.bench._litserve_app NAME FACTORY INPUT_SHAPE MAX_BATCH_SIZE BATCH_TIMEOUT THREADS [DEVICE]
 
-(``INPUT_SHAPE`` of one sample, e.g. ``1,28,28``; ``FACTORY`` as ``module:function``.)
+(``INPUT_SHAPE`` of one sample, e.g. ``1,28,28``; ``FACTORY`` as ``module:function``;
+``DEVICE`` cpu, the default, or cuda: LitServe's accelerator, where the model runs.)
 
 It picks a free loopback port itself and prints ``litserve: serving NAME at URL``
 (the harness waits for that line, then for ``GET /health``).
@@ -38,7 +39,8 @@ class OIPLitAPI(ls.LitAPI):
 
     def setup(self, device: str) -> None:
         torch.set_num_threads(self.threads)
-        self.model = build_model(self.factory).eval()
+        self.device = torch.device(device)  # LitServe's choice: "cpu", or "cuda:0" with accelerator="cuda"
+        self.model = build_model(self.factory).eval().to(self.device)
 
     # No annotation on ``request`` nor on encode_response's return: LitServe builds its
     # FastAPI endpoint from them, and any annotation but none turns the body into a query field.
@@ -55,9 +57,9 @@ class OIPLitAPI(ls.LitAPI):
     def predict(self, x: Any) -> Any:
         with torch.inference_mode():
             if len(x) == 2:  # not batched: (id, tensor)
-                return x[0], self.model(x[1])
+                return x[0], self.model(x[1].to(self.device)).cpu()
             ids, rows, xs = x
-            return ids, rows, self.model(xs)
+            return ids, rows, self.model(xs.to(self.device)).cpu()
 
     def unbatch(self, output: tuple[list[Any], list[int], torch.Tensor]) -> list[tuple[Any, torch.Tensor]]:
         ids, rows, ys = output
@@ -77,19 +79,20 @@ def _free_port() -> int:
 
 
 USAGE = ("usage: python -m partrain.bench._litserve_app NAME FACTORY INPUT_SHAPE MAX_BATCH_SIZE "
-         "BATCH_TIMEOUT THREADS")
+         "BATCH_TIMEOUT THREADS [DEVICE]")
 
 
 def main(argv: list[str]) -> None:
-    """Serve one model: ``NAME FACTORY INPUT_SHAPE MAX_BATCH_SIZE BATCH_TIMEOUT THREADS``."""
-    if len(argv) != 6:
+    """Serve one model: ``NAME FACTORY INPUT_SHAPE MAX_BATCH_SIZE BATCH_TIMEOUT THREADS [DEVICE]``."""
+    if len(argv) not in (6, 7) or (argv[6:] or ["cpu"])[0] not in ("cpu", "cuda"):
         sys.exit(USAGE)
-    name, factory, input_shape, max_batch_size, batch_timeout, threads = argv
+    name, factory, input_shape, max_batch_size, batch_timeout, threads = argv[:6]
+    accelerator = (argv[6:] or ["cpu"])[0]
     shape = [int(d) for d in input_shape.split(",")]
     torch.set_num_threads(int(threads))
     api = OIPLitAPI(name, factory, int(threads), max_batch_size=int(max_batch_size),
                     batch_timeout=float(batch_timeout))
-    server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=1, timeout=30)
+    server = ls.LitServer(api, accelerator=accelerator, devices=1, workers_per_device=1, timeout=30)
     with torch.inference_mode():  # the output's shape, for the metadata a client may ask for
         output_shape = list(build_model(factory).eval()(torch.zeros(1, *shape)).shape[1:])
     metadata = {"name": name, "versions": ["1"], "platform": "pytorch",
