@@ -2,10 +2,12 @@
 
 Each server runs in its own subprocess with the same number of torch threads,
 serving the same weights (LeNet-5 on 1x28x28 images and an MLP on the same
-images); each picks its own loopback port and announces it. This process is the
-load generator (`partrain.serve.loadtest`, closed loop): it starts all servers of
-a model, warms each up, then measures every (server, concurrency) point in
-alternating rounds (so a drift in the machine's load hits all of them alike):
+images); each picks its own loopback port and announces it. The load generator
+(`partrain.serve.loadtest`, closed loop) runs in ``--client-processes`` processes
+(`ClientProcesses`: one Python client tops out at a few thousand requests/s, below
+what a GPU server answers; the clients of a point are dealt out over them and
+their reports merged). This process starts all servers of a model, warms each up,
+then measures every (server, concurrency) point in alternating rounds (so a drift in the machine's load hits all of them alike):
 throughput (median over rounds, min-max spread), p50 and p99 latency over all
 rounds' answers, errors, lost answers (a request without exactly one answer of
 its own) and wrong answers (checked against a local copy of the model).
@@ -197,6 +199,14 @@ OURS_ANNOUNCE = re.compile(r"serving .* at (?P<url>https?://[^\s/]+)")
 LITSERVE_ANNOUNCE = re.compile(r"litserve: serving .* at (?P<url>https?://[^\s/]+)")
 
 
+def default_client_processes() -> int:
+    """Load-generator processes: a quarter of the cores, 1 to 4 (1 on a small machine, where the
+    servers need the cores; 4 on a GPU host, where one client process would be the bottleneck)."""
+    from ..env import available_cores
+
+    return max(1, min(4, available_cores() // 4))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default=None,
                         help=f"comma-separated among {sorted(MODELS)} (default lenet,cnn; --quick: cnn; "
@@ -215,6 +225,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--binary", action="store_true",
                         help="binary tensor extension for partrain serve (LitServe gets JSON)")
     parser.add_argument("--no-litserve", action="store_true", help="skip LitServe")
+    parser.add_argument("--client-processes", type=positive_int, default=default_client_processes(),
+                        help="load-generator processes the clients are spread over (default: a quarter of the "
+                             f"cores, 1 to 4: {default_client_processes()} here); one Python client tops out "
+                             "at a few thousand requests/s, below a GPU server")
     parser.add_argument("--start-timeout", type=float, default=90.0,
                         help="seconds a server may take to become ready (default 90)")
 
@@ -282,16 +296,14 @@ class Point:
     client_cpu: float  # share of one core the load generator used (1.0: it may be the bottleneck)
 
 
-def _measure(url: str, name: str, samples: list, checker: Any, concurrency: int, duration: float,
+def _measure(clients: Any, url: str, name: str, check: str | None, concurrency: int, duration: float,
              binary: bool) -> tuple[Any, float]:
-    """One closed-loop load run; returns its report and the client's CPU share."""
-    from ..serve.loadtest import LoadConfig, run_load
+    """One closed-loop load run over the client processes; its report and the busiest client's CPU share."""
+    from ..serve.loadtest import LoadConfig
 
     cfg = LoadConfig(url=url, model=name, concurrency=concurrency, duration=duration, timeout=10.0,
                      binary=binary)
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    report = run_load(cfg, samples=samples, checker=checker)
-    return report, (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+    return clients.run(cfg, check)
 
 
 def _point(model: str, contender: Contender, concurrency: int, runs: list[tuple[Any, float]]) -> Point:
@@ -322,6 +334,30 @@ def tf32_tolerance(checker: Any) -> None:
     checker.rtol = 1e-2
 
 
+def start_servers(stack: contextlib.ExitStack, servers: list[Any]) -> list[Any]:
+    """Enter every server's context at once (their start-ups overlap), each left on ``stack``.
+
+    A server imports torch and builds its model before it listens: on a GPU host with
+    CUDA to initialise, seven of them one after another took most of a minute. When
+    one fails to start, the others that did are stopped (by the stack) and its error
+    is raised.
+    """
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(servers))) as pool:
+        futures = [pool.submit(cm.__enter__) for cm in servers]
+    entered, failure = [], None
+    for cm, future in zip(servers, futures):
+        if future.exception() is None:
+            stack.push(cm)
+            entered.append(future.result())
+        elif failure is None:
+            failure = future.exception()
+    if failure is not None:
+        raise failure
+    return entered
+
+
 def measure_model(name: str, contenders: list[Contender], levels: list[int], size: Size,
                   args: argparse.Namespace, report: Report) -> list[Point]:
     """Start every server of one model at once, warm each up, then measure all points in alternating rounds.
@@ -329,6 +365,7 @@ def measure_model(name: str, contenders: list[Contender], levels: list[int], siz
     Idle servers cost next to nothing while another one is measured.
     """
     from ..serve.loadtest import AnswerChecker, ModelInfo, TensorSpec, random_inputs
+    from ..serve.loadtest.processes import ClientProcesses
 
     factory, shape = MODELS[name], REQUEST_SHAPE[name]
     info = ModelInfo(name, (TensorSpec("input", "FP32", (-1, *shape[1:])),))
@@ -338,14 +375,15 @@ def measure_model(name: str, contenders: list[Contender], levels: list[int], siz
         tf32_tolerance(checker)
     noop_checker = AnswerChecker(build_model(NOOPS[shape]), samples)
     with contextlib.ExitStack() as stack:
-        urls = [stack.enter_context(server_process(c.label, c.command, c.announce, ready_path=c.ready_path,
-                                                   env=_server_env(args.threads),
-                                                   start_timeout=args.start_timeout)).url
-                for c in contenders]
+        clients = stack.enter_context(ClientProcesses(args.client_processes, samples,
+                                                      {"model": checker, "noop": noop_checker}))
+        urls = [server.url for server in start_servers(stack, [
+            server_process(c.label, c.command, c.announce, ready_path=c.ready_path, env=_server_env(args.threads),
+                           start_timeout=args.start_timeout) for c in contenders])]
         for c, url in zip(contenders, urls):
-            _measure(url, name, samples, None, max(levels), size.warmup, c.binary)
+            _measure(clients, url, name, None, max(levels), size.warmup, c.binary)
         points = {f"{c.label} c={level}": functools.partial(
-                      _measure, url, name, samples, noop_checker if c.server.startswith("noop") else checker, level,
+                      _measure, clients, url, name, "noop" if c.server.startswith("noop") else "model", level,
                       size.duration / size.rounds, c.binary)
                   for c, url in zip(contenders, urls) for level in (levels[-1:] if c.server.startswith("noop") else levels)}
         runs = alternate(points, size.rounds, on_result=lambda r, key, res: report.progress(
@@ -452,7 +490,8 @@ def run(args: argparse.Namespace) -> Report:
     latencies: dict[str, tuple[float, float]] = {}  # model: (L(1), L(highest concurrency)) in seconds
     for name in names:
         report.say(f"{name}: {MODELS[name]}, {args.threads} torch thread(s) per server, {size.duration:g} s per "
-                   f"point over {size.rounds} alternating round(s)")
+                   f"point over {size.rounds} alternating round(s), {args.client_processes} load-generator "
+                   f"process(es)")
         contenders = []
         if have_ours:
             contenders += [ours(name, MODELS[name], n, args.threads, args.binary, device=device)
@@ -491,6 +530,8 @@ def _report(report: Report, points: list[Point], names: list[str], levels: list[
             report.figure(f"{key}.setting", p.contender.setting)
     report.table(["model", "server", "setting", "conc", "req/s median (min-max)", "p50 ms", "p99 ms", "errors",
                   "lost", "wrong", "client cpu %"], rows)
+    report.say("client cpu %: the busiest load-generator process's share of one core (near 100: the "
+               "client may be what limits the point)")
 
     def find(model: str, server: str, c: int) -> Point | None:
         return next((p for p in points if (p.model, p.contender.server, p.concurrency) == (model, server, c)), None)

@@ -73,6 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-error-rate", type=float, default=0.0, metavar="FRACTION",
                    help="fail (exit status 1) when more than this fraction of requests get an error "
                    "(default 0: any failed request fails the run; 0.01 tolerates 1%%)")
+    p.add_argument("--processes", type=int, default=1, help="client processes the load is spread over "
+                   "(default 1): one tops out at a few thousand requests/s, less than a fast server answers; "
+                   "the clients (or the rate) are dealt out and the reports merged")
     p.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON (its directory must "
                    "exist; checked before the load starts)")
     p.set_defaults(func=run)
@@ -92,6 +95,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         raise UsageError(f"Expected --max-error-rate between 0 and 1. Received: {args.max_error_rate}")
     if args.json is not None:
         check_output_file(args.json, "--json")  # before the run: its results must not be lost
+    if args.processes < 1:
+        raise UsageError(f"Expected at least one client process. Received: --processes {args.processes}")
     if args.connections is not None and args.connections < 1:
         raise UsageError(f"Expected a positive number of connections. Received: --connections {args.connections}")
     return LoadConfig(
@@ -107,7 +112,13 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     info, samples, checker = prepare(cfg, args.check, atol=args.atol, rtol=args.rtol)
-    report = run_load(cfg, samples=samples, checker=checker, info=info)
+    if args.processes > 1:
+        from .loadtest.processes import ClientProcesses
+
+        with ClientProcesses(args.processes, samples, {"check": checker} if checker else {}) as clients:
+            report, _ = clients.run(cfg, "check" if checker else None)
+    else:
+        report = run_load(cfg, samples=samples, checker=checker, info=info)
     print(f"model {info.name!r} at {cfg.url}, inputs "
           + ", ".join(f"{n} {list(a.shape)} {a.dtype}" for n, a in samples[0].items()))
     print(report.format())

@@ -25,6 +25,35 @@ class LoadReport:
     first_wrong: str = ""  # a description of the first wrong answer
     first_error: str = ""  # the first failed request: its kind and what the server said
 
+    @classmethod
+    def merge(cls, reports: list[LoadReport]) -> LoadReport:
+        """One report of load tests that ran side by side (one per client process).
+
+        Counts add up, latencies are pooled (percentiles over every answer), the
+        elapsed time is the longest run's (so throughput is answers over the wall
+        time they all took), first errors and wrong answers are the first found.
+        """
+        if not reports:
+            raise ValueError("Expected at least one report to merge. Received: none")
+        if len(reports) == 1:
+            return reports[0]
+        mode = reports[0].mode
+        if mode.startswith("closed loop, concurrency "):
+            mode = (f"closed loop, concurrency {sum(int(r.mode.rsplit(' ', 1)[1]) for r in reports)} "
+                    f"over {len(reports)} processes")
+        else:
+            mode = f"{mode} in each of {len(reports)} processes"
+        errors: Counter = Counter()
+        for r in reports:
+            errors.update(r.errors)
+        return cls(mode=mode, elapsed=max(r.elapsed for r in reports), sent=sum(r.sent for r in reports),
+                   latencies=[x for r in reports for x in r.latencies], errors=errors,
+                   duplicates=sum(r.duplicates for r in reports), missing=sum(r.missing for r in reports),
+                   id_mismatches=sum(r.id_mismatches for r in reports), checked=sum(r.checked for r in reports),
+                   wrong=sum(r.wrong for r in reports),
+                   first_wrong=next((r.first_wrong for r in reports if r.first_wrong), ""),
+                   first_error=next((r.first_error for r in reports if r.first_error), ""))
+
     @property
     def ok(self) -> int:
         return len(self.latencies)
