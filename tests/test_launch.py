@@ -160,3 +160,56 @@ def test_cgroup_quota_caps_the_cores(tmp_path, monkeypatch):
     monkeypatch.setenv("PARTRAIN_CORES", "zero")
     with pytest.raises(UsageError, match="PARTRAIN_CORES"):
         available_cores()
+
+
+@pytest.fixture()
+def one_fake_gpu(monkeypatch):
+    """What the launcher's checks see on a machine with one GPU (no GPU is touched: they only count)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+@pytest.mark.parametrize(("kwargs", "refused"), [
+    ({}, True),  # auto: CUDA, so NCCL, and rank 1 would share cuda:0 with rank 0
+    ({"device": "cuda"}, True),
+    ({"backend": "nccl", "device": "cuda:0"}, True),
+    ({"backend": "gloo"}, False),  # gloo shares a GPU (its collectives go through the host)
+    ({"device": "cpu"}, False),
+])
+def test_nccl_with_more_workers_than_gpus_is_one_line_before_any_process_starts(one_fake_gpu, kwargs, refused):
+    from partrain.env import check_ranks_per_gpu
+    from partrain.launch import check_arguments
+
+    if refused:
+        with pytest.raises(UsageError) as info:
+            check_arguments(2, 30, device=kwargs.get("device"), backend=kwargs.get("backend"))
+        device = kwargs.get("device", "auto")
+        assert str(info.value) == (f"Expected at most 1 worker(s) per machine with NCCL, one per GPU (1 visible for "
+                                   f"--device {device}). Received: 2 workers; use --workers 1, or --backend gloo to "
+                                   f"share a GPU, or --device cpu")
+    else:
+        check_arguments(2, 30, device=kwargs.get("device"), backend=kwargs.get("backend"))
+    check_arguments(1, 30, device=kwargs.get("device"), backend=kwargs.get("backend"))  # one per GPU: fine
+    check_ranks_per_gpu(3, "cpu")  # no GPU in use: nothing to share
+
+
+def test_partrain_train_on_a_gpu_machine_defaults_to_one_worker_per_gpu(one_fake_gpu, monkeypatch, tmp_path):
+    import partrain.train.cli as train_cli
+
+    seen = {}
+
+    def fake_fit(*args, **kwargs):  # stop where the worker count is decided: nothing runs on the fake GPU
+        seen.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("partrain.train.loop.fit", fake_fit)
+    monkeypatch.setattr(train_cli, "available_cores", lambda: 16)
+    from partrain.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--quiet", "--epochs", "1", "--out", str(tmp_path)])
+    assert seen["workers"] == 1
+    seen.clear()
+    with pytest.raises(SystemExit):
+        main(["train", "--quiet", "--epochs", "1", "--out", str(tmp_path / "b"), "--backend", "gloo"])
+    assert seen["workers"] == 16  # gloo: the cores, as on a CPU machine

@@ -329,6 +329,36 @@ def check_device(device: str | None = None, backend: str | None = None) -> None:
             raise UsageError(f"Expected --device cuda with --backend nccl. Received: --device {device}")
 
 
+def gpus_for(device: str | None) -> int:
+    """How many distinct GPUs the processes of one machine get under ``device`` (0: none).
+
+    "auto" / None / "cuda": every visible one (rank r takes ``cuda:r % count``);
+    "cuda:N": that one only; "cpu": none.
+    """
+    if not torch.cuda.is_available():
+        return 0
+    if device is None or device == "auto":
+        return torch.cuda.device_count()
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return 0
+    return 1 if dev.index is not None else torch.cuda.device_count()
+
+
+def check_ranks_per_gpu(ranks: int, device: str | None = None, backend: str | None = None) -> None:
+    """One line when NCCL would put two of this machine's ``ranks`` on one GPU.
+
+    NCCL refuses that ("invalid usage" at the first collective, seen on a 1-GPU H100
+    machine with 2 workers); gloo accepts it (its collectives copy through the host).
+    """
+    gpus = gpus_for(device)
+    if gpus == 0 or (backend or "nccl") != "nccl" or ranks <= gpus:
+        return
+    raise UsageError(f"Expected at most {gpus} worker(s) per machine with NCCL, one per GPU ({gpus} visible "
+                     f"for --device {device or 'auto'}). Received: {ranks} workers; use --workers {gpus}, or "
+                     f"--backend gloo to share a GPU, or --device cpu")
+
+
 def _check_cuda(what: str) -> None:
     if not torch.cuda.is_available():
         raise UsageError(f"Expected a CUDA device for {what}. Received: none visible "

@@ -52,6 +52,7 @@ from .env import (
     DistEnv,
     available_cores,
     check_device,
+    check_ranks_per_gpu,
     default_backend,
     external_launcher,
     pick_device,
@@ -168,6 +169,8 @@ def check_arguments(workers: Any, timeout: Any, threads: Any = None, *, device: 
             or timeout <= 0:
         raise UsageError(f"Expected a positive, finite timeout in seconds. Received: timeout={timeout!r}")
     check_device(device, backend)
+    if workers is not None and external_launcher() is None:  # under torchrun, torchrun decides
+        check_ranks_per_gpu(workers, device, backend)
 
 
 def local_offset(workers: int, strat: Strategy, nnodes: int, node_rank: int) -> int:

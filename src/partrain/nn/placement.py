@@ -54,17 +54,28 @@ class PlacedSequential(nn.Module):
         x: Any = args
         first = True
         for device, names in self.placement:
-            x = map_tensors(x, lambda t, d=device: t.to(d, non_blocking=True))
+            x = map_tensors(x, lambda t, d=device: _move(t, d))
             for name in names:
                 module = self._modules[name]
                 x = module(*x) if first else module(x)
                 first = False
         if self.output_device is not None:
-            x = map_tensors(x, lambda t: t.to(self.output_device, non_blocking=True))
+            x = map_tensors(x, lambda t: _move(t, self.output_device))
         return x
 
     def extra_repr(self) -> str:
         return ", ".join(f"{d}: {names[0]}..{names[-1]}" for d, names in self.placement)
+
+
+def _move(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """``t`` on ``device``; asynchronous only towards a GPU.
+
+    A copy to the CPU with ``non_blocking=True`` returns a (pinned) tensor before the
+    GPU has written it, and the next CPU layer would read it at once: seen on an H100,
+    every element wrong while the GPU lagged. A copy to a GPU is ordered on its stream
+    before the kernels that read it, so it may overlap.
+    """
+    return t.to(device, non_blocking=torch.device(device).type != "cpu")
 
 
 def place(model: nn.Module, split: str | Sequence[str] = "params",

@@ -398,9 +398,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         c = x.shape[1]
         grad_out = grad_out.contiguous(memory_format=_memory_format(x))
         if x.numel() > 0:
-            # per-channel sum(grad_out * x_hat) and sum(grad_out), local, in one fused kernel
+            # per-channel sum(grad_out * x_hat) and sum(grad_out), local, in one fused kernel. The two
+            # sums do not depend on the weight, but CUDA's kernel needs one (None: "tensor does not
+            # have a device", seen on an H100 with affine=False; the CPU's accepts None)
+            kernel_weight = weight if weight is not None else torch.ones(c, dtype=mean.dtype, device=x.device)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                grad_out, x, weight, None, None, mean, invstd, True, ctx.eps, [False, True, True])
+                grad_out, x, kernel_weight, None, None, mean, invstd, True, ctx.eps, [False, True, True])
         else:
             sum_dy_xhat = torch.zeros(c, dtype=mean.dtype, device=x.device)
             sum_dy = torch.zeros(c, dtype=mean.dtype, device=x.device)

@@ -144,8 +144,15 @@ def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 
         count = torch.cuda.device_count()
         if count == 0:
             raise UsageError("Expected a CUDA device for --device cuda. Received: none visible")
-        replicas = count if replicas == 1 else min(replicas, count)
-        devices = [f"cuda:{i}" for i in range(replicas)]
+        index = torch.device(device).index
+        if index is not None:  # one named GPU: one replica on it
+            if index >= count:
+                raise UsageError(f"Expected a visible CUDA device for device={device!r}. Received: {count} "
+                                 f"visible (cuda:0 to cuda:{count - 1})")
+            replicas, devices = 1, [device]
+        else:
+            replicas = count if replicas == 1 else min(replicas, count)
+            devices = [f"cuda:{i}" for i in range(replicas)]
     else:
         devices = [None] * replicas
     threads = threads or default_threads(replicas)

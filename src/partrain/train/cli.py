@@ -14,7 +14,7 @@ from torch import nn
 from ..cli import HelpFormatter
 from ..data.datasets import DataSpec, load_dataset, num_classes, preprocessing, sample_shape
 from ..data.pipeline import LOADERS
-from ..env import available_cores, external_launcher, global_rank_from_environ
+from ..env import available_cores, external_launcher, global_rank_from_environ, gpus_for
 from ..errors import UsageError
 from ..models import MODELS, build_model, model_kwargs_for
 from ..strategies.base import available, get_strategy, parse_options
@@ -161,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     options = parse_options(args.strategy, args.strategy_opt)
     strategy = get_strategy(args.strategy, **options)
     workers = args.workers or min(available_cores(), strategy.max_workers or available_cores())
+    if not args.workers and (args.backend or "nccl") == "nccl" and gpus_for(args.device):
+        workers = min(workers, gpus_for(args.device))  # on GPUs: one worker per GPU (NCCL's rule)
     if not 0 < args.test_fraction < 1:
         raise UsageError(f"Expected 0 < --test-fraction < 1. Received: {args.test_fraction}")
     spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
