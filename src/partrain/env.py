@@ -312,7 +312,7 @@ def check_device(device: str | None = None, backend: str | None = None) -> None:
         except (RuntimeError, TypeError):
             raise UsageError(f"Expected a device such as cpu, cuda, cuda:1 or auto. Received: {device!r}") from None
         if dev.type == "cuda":
-            _check_cuda(f"--device {device}")
+            check_cuda(f"--device {device}")
             if dev.index is not None and dev.index >= torch.cuda.device_count():
                 raise UsageError(f"Expected a visible CUDA device for --device {device}. Received: "
                                  f"{torch.cuda.device_count()} visible (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
@@ -324,7 +324,7 @@ def check_device(device: str | None = None, backend: str | None = None) -> None:
     if backend not in known:
         raise UsageError(f"Expected a backend among {', '.join(known)}. Received: {backend!r}")
     if backend == "nccl":
-        _check_cuda("--backend nccl")
+        check_cuda("--backend nccl")
         if dev is not None and dev.type != "cuda":
             raise UsageError(f"Expected --device cuda with --backend nccl. Received: --device {device}")
 
@@ -359,7 +359,8 @@ def check_ranks_per_gpu(ranks: int, device: str | None = None, backend: str | No
                      f"--backend gloo to share a GPU, or --device cpu")
 
 
-def _check_cuda(what: str) -> None:
+def check_cuda(what: str) -> None:
+    """One line when ``what`` needs CUDA and this machine has none."""
     if not torch.cuda.is_available():
         raise UsageError(f"Expected a CUDA device for {what}. Received: none visible "
                          f"(torch.cuda.is_available() is False)")

@@ -73,11 +73,11 @@ from tests.helpers import (
 )
 from tests.nn.test_placement import model64
 from tests.nn.test_sync_batchnorm import (
+    check_case,
     close,
     ddp_data,
     ddp_model,
     make_cases,
-    reference_case,
     reference_ddp,
     train_case,
 )
@@ -578,18 +578,7 @@ def test_sync_batchnorm_on_the_device_equals_batchnorm_on_the_global_batch(two_r
     what = f"{path} {index} {tuple(case['xs'][0].shape[1:])} sizes={case['sizes']} {case['kwargs']}"
     for r in ranks:
         assert_no_error(r, what)
-    ref = reference_case(case)
-    for step in range(len(case["xs"])):
-        close(torch.cat([r["y"][step] for r in ranks]), ref["y"][step], f"{what} output step {step}")
-        close(torch.cat([r["dx"][step] for r in ranks]), ref["dx"][step], f"{what} input grad step {step}")
-        if ref["dw"]:
-            close(ranks[0]["dw"][step] + ranks[1]["dw"][step], ref["dw"][step], f"{what} weight grad")
-            close(ranks[0]["db"][step] + ranks[1]["db"][step], ref["db"][step], f"{what} bias grad")
-        for key, value in ref["stats"][step].items():
-            assert torch.equal(ranks[0]["stats"][step][key], ranks[1]["stats"][step][key]), f"{what} {key}"
-            close(ranks[0]["stats"][step][key], value, f"{what} {key} step {step}")
-    for rank in range(2):
-        close(ranks[rank]["eval"], ref["eval"][rank], f"{what} eval rank {rank}")
+    check_case(case, ranks, what)
 
 
 @pytest.mark.parametrize("key", ["ddp", "ddp_accumulate"])

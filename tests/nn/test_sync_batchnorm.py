@@ -364,6 +364,23 @@ def close(a, b, what, atol=F64_ATOL):
     torch.testing.assert_close(a, b, atol=atol, rtol=0, msg=lambda m: f"{what}: {m}")
 
 
+def check_case(case, ranks, what):
+    """Two ranks' outputs, gradients, statistics and evaluation against BatchNorm on the global batch."""
+    ref = reference_case(case)
+    for step in range(len(case["xs"])):
+        close(torch.cat([r["y"][step] for r in ranks]), ref["y"][step], f"{what} output step {step}")
+        close(torch.cat([r["dx"][step] for r in ranks]), ref["dx"][step], f"{what} input grad step {step}")
+        if ref["dw"]:
+            # local sums: their sum over ranks is the global gradient (DDP averages them)
+            close(ranks[0]["dw"][step] + ranks[1]["dw"][step], ref["dw"][step], f"{what} weight grad")
+            close(ranks[0]["db"][step] + ranks[1]["db"][step], ref["db"][step], f"{what} bias grad")
+        for key, value in ref["stats"][step].items():
+            assert torch.equal(ranks[0]["stats"][step][key], ranks[1]["stats"][step][key]), f"{what} {key}"
+            close(ranks[0]["stats"][step][key], value, f"{what} {key} step {step}")
+    for rank in range(2):
+        close(ranks[rank]["eval"], ref["eval"][rank], f"{what} eval rank {rank}")
+
+
 @pytest.fixture(scope="module")
 def two_ranks():
     cases = make_cases()
@@ -376,21 +393,8 @@ def test_two_ranks_equal_batchnorm_on_global_batch(two_ranks):
     for i, case in enumerate(cases):
         if case.get("large"):
             continue
-        ranks = [r["cases"][i] for r in results]
-        ref = reference_case(case)
         what = f"case {i} {tuple(case['xs'][0].shape[1:])} sizes={case['sizes']} {case['kwargs']}"
-        for step in range(len(case["xs"])):
-            close(torch.cat([r["y"][step] for r in ranks]), ref["y"][step], f"{what} output step {step}")
-            close(torch.cat([r["dx"][step] for r in ranks]), ref["dx"][step], f"{what} input grad step {step}")
-            if ref["dw"]:
-                # local sums: their sum over ranks is the global gradient (DDP averages them)
-                close(ranks[0]["dw"][step] + ranks[1]["dw"][step], ref["dw"][step], f"{what} weight grad")
-                close(ranks[0]["db"][step] + ranks[1]["db"][step], ref["db"][step], f"{what} bias grad")
-            for key, value in ref["stats"][step].items():
-                assert torch.equal(ranks[0]["stats"][step][key], ranks[1]["stats"][step][key]), f"{what} {key}"
-                close(ranks[0]["stats"][step][key], value, f"{what} {key} step {step}")
-        for rank in range(2):
-            close(ranks[rank]["eval"], ref["eval"][rank], f"{what} eval rank {rank}")
+        check_case(case, [r["cases"][i] for r in results], what)
     assert results[0]["cases"][3]["y"][0].shape[0] == 5 and results[1]["cases"][3]["y"][0].shape[0] == 0
 
 

@@ -49,3 +49,21 @@ def client(served: list[ServedModel]) -> Iterator[TestClient]:
     app = create_app(served, max_body_bytes=64 * 1024)
     with TestClient(app) as c:  # the context manager runs the lifespan: batchers start and drain
         yield c
+
+
+@pytest.fixture()
+def serve() -> Iterator:
+    """``serve(misbehave=None, model=None)``: the fake OIP server of `test_loadtest` on a loopback port
+    (faults chosen by request id, see `fake_app`); its URL. Every server started is closed after."""
+    from .test_loadtest import ServerThread, fake_app, tiny_model
+
+    servers = []
+
+    def start(misbehave=None, model=None):
+        server = ServerThread(fake_app(model or tiny_model(), misbehave))
+        servers.append(server)
+        return server.url
+
+    yield start
+    for s in servers:
+        s.close()

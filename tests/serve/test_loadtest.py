@@ -139,20 +139,6 @@ class ServerThread:
 
 
 @pytest.fixture()
-def serve():
-    servers = []
-
-    def start(misbehave=None, model=None):
-        server = ServerThread(fake_app(model or tiny_model(), misbehave))
-        servers.append(server)
-        return server.url
-
-    yield start
-    for s in servers:
-        s.close()
-
-
-@pytest.fixture()
 def serve_partrain():
     """partrain's own OIP app (`partrain.serve.create_app`) with the tiny model, batching on."""
     app_module = pytest.importorskip("partrain.serve.app")

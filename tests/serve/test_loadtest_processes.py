@@ -17,8 +17,6 @@ from partrain.errors import UsageError
 from partrain.serve.loadtest import LoadConfig, LoadReport, prepare
 from partrain.serve.loadtest.processes import ClientProcesses, _share, split
 
-from .test_loadtest import ServerThread, fake_app, tiny_model
-
 pytest.importorskip("uvicorn")
 
 
@@ -59,20 +57,6 @@ def test_merged_report_adds_counts_pools_latencies_and_takes_the_longest_run():
         LoadReport.merge([])
 
 
-@pytest.fixture()
-def fake_server():
-    servers = []
-
-    def start(misbehave=None, model=None):
-        server = ServerThread(fake_app(model or tiny_model(), misbehave))
-        servers.append(server)
-        return server.url
-
-    yield start
-    for s in servers:
-        s.close()
-
-
 def _clients(url: str, processes: int):
     cfg = LoadConfig(url=url, model="tiny", samples=8, timeout=5.0, concurrency=1, requests=1)
     _, samples, checker = prepare(cfg, check="tests.serve.test_loadtest:tiny_model")
@@ -80,8 +64,8 @@ def _clients(url: str, processes: int):
     return ClientProcesses(processes, samples, {"model": checker, "other": wrong})
 
 
-def test_two_processes_account_for_every_request_and_check_every_answer(fake_server):
-    url = fake_server({"wrong": 4, "swap": 5})
+def test_two_processes_account_for_every_request_and_check_every_answer(serve):
+    url = serve({"wrong": 4, "swap": 5})
     with _clients(url, 2) as clients:
         report, cpu = clients.run(LoadConfig(url=url, model="tiny", concurrency=3, requests=20, timeout=5.0),
                                   "model")
@@ -99,8 +83,8 @@ def test_two_processes_account_for_every_request_and_check_every_answer(fake_ser
         assert opened.mode.endswith("in each of 2 processes")
 
 
-def test_bad_input_is_refused_before_any_process_runs_and_a_dead_process_is_an_error_not_a_hang(fake_server):
-    url = fake_server()
+def test_bad_input_is_refused_before_any_process_runs_and_a_dead_process_is_an_error_not_a_hang(serve):
+    url = serve()
     with _clients(url, 2) as clients:
         with pytest.raises(UsageError, match="Expected a checker among"):
             clients.run(LoadConfig(url=url, model="tiny", concurrency=2, requests=2), "nope")
@@ -115,10 +99,10 @@ def test_bad_input_is_refused_before_any_process_runs_and_a_dead_process_is_an_e
             clients.run(LoadConfig(url=url, model="tiny", concurrency=2, requests=4))
 
 
-def test_cli_spreads_the_load_and_still_fails_on_wrong_answers(fake_server, tmp_path, capsys):
+def test_cli_spreads_the_load_and_still_fails_on_wrong_answers(serve, tmp_path, capsys):
     from partrain.cli import main
 
-    url = fake_server({"wrong": 3})
+    url = serve({"wrong": 3})
     out = tmp_path / "load.json"
     code = main(["loadtest", f"{url}/v2/models/tiny", "-c", "4", "-n", "12", "--processes", "2", "--binary",
                  "--check", "tests.serve.test_loadtest:tiny_model", "--json", str(out)])

@@ -290,6 +290,20 @@ def _finite(v: float) -> float | None:
 # --------------------------------------------------------------------------- sizes and threads
 
 
+def device_option(args: Any) -> str:
+    """A benchmark's ``--device``: "cpu" (the default) or "cuda"; one line for anything else, or for
+    cuda on a machine without it."""
+    from ..env import check_cuda
+    from ..errors import UsageError
+
+    device = getattr(args, "device", "cpu")
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"Expected --device cpu or cuda. Received: {device!r}")
+    if device == "cuda":
+        check_cuda("--device cuda")
+    return device
+
+
 def positive_int(text: str) -> int:
     """An argparse ``type`` for counts (rounds, epochs, samples): bad input is one clear line."""
     try:

@@ -38,8 +38,16 @@ from typing import Any
 import torch
 
 from ..env import available_cores
-from ..errors import UsageError
-from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int, torch_threads
+from .harness import (
+    Report,
+    Spread,
+    alternate,
+    device_option,
+    paired_ratio,
+    pick_size,
+    positive_int,
+    torch_threads,
+)
 
 IMAGE = (1, 28, 28)
 
@@ -363,12 +371,7 @@ def measure_memory(members: int, engine: str, batch: int) -> tuple[float, int]:
 # ------------------------------------------------------------------------------------ run
 def _size(args: argparse.Namespace) -> tuple[Size, bool]:
     size, smoke = pick_size(args, FULL, QUICK, TOY)
-    device = getattr(args, "device", "cpu")
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"Expected --device cpu or cuda. Received: {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("Expected a CUDA device for --device cuda. Received: none visible "
-                         "(torch.cuda.is_available() is False)")
+    device = device_option(args)
     members = args.members or size.members
     batches = tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else size.batches
     return Size(members, batches, args.seconds if args.seconds is not None else size.seconds, size.min_steps,

@@ -67,6 +67,7 @@ from .harness import (
     Report,
     Spread,
     alternate,
+    device_option,
     paired_ratio,
     pick_size,
     positive_int,
@@ -446,12 +447,7 @@ def _best_litserve(points: list[Point], levels: list[int]) -> list[Point]:
 
 def _sizes(args: argparse.Namespace) -> tuple[Size, bool, list[str], list[int]]:
     size, smoke = pick_size(args, FULL, QUICK, TOY)
-    device = getattr(args, "device", "cpu")
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"Expected --device cpu or cuda. Received: {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("Expected a CUDA device for --device cuda. Received: none visible "
-                         "(torch.cuda.is_available() is False)")
+    device = device_option(args)
     default_models = size.models
     if device == "cuda" and not getattr(args, "toy", False):
         default_models = GPU_MODELS["quick" if smoke else "full"]
