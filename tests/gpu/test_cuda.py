@@ -90,12 +90,10 @@ ON_CUDA = DEVICE.type == "cuda"
 #: what a launch of 2 workers is given: "cuda" puts rank r on cuda:(r % GPUs), both on cuda:0 with one
 LAUNCH_DEVICE = "cuda" if ON_CUDA else DEVICE.type
 
-pytestmark = [
-    pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(),
-                       reason="needs CUDA (torch.cuda.is_available() is False); "
-                              "PARTRAIN_TEST_DEVICE=cpu runs these tests on the CPU"),
-    pytest.mark.timeout(300),
-]
+if ON_CUDA and not torch.cuda.is_available():  # one skip line for the module, not one per test
+    pytest.skip("needs CUDA (torch.cuda.is_available() is False); PARTRAIN_TEST_DEVICE=cpu runs these tests "
+                "on the CPU", allow_module_level=True)
+pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[2]
 #: spin cycles `keep_device_busy` queues: about 25 ms at an H100's ~2 GHz
