@@ -284,6 +284,41 @@ def test_replicas_stop_with_the_server(tmp_path: Path, sig: signal.Signals) -> N
         cmd.close()
 
 
+def _ignores_sigint(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    ignored = int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+    return bool(ignored >> (signal.SIGINT - 1) & 1)
+
+
+def test_a_load_test_over_client_processes_stops_with_ctrl_c(tmp_path: Path) -> None:
+    """``partrain loadtest --processes 2``: Ctrl-C (SIGINT to the whole group) mid-run stops the
+    command and both client processes, with one line and status 130."""
+    (tmp_path / "server").mkdir()
+    (tmp_path / "load").mkdir()
+    server = Command(["serve", "tiny=tests.test_signals:tiny_model", "--threads", "1", "--port", "0"],
+                     tmp_path / "server")
+    load = None
+    try:
+        server.wait_for(lambda: any("serving" in line for line in server.out), "the server's announcement")
+        url = next(word for line in server.out for word in line.split() if word.startswith("http://"))
+        load = Command(["loadtest", url, "--model", "tiny", "-c", "4", "-d", "600", "--processes", "2"],
+                       tmp_path / "load")
+        # the clients are running their share once they ignore SIGINT (the first thing they do)
+        load.wait_for(lambda: len(clients := spawned_children(load.proc.pid)) == 2
+                      and all(_ignores_sigint(pid) for pid in clients), "both client processes")
+        os.killpg(load.proc.pid, signal.SIGINT)
+        assert load.finish() == 130, load.output()
+        assert load.stderr_lines() == ["partrain loadtest: stopped by SIGINT; 2 load-generator processes stopped"]
+        no_survivors(load)
+    finally:
+        if load is not None:
+            load.close()
+        server.close()
+
+
 # ----- library use: launch from someone's program ------------------------------------------------
 
 LIBRARY_SCRIPT = textwrap.dedent('''

@@ -198,11 +198,14 @@ class _Children:
 
 
 def _kind(process_name: str) -> str:
-    """What a child process is, from the name partrain gives it (pool.py, serve/replicas.py)."""
+    """What a child process is, from the name partrain gives it (pool.py, serve/replicas.py,
+    serve/loadtest/processes.py)."""
     if process_name.startswith(("partrain-rank", "partrain-pool")):
         return "worker"
     if process_name.startswith("partrain-replica"):
         return "replica"
+    if process_name.startswith("partrain-loadtest"):
+        return "load-generator"
     return "child"
 
 

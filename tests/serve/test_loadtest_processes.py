@@ -97,6 +97,8 @@ def test_bad_input_is_refused_before_any_process_runs_and_a_dead_process_is_an_e
         clients._procs[1].join(timeout=10)
         with pytest.raises(RuntimeError, match="partrain-loadtest-1 exited"):
             clients.run(LoadConfig(url=url, model="tiny", concurrency=2, requests=4))
+        with pytest.raises(RuntimeError, match="no more runs after .*partrain-loadtest-1 exited"):
+            clients.run(LoadConfig(url=url, model="tiny", concurrency=2, requests=4))
 
 
 def test_cli_spreads_the_load_and_still_fails_on_wrong_answers(serve, tmp_path, capsys):

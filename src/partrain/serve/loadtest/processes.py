@@ -19,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import queue
+import signal
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ..._process import starting_processes
 from ...errors import UsageError
 from .checking import AnswerChecker
 from .config import LoadConfig, parse_target
@@ -58,11 +60,21 @@ def _share(cfg: LoadConfig, index: int, processes: int) -> LoadConfig | None:
                                seed=cfg.seed + index)
 
 
-def _client_main(index: int, samples: Sequence[Mapping[str, np.ndarray]],
-                 checkers: Mapping[str, AnswerChecker], commands: Any, barrier: Any, results: Any) -> None:
-    """One client process: for each command, wait for the others, run its share, send its report back."""
+def _client_main(index: int, commands: Any, barrier: Any, results: Any) -> None:
+    """One client process: take the samples and checkers, then for each command wait for the others,
+    run its share and send its report back."""
+    from ..._process import unblock_interrupts, watch_parent
     from .runner import run_load
 
+    # Ctrl-C reaches the whole process group: the parent decides (it closes its clients); a
+    # parent that dies however it dies takes its clients with it (not an hour's wait on a queue)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    unblock_interrupts()
+    watch_parent(5.0)
+    try:
+        samples, checkers = commands.get(timeout=_START_TIMEOUT)
+    except queue.Empty:
+        return
     results.put(("ready", index))
     while True:
         try:
@@ -107,18 +119,23 @@ class ClientProcesses:
         self._barrier = ctx.Barrier(processes, timeout=_BARRIER_TIMEOUT)
         self._commands = [ctx.Queue() for _ in range(processes)]
         self._results = ctx.Queue()
+        # the samples go through the queue, not the start: a start writes its arguments into a pipe
+        # the child reads only once it has imported Python, and an interrupt in that write (Ctrl-C)
+        # would leave a child this object cannot name, reading a pickle whose queues are gone
         self._procs = [ctx.Process(target=_client_main, name=f"partrain-loadtest-{i}", daemon=True,
-                                   args=(i, list(samples), dict(checkers or {}), self._commands[i], self._barrier,
-                                         self._results))
+                                   args=(i, self._commands[i], self._barrier, self._results))
                        for i in range(processes)]
+        self._broken = ""  # why the processes cannot take another run (a run that did not end cleanly)
         try:
-            for p in self._procs:
-                p.start()
+            for p, commands in zip(self._procs, self._commands):
+                with starting_processes():
+                    p.start()
+                commands.put((list(samples), dict(checkers or {})))
             deadline = time.monotonic() + _START_TIMEOUT
             for _ in range(processes):
                 self._get(deadline, "to start")
         except BaseException:
-            self.close()
+            self.close(now=True)
             raise
 
     def _get(self, deadline: float, what: str) -> Any:
@@ -136,6 +153,8 @@ class ClientProcesses:
 
     def run(self, cfg: LoadConfig, check: str | None = None) -> tuple[LoadReport, float]:
         """One load test split over the processes: the merged report, and the busiest process's CPU share."""
+        if self._broken:
+            raise RuntimeError(f"load generator: no more runs after {self._broken}")
         cfg.validate()
         parse_target(cfg.url, cfg.model)  # a bad URL or model name: one line here, not one per process
         if check is not None and check not in self._checker_names:
@@ -143,26 +162,42 @@ class ClientProcesses:
         for i, commands in enumerate(self._commands):
             commands.put((_share(cfg, i, self.processes), check))
         deadline = time.monotonic() + _BARRIER_TIMEOUT + cfg.run_limit() + 30.0
-        got = [self._get(deadline, "to report") for _ in range(self.processes)]
+        try:
+            got = [self._get(deadline, "to report") for _ in range(self.processes)]
+        except RuntimeError as exc:  # a late report would be taken for the next run's: no next run
+            self._broken = str(exc)
+            raise
         errors = [error for _, _, _, error in got if error]
         if errors:
             raise RuntimeError(f"load generator: {errors[0]}")
         reports = [report for _, report, _, _ in sorted(got, key=lambda g: g[0]) if report is not None]
         return LoadReport.merge(reports), max(cpu for _, _, cpu, _ in got)
 
-    def close(self) -> None:
+    def close(self, now: bool = False) -> None:
+        """Stop the processes: after their current run, or with ``now`` (an error, Ctrl-C) at once."""
         self._barrier.abort()  # a process still waiting for one that died stops waiting now
         for commands, p in zip(self._commands, self._procs):
-            if p.is_alive():
+            if p.is_alive() and not now:
                 commands.put(None)
         for p in self._procs:
-            p.join(timeout=10)
-            if p.exitcode is None:
-                p.terminate()
-                p.join(timeout=5)
+            if p.pid is None:  # never started (its start failed, or one before it did)
+                continue
+            if not now:
+                p.join(timeout=10)
+            if p.is_alive():
+                # SIGKILL: a client has nothing to clean up, and one still starting (its signals
+                # blocked until it runs our code) would otherwise die later, with a traceback,
+                # after this process has removed the queues it unpickles
+                p.kill()
+            p.join(timeout=5)
+        for commands in self._commands:
+            # what a stopped process never read must not hold this one's exit: a queue's feeder
+            # thread otherwise waits, at exit, to push the samples into a pipe nobody reads
+            commands.cancel_join_thread()
+            commands.close()
 
     def __enter__(self) -> ClientProcesses:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(now=exc_type is not None)
