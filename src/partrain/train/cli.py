@@ -67,7 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("-o", "--strategy-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a strategy option, repeatable (e.g. -o staleness=2 -o servers=2)")
     s.add_argument("--workers", type=int, default=None,
-                   help="worker processes on this machine (default: one per core; 1 for 'single')")
+                   help="worker processes on this machine (default: one per core, or one per GPU with CUDA "
+                        "and NCCL; 1 for 'single')")
     s.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: cores / processes)")
     s.add_argument("--backend", choices=["gloo", "nccl"], default=None, help="default: gloo on CPU, nccl on CUDA")
     s.add_argument("--device", default="auto", help="cpu, cuda or auto")
