@@ -10,7 +10,7 @@ from partrain.cli import main
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
 
-@pytest.mark.parametrize("bench", ["serve", "population"])
+@pytest.mark.parametrize("bench", ["serve", "population", "data"])
 @pytest.mark.parametrize(("device", "message"), [
     ("gpu", "Expected --device cpu or cuda. Received: 'gpu'"),
     pytest.param("cuda", "Expected a CUDA device for --device cuda. Received: none visible", marks=NO_CUDA),

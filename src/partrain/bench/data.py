@@ -23,12 +23,20 @@ thread for every variant (the same compute for all):
 
 The epoch times of `fit` variants are its own training seconds (the evaluation after
 each epoch is not counted; nor is it in the plain loops, which have none).
+
+``--device cuda`` runs every variant on the GPU, the plain loops as users write them there
+(``DataLoader(pin_memory=True)``, each batch ``.to(device, non_blocking=True)``, a
+synchronisation before the clock stops), and adds `fit`'s device utilisation (NVML) to the
+tables. The default is the CPU for every variant: `fit`'s own default ("auto") would put
+only the `fit` variants on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import math
 import time
 from dataclasses import dataclass
 
@@ -44,6 +52,7 @@ from .harness import (
     Report,
     Spread,
     alternate,
+    device_option,
     divide,
     paired_ratio,
     pick_size,
@@ -60,6 +69,7 @@ class Size:
     sequences: int  # sequences of the variable-length part
     width: int | None = None  # hidden width of the slow-reader MLP (None: a step as long as the read)
     compile: bool | str = True  # the toy run (a test) compiles with a cheap backend
+    device: str = "cpu"  # where every variant trains (--device)
 
 
 FULL = Size(rounds=5, reader_batches=120, memory_samples=16384, sequences=2048)
@@ -67,8 +77,6 @@ QUICK = Size(rounds=2, reader_batches=30, memory_samples=4096, sequences=512)
 TOY = Size(rounds=1, reader_batches=4, memory_samples=256, sequences=64, width=64, compile="aot_eager")
 
 
-def _with_width(size: Size, width: int) -> Size:
-    return Size(size.rounds, size.reader_batches, size.memory_samples, size.sequences, width, size.compile)
 
 READER_BATCH, FEATURES, CLASSES = 64, 256, 10
 
@@ -77,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=None, help="alternating rounds (default 5; --quick 2)")
     parser.add_argument("--read-ms", type=float, default=5.0, help="simulated I/O per batch read, ms (default 5)")
     parser.add_argument("--max-length", type=positive_int, default=100, help="longest sequence (default 100)")
+    parser.add_argument("--device", default="cpu", help="where every variant trains: cpu (default) or cuda")
 
 
 # --------------------------------------------------------------------------- part 1: slow reader
@@ -121,33 +130,44 @@ def plain_reader_loop(size: Size, read_s: float) -> float:
     """samples/s of ``for x, y in DataLoader(...)``: read, then step, one after the other."""
     torch.manual_seed(0)
     return _dataloader_epoch(reader_mlp(size.width), SlowReader(size.reader_batches * READER_BATCH, read_s),
-                             READER_BATCH)
+                             READER_BATCH, size.device)
 
 
-def _dataloader_epoch(model: nn.Module, ds: Dataset, batch: int) -> float:
-    """samples/s of one epoch of the loop users write: ``DataLoader(shuffle=True)``, then step."""
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def _dataloader_epoch(model: nn.Module, ds: Dataset, batch: int, device: str = "cpu") -> float:
+    """samples/s of one epoch of the loop users write: ``DataLoader(shuffle=True)``, then step
+    (on a GPU: pinned batches copied without blocking, as the PyTorch tutorials do)."""
+    model.to(device)
     opt = _sgd(model.parameters())
+    on_gpu = device != "cpu"
     start = time.perf_counter()
-    for x, y in DataLoader(ds, batch_size=batch, shuffle=True):
+    for x, y in DataLoader(ds, batch_size=batch, shuffle=True, pin_memory=on_gpu):
+        x, y = x.to(device, non_blocking=on_gpu), y.to(device, non_blocking=on_gpu)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
+    _sync(device)
     return len(ds) / (time.perf_counter() - start)
 
 
 def fit_reader(size: Size, read_s: float) -> float:
     data = functools.partial(reader_data, size.reader_batches * READER_BATCH, read_s)
     result = fit(functools.partial(reader_mlp, size.width), data, _sgd, strategy="single", workers=1,
-                 threads=1, epochs=1, batch_size=READER_BATCH, quiet=True, return_state=False)
+                 threads=1, epochs=1, batch_size=READER_BATCH, quiet=True, return_state=False, device=size.device)
     return result.final["samples_per_s"]
 
 
-def step_ms(width: int) -> float:
+def step_ms(width: int, device: str = "cpu") -> float:
     """The slow-reader model's step alone, ms (median of 20 after 5 warm-up steps)."""
-    model = reader_mlp(width)
+    model = reader_mlp(width).to(device)
     opt = _sgd(model.parameters())
-    x, y = torch.randn(READER_BATCH, FEATURES), torch.randint(0, CLASSES, (READER_BATCH,))
+    x = torch.randn(READER_BATCH, FEATURES, device=device)
+    y = torch.randint(0, CLASSES, (READER_BATCH,), device=device)
     times = []
     for _ in range(25):
         t = time.perf_counter()
@@ -155,16 +175,19 @@ def step_ms(width: int) -> float:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        _sync(device)
         times.append(time.perf_counter() - t)
     return 1000 * Spread.of(times[5:]).median
 
 
-def calibrate_width(read_ms: float, widths: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536)) -> tuple[int, float]:
+def calibrate_width(read_ms: float, widths: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536),
+                    device: str = "cpu") -> tuple[int, float]:
     """The MLP width whose step time is nearest the read time on this machine (the issue's
-    case: read and step about equal, where overlapping them can at best halve the epoch)."""
-    timed = [(abs(step_ms(w) - read_ms), w) for w in widths]
+    case: read and step about equal, where overlapping them can at best halve the epoch).
+    On a GPU these widths all step in well under the read: the widest is taken."""
+    timed = [(abs(step_ms(w, device) - read_ms), w) for w in widths]
     width = min(timed)[1]
-    return width, step_ms(width)
+    return width, step_ms(width, device)
 
 
 # --------------------------------------------------------------------------- part 2: data in memory
@@ -188,18 +211,19 @@ def usual_loop(size: Size) -> float:
     """samples/s of the loop most users write for data in memory."""
     torch.manual_seed(0)
     train, _ = memory_data(size.memory_samples)
-    return _dataloader_epoch(small_mlp(), train, MEM_BATCH)
+    return _dataloader_epoch(small_mlp(), train, MEM_BATCH, size.device)
 
 
-def fit_memory(size: Size, resident: bool) -> tuple[float, float, str]:
-    """samples/s of a steady epoch, the seconds `fit` spent compiling (0 when it did not) and
-    what it compiled (``step``: the whole step as one function; ``forward``; ``-``: nothing)."""
+def fit_memory(size: Size, resident: bool) -> tuple[float, float, str, float]:
+    """samples/s of a steady epoch, the seconds `fit` spent compiling (0 when it did not), what
+    it compiled (``step``: the whole step as one function; ``forward``; ``-``: nothing) and the
+    device's utilisation in that epoch (NaN on a CPU)."""
     data = functools.partial(memory_data, size.memory_samples)
     options = dict(data_on_device=True, compile=size.compile) if resident else {}
     result = fit(small_mlp, data, _sgd, strategy="single", workers=1, threads=1, epochs=2, batch_size=MEM_BATCH,
-                 quiet=True, return_state=False, **options)
+                 quiet=True, return_state=False, device=size.device, **options)
     return (result.history[1]["samples_per_s"], result.final.get("compile_seconds", 0.0),
-            result.final.get("compiled", "-"))
+            result.final.get("compiled", "-"), result.history[1].get("device_utilization", math.nan))
 
 
 # --------------------------------------------------------------------------- part 3: variable length
@@ -233,7 +257,8 @@ def sequence_data(n: int, max_length: int) -> tuple[Sequences, Sequences]:
 def fit_sequences(size: Size, max_length: int, bucket: bool) -> float:
     data = functools.partial(sequence_data, size.sequences, max_length)
     result = fit(LastStepLstm, data, _sgd, strategy="single", workers=1, threads=1, epochs=1,
-                 batch_size=SEQ_BATCH, quiet=True, return_state=False, collate_fn=PadCollate(), bucket=bucket)
+                 batch_size=SEQ_BATCH, quiet=True, return_state=False, collate_fn=PadCollate(), bucket=bucket,
+                 device=size.device)
     return result.final["samples_per_s"]
 
 
@@ -250,14 +275,15 @@ def epoch_padding(size: Size, max_length: int, bucket: bool) -> float:
 
 def run(args: argparse.Namespace) -> Report:
     size, smoke = pick_size(args, FULL, QUICK, TOY)
+    size = dataclasses.replace(size, device=device_option(args))
     rounds = args.rounds or size.rounds
     read_s = args.read_ms / 1000
     report = Report("data", smoke=smoke)
     results: dict[str, list] = {}
     with torch_threads(1):
-        width, step = ((size.width, step_ms(size.width)) if size.width is not None
-                       else calibrate_width(args.read_ms))
-        size = _with_width(size, width)
+        width, step = ((size.width, step_ms(size.width, size.device)) if size.width is not None
+                       else calibrate_width(args.read_ms, device=size.device))
+        size = dataclasses.replace(size, width=width)
         report.say(f"slow reader: {args.read_ms:g} ms read per batch of {READER_BATCH}, model step "
                    f"{step:.1f} ms (MLP width {width}); {size.reader_batches} batches per epoch; {rounds} rounds")
         report.figure("slow_reader.step_ms", step)
@@ -283,9 +309,9 @@ def run(args: argparse.Namespace) -> Report:
     ], title="slow reader (I/O-bound): median (min-max) over rounds")
 
     usual = results["DataLoader loop"]
-    default = [v for v, _, _ in results["fit default"]]
-    resident = [v for v, _, _ in results["fit resident + compiled"]]
-    _, compile_s, compiled = results["fit resident + compiled"][0]
+    default = [v for v, _, _, _ in results["fit default"]]
+    resident = [v for v, _, _, _ in results["fit resident + compiled"]]
+    _, compile_s, compiled, _ = results["fit resident + compiled"][0]
     vs_default = paired_ratio(default, usual)
     vs_resident = paired_ratio(resident, usual)
     report.table(["variant", "samples/s", "vs DataLoader loop"], [
@@ -304,8 +330,18 @@ def run(args: argparse.Namespace) -> Report:
         ["random", f"{pad_random:.3f}", Spread.of(rand_sps).cell(), "1"],
         ["bucketed (BucketBatchSampler)", f"{pad_bucket:.3f}", Spread.of(bucket_sps).cell(), speed.cell()],
     ], title=f"variable length: LSTM over 1..{args.max_length} steps, batches of {SEQ_BATCH}")
-    if not torch.cuda.is_available():
-        report.note("no CUDA device here: device utilisation and the CUDA-graph step were not measured")
+    if size.device == "cpu":
+        report.note("on the CPU: --device cuda measures the GPU (the CUDA-graph step, device utilisation)")
+    else:
+        utilisation = {name: Spread.of([u for *_, u in results[name] if not math.isnan(u)])
+                       for name in ("fit default", "fit resident + compiled")}
+        report.table(["variant", "device utilisation %"], [[name, spread.cell() if spread.values else "unknown"]
+                                                           for name, spread in utilisation.items()],
+                     title=f"data in memory on {torch.cuda.get_device_name(0)}: NVML's utilisation in the "
+                           f"steady epoch (unknown without pynvml)")
+        for name, spread in utilisation.items():
+            if spread.values:
+                report.figure(f"memory.{name.replace(' ', '_').replace('+', 'and')}_device_utilization", spread)
 
     for name, values in (("slow_reader.plain", plain), ("slow_reader.fit", piped), ("memory.dataloader", usual),
                          ("memory.fit_default", default), ("memory.fit_resident_compiled", resident),
