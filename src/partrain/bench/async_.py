@@ -201,7 +201,8 @@ def train(variant: Variant, data: Any, epochs: int, batch_size: int, target: flo
     """Train ``variant`` once with ``partrain.fit``; its figures (`FIGURES`)."""
     result = fit(functools.partial(bench_model, variant.straggle, variant.workers), data, _optimizer,
                  strategy=get_strategy(variant.strategy, **variant.options), workers=variant.workers,
-                 epochs=epochs, batch_size=batch_size, quiet=True, checkpoint=False, timeout=120, threads=1)
+                 epochs=epochs, batch_size=batch_size, quiet=True, checkpoint=False, timeout=120, threads=1,
+                 device="cpu")  # a benchmark of CPU processes, also on a machine with a GPU
     assert result is not None  # fit returns worker 0's result when it launched the workers
     history = result.history
     steady = history[1:] or history

@@ -149,7 +149,7 @@ def _to_target_runs(scenario: Scenario, data: Any, result: Any, train_s: float, 
     from ..compare.run import initial_loss
 
     job = Job(scenario.model_fn, data, functools.partial(sgd, lr=scenario.lr), batch_size=scenario.batch_size,
-              threads=1, timeout=120.0)
+              threads=1, timeout=120.0, device="cpu")
     torch.manual_seed(0)
     start = initial_loss(scenario.model_fn(), data[1], _task())
     runs: dict[str, list[Any]] = {}
@@ -221,12 +221,13 @@ def run(args: argparse.Namespace) -> Report:
         # loaded machine): compare's budget then pays for its own work, as in a notebook that keeps a pool
         # (the toy runs single and allreduce only: two processes)
         partrain_launch(warm_up, clusters(64, (1, 8, 8)), workers=2 if getattr(args, "toy", False) else 3,
-                        threads=1)
+                        threads=1, device="cpu")
         for scenario in (s for s in SCENARIOS if s.name in chosen):
             data = clusters(args.samples or max(samples, scenario.min_samples), scenario.shape)
             result = compare(scenario.model_fn, data, functools.partial(sgd, lr=scenario.lr), workers=2,
                              budget=budget, batch_size=scenario.batch_size, straggler=scenario.straggler,
-                             threads=1, strategies=strategies, progress=report.progress)
+                             threads=1, strategies=strategies, progress=report.progress,
+                             device="cpu")  # its ground truth below trains on the CPU too
             report.say(f"\n--- scenario {scenario.name}: {scenario.about}")
             report.say(format_result(result))
             runs = _to_target_runs(scenario, data, result, train_s, report, rounds)

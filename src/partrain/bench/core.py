@@ -176,7 +176,7 @@ def fit_rate(work: Workload, strategy: str, workers: int, threads: int | None = 
     data = (torch.utils.data.TensorDataset(*_data(work)), None)
     result = fit(functools.partial(_model, work.width, work.image), data, _optimizer, strategy=strategy,
                  workers=workers, epochs=work.epochs, batch_size=work.batch, quiet=True, checkpoint=False,
-                 threads=threads, timeout=600)
+                 threads=threads, timeout=600, device="cpu")  # the baselines run on the CPU (gloo) too
     assert result is not None  # fit returns worker 0's result when it launched the workers
     return steady_rate([(r["samples"], r["seconds"]) for r in result.history])
 

@@ -277,7 +277,8 @@ def run(args: argparse.Namespace) -> Report:
                f"global batch {size.batch}, {STAGES} processes x 1 thread, CPU, {size.rounds} alternating "
                f"rounds x {size.steps} steps")
     report.progress("throughput job (every variant in turns)")
-    out = launch(_throughput_worker, size, workers=2, strategy=Pipeline(stages=STAGES), threads=1, timeout=600)
+    out = launch(_throughput_worker, size, workers=2, strategy=Pipeline(stages=STAGES), threads=1, timeout=600,
+                 device="cpu")
     per_rank = [o["results"] for o in out]
     unavailable = out[0]["unavailable"]
 
@@ -330,9 +331,10 @@ def run(args: argparse.Namespace) -> Report:
         return report
     report.progress("memory jobs (fresh processes: whole model, then 2 stages)")
     with _exact_malloc():
-        whole = launch(_memory_worker, size, False, workers=2, strategy="allreduce", threads=1, timeout=600)
+        whole = launch(_memory_worker, size, False, workers=2, strategy="allreduce", threads=1, timeout=600,
+                       device="cpu")
         stages = launch(_memory_worker, size, True, workers=2, strategy=Pipeline(stages=STAGES, microbatches=8),
-                        threads=1, timeout=600)
+                        threads=1, timeout=600, device="cpu")
     whole_net, whole_raw = max(w[0] for w in whole), max(w[1] for w in whole)
     stage_net, stage_raw = max(s[0] for s in stages), max(s[1] for s in stages)
     mem_rows = [["whole model, one process", f"{whole_net:.0f}", f"{whole_raw:.0f}", "1.00"]]
