@@ -9,6 +9,7 @@ import argparse
 import functools
 
 from ..cli import HelpFormatter
+from ..env import available_cores
 from ..errors import UsageError
 
 DEFAULT_OUT = "runs/compare"
@@ -43,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--bandwidth", default=None, metavar="RATE",
                    help="what if the workers talked over a link of RATE (e.g. 1Gbit): simulated from measured bytes")
     c.add_argument("--links", default=DEFAULT_LINKS, help="link speeds of the scaling prediction")
+    c.add_argument("--device", default="auto", help="where the workers train: auto (default: the GPUs when "
+                   "there is one per worker, else the CPU), cpu, cuda")
     c.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: cores / workers)")
     c.add_argument("--timeout", type=float, default=120.0, help="seconds for rendezvous and every collective")
     c.add_argument("--out", default=None,
@@ -86,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
                          f"Received: worker={straggler.worker}")
     parse_bandwidth(args.bandwidth)
     parse_links(args.links)
+    from .run import compare_device
+
+    compare_device(args.device, args.workers or max(2, available_cores()))  # before the data loads
     spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
                     classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed)
     train_ds, _ = load_dataset(spec)
@@ -104,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                      strategies=strategies, workers=args.workers, budget=args.budget, batch_size=args.batch_size,
                      loss_fn=args.loss, straggler=args.straggler, bandwidth=args.bandwidth, links=args.links,
                      out_dir=out, threads=args.threads, timeout=args.timeout, seed=args.seed,
-                     progress=None if args.json else _progress)
+                     device=args.device, progress=None if args.json else _progress)
     if args.json:
         print(json.dumps(to_json(result), indent=2))
     else:

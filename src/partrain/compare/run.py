@@ -127,6 +127,30 @@ class CompareResult:
         return next((m for m in self.measurements if m.label == label), None)
 
 
+def compare_device(device: str | None, workers: int, say: Callable[[str], None] = lambda _text: None) -> str | None:
+    """Where the comparison's workers train.
+
+    ``"auto"`` (or None) takes the GPUs when there is one per worker (NCCL puts no two
+    ranks on one GPU), else the CPU, and says so: on a one-GPU workstation the
+    parallel strategies are CPU processes. An explicit ``cuda`` with more workers than
+    GPUs is one line.
+    """
+    from ..env import check_device, gpus_for
+
+    check_device(device)
+    gpus = gpus_for(device)
+    if device in (None, "auto"):
+        if 0 < gpus < workers:
+            say(f"{workers} workers and {gpus} GPU(s): comparing on the CPU (--device cuda --workers {gpus} "
+                f"compares on the GPUs)")
+            return "cpu"
+        return device
+    if 0 < gpus < workers:
+        raise UsageError(f"Expected at most {gpus} worker(s) for --device {device}, one per GPU. Received: "
+                         f"{workers} workers; use --workers {gpus}, or --device cpu")
+    return device
+
+
 def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable[..., torch.optim.Optimizer], *,
             strategies: Sequence[str] | None = None, workers: int | None = None, budget: str | float = 60.0,
             batch_size: int = 32, loss_fn: Any = "auto", straggler: str | Straggler | None = None,
@@ -170,6 +194,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                          f"Received: worker={strag.worker}")
     if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in scale):
         raise UsageError(f"Expected worker counts >= 1 to predict. Received: {list(scale)}")
+    device = compare_device(device, n, say)
     per_process = threads or max(1, cores // n)
     job = Job(model_fn, data, optimizer_fn, batch_size=batch_size, loss_fn=loss_fn, seed=seed,
               threads=per_process, timeout=timeout, device=device)
