@@ -43,7 +43,7 @@ def test_a_server_that_exits_before_announcing_is_reported_with_its_output():
 def test_servers_start_together_and_one_that_fails_stops_the_others(tmp_path):
     import contextlib
 
-    from partrain.bench.serve import start_servers
+    from partrain.bench.harness import start_servers
 
     with contextlib.ExitStack() as stack:
         servers = start_servers(stack, [server_process(f"toy {i}", [sys.executable, "-c", SERVER], ANNOUNCE,

@@ -449,3 +449,27 @@ def stop_process_group(process: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         return
+
+
+def start_servers(stack: contextlib.ExitStack, servers: list[Any]) -> list[Any]:
+    """Enter every server's context at once (their start-ups overlap), each left on ``stack``.
+
+    A server imports torch and builds its model before it listens: on a GPU host with
+    CUDA to initialise, seven of them one after another took most of a minute. When
+    one fails to start, the others that did are stopped (by the stack) and its error
+    is raised.
+    """
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(servers))) as pool:
+        futures = [pool.submit(cm.__enter__) for cm in servers]
+    entered, failure = [], None
+    for cm, future in zip(servers, futures):
+        if future.exception() is None:
+            stack.push(cm)
+            entered.append(future.result())
+        elif failure is None:
+            failure = future.exception()
+    if failure is not None:
+        raise failure
+    return entered
