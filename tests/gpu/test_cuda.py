@@ -14,7 +14,8 @@ otherwise never executed. Each test runs one user-facing API on the device and c
 with an independent reference on the CPU. Where to start reading: the training loop
 (`test_fit_on_the_device_equals_a_hand_written_cpu_loop`), then one section per capability:
 input pipeline, population, serving, placement, SyncBatchNorm and allreduce (two ranks
-sharing one GPU through gloo: NCCL cannot put two ranks on one GPU), launch, RL.
+sharing one GPU through gloo: NCCL cannot put two ranks on one GPU), launch, online training
+on a stream, RL.
 
 Precision: everything runs in float64, so TensorFloat-32 (which only touches float32
 matrix products and convolutions) plays no part. The device's kernels (cuBLAS, cuDNN,
@@ -679,6 +680,50 @@ def test_a_gpu_this_machine_lacks_is_one_line_before_any_process_starts(tmp_path
         check_arguments(1, 30.0, device=f"cuda:{count - 1}", backend="nccl")
         with pytest.raises(UsageError, match="Expected at most 1 worker"):  # NCCL puts no two ranks on one GPU
             check_arguments(2, 30.0, device=f"cuda:{count - 1}", backend="nccl")
+
+
+# ----- online training on a stream (src/partrain/stream/trainer.py) ------------------------------
+
+def test_online_training_with_the_model_on_the_device_equals_a_plain_cpu_loop_on_the_same_batches():
+    """`OnlineTrainer` with its model on the device: items submitted as CPU tensors are moved there;
+    each prediction is the model's output before its batch's update, and the final weights are the
+    hand-written CPU loop's on the batches the trainer reports (float64)."""
+    import threading
+
+    from partrain.stream import OnlineTrainer, Prediction
+    from tests.stream.test_trainer import HoldFirst, items, mlp64, reference_step
+
+    model, ref = HoldFirst(mlp64()).to(DEVICE), mlp64()
+    records = []
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "mse",
+                            max_batch=16, on_step=records.append)
+    stream = items(120)
+    futures = {}
+
+    def produce(part):
+        for it in part:
+            futures[it["id"]] = trainer.submit(it["x"], it["y"], weight=it["weight"], id=it["id"])
+
+    producers = [threading.Thread(target=produce, args=(stream[k::2],)) for k in range(2)]
+    for t in producers:
+        t.start()
+    for t in producers:
+        t.join()
+    keep_device_busy()
+    model.gate.set()  # everything queued behind the first step: the next ones take 16 at a time
+    stats = trainer.close()
+    assert stats.accepted == stats.predicted == 120 and stats.unresolved == 0
+
+    by_id = {it["id"]: it for it in stream}
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for version, record in enumerate(records):
+        expected = reference_step(ref, ref_opt, [by_id[i] for i in record.ids])
+        assert record.version == version
+        for row, item_id in enumerate(record.ids):
+            got = futures[item_id].result(0)
+            assert isinstance(got, Prediction) and got.version == version
+            torch.testing.assert_close(got.output.cpu(), expected[row], atol=F64_ATOL, rtol=0)
+    assert_states_close({k: v.cpu() for k, v in model.inner.state_dict().items()}, ref.state_dict())
 
 
 # ----- RL: a learner's update on the device (src/partrain/rl/algorithms.py) -----------------------
