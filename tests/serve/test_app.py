@@ -280,7 +280,11 @@ def test_partrain_serve_bad_input_is_one_line_exit_2(tmp_path, capsys) -> None:
         (["x.pt", "--policy", "sometimes"], "Expected a batching policy"),
         (["x.pt", "--max-batch-size", "0"], "Expected --max-batch-size >= 1"),
         (["x.pt", "--input-shape", "1,a"], "Expected --input-shape"),
+        (["x.pt", "--device", "gpu"], "Expected --device cpu, cuda or cuda:N. Received: 'gpu'"),
     ]
+    if not torch.cuda.is_available():  # a GPU named where there is none: one line before any model loads
+        cases.append((["x.pt", "--device", "cuda:1"], "Expected a CUDA device for --device cuda:1. Received: "
+                                                       "none visible"))
     for argv, message in cases:
         assert main(["serve", *argv, "--port", "0"]) == 2
         err = capsys.readouterr().err

@@ -7,6 +7,7 @@ import functools
 import os
 
 from ..cli import HelpFormatter
+from ..env import check_device
 from ..errors import UsageError
 from .app import DEFAULT_MAX_BODY_BYTES
 from .batcher import make_policy
@@ -47,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default 4)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per replica (default: cores // replicas)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda (a replica per visible GPU) or cuda:N "
+                   "(that GPU)")
     p.add_argument("--token", default=os.environ.get("PARTRAIN_SERVE_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' (default: $PARTRAIN_SERVE_TOKEN; health "
                         "endpoints stay open)")
@@ -79,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{len(args.models)} model(s), --replicas {args.replicas}, --device {args.device}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"Expected --port in 0..65535. Received: {args.port}")
-    if args.device not in ("cpu", "cuda"):
-        raise UsageError(f"Expected --device cpu or cuda. Received: {args.device!r}")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        raise UsageError(f"Expected --device cpu, cuda or cuda:N. Received: {args.device!r}")
+    check_device(args.device)  # cuda where there is none, or cuda:N past the last GPU: one line
     try:
         make_policy(args.policy)
     except ValueError as exc:
@@ -90,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         load_models, list(args.models), input_shape=args.input_shape, input_dtype=args.input_dtype,
         max_batch_size=args.max_batch_size, policy=args.policy, max_queue=args.max_queue,
     )
-    if args.replicas > 1 or args.device == "cuda":
+    if args.replicas > 1 or args.device != "cpu":
         # fail fast in the parent on a bad MODEL instead of once per replica
         for model in make_models():
             del model
