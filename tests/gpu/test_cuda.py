@@ -688,27 +688,21 @@ def test_online_training_with_the_model_on_the_device_equals_a_plain_cpu_loop_on
     """`OnlineTrainer` with its model on the device: items submitted as CPU tensors are moved there;
     each prediction is the model's output before its batch's update, and the final weights are the
     hand-written CPU loop's on the batches the trainer reports (float64)."""
-    import threading
-
     from partrain.stream import OnlineTrainer, Prediction
-    from tests.stream.test_trainer import HoldFirst, items, mlp64, reference_step
+    from tests.stream.test_trainer import (
+        HoldFirst,
+        items,
+        mlp64,
+        reference_step,
+        submit_from_threads,
+    )
 
     model, ref = HoldFirst(mlp64()).to(DEVICE), mlp64()
     records = []
     trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "mse",
                             max_batch=16, on_step=records.append)
     stream = items(120)
-    futures = {}
-
-    def produce(part):
-        for it in part:
-            futures[it["id"]] = trainer.submit(it["x"], it["y"], weight=it["weight"], id=it["id"])
-
-    producers = [threading.Thread(target=produce, args=(stream[k::2],)) for k in range(2)]
-    for t in producers:
-        t.start()
-    for t in producers:
-        t.join()
+    futures = submit_from_threads(trainer, stream, 2)
     keep_device_busy()
     model.gate.set()  # everything queued behind the first step: the next ones take 16 at a time
     stats = trainer.close()

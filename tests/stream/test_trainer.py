@@ -75,23 +75,29 @@ class HoldFirst(nn.Module):
         return self.inner(x)
 
 
-def test_dequeue_all_equals_a_plain_loop_on_the_same_batches():
-    model, ref = HoldFirst(mlp64()), mlp64()
-    records = []
-    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "mse",
-                            max_batch=16, on_step=records.append)
-    stream = items(240)
+def submit_from_threads(trainer: OnlineTrainer, stream: list[dict], threads: int) -> dict[str, object]:
+    """Every item submitted, ``threads`` producers at once (item k by producer k % threads); the futures by id."""
     futures: dict[str, object] = {}
 
     def produce(part: list[dict]) -> None:
         for it in part:
             futures[it["id"]] = trainer.submit(it["x"], it["y"], weight=it["weight"], id=it["id"])
 
-    producers = [threading.Thread(target=produce, args=(stream[k::3],)) for k in range(3)]
+    producers = [threading.Thread(target=produce, args=(stream[k::threads],)) for k in range(threads)]
     for t in producers:
         t.start()
     for t in producers:
         t.join()
+    return futures
+
+
+def test_dequeue_all_equals_a_plain_loop_on_the_same_batches():
+    model, ref = HoldFirst(mlp64()), mlp64()
+    records = []
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "mse",
+                            max_batch=16, on_step=records.append)
+    stream = items(240)
+    futures = submit_from_threads(trainer, stream, 3)
     model.gate.set()  # everything is queued behind the first step: the next ones take 16 at a time
     stats = trainer.close()
     assert stats.accepted == stats.predicted == 240 and stats.unresolved == 0
