@@ -47,12 +47,6 @@ def test_an_unknown_model_gets_one_line_and_status_2(capsys):
     assert len(err) == 1 and "Expected models among" in err[0] and "'vgg'" in err[0], err
 
 
-def test_the_model_latency_on_a_cpu_is_the_served_call_in_cpu_seconds():
-    one = serve.model_latency(serve.MODELS["cnn"], serve.COLOUR, 1, threads=1, repeats=3)
-    many = serve.model_latency(serve.MODELS["cnn"], serve.COLOUR, 8, threads=1, repeats=3)
-    assert 0 < one and 0 < many
-
-
 def _tf32(t: torch.Tensor) -> torch.Tensor:
     return (t.view(torch.int32) & ~0x1FFF).view(torch.float32)  # keep 10 of float32's 23 mantissa bits
 

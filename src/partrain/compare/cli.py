@@ -9,7 +9,6 @@ import argparse
 import functools
 
 from ..cli import HelpFormatter
-from ..env import available_cores
 from ..errors import UsageError
 
 DEFAULT_OUT = "runs/compare"
@@ -89,9 +88,9 @@ def run(args: argparse.Namespace) -> int:
                          f"Received: worker={straggler.worker}")
     parse_bandwidth(args.bandwidth)
     parse_links(args.links)
-    from .run import compare_device
+    from .run import compare_device, default_workers
 
-    compare_device(args.device, args.workers or max(2, available_cores()))  # before the data loads
+    compare_device(args.device, default_workers(args.workers))  # before the data loads
     spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
                     classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed)
     train_ds, _ = load_dataset(spec)

@@ -127,6 +127,13 @@ class CompareResult:
         return next((m for m in self.measurements if m.label == label), None)
 
 
+def default_workers(workers: int | None) -> int:
+    """The parallel strategies' processes: ``workers``, or one per core (at least 2)."""
+    from ..env import available_cores
+
+    return workers if workers is not None else max(2, available_cores())
+
+
 def compare_device(device: str | None, workers: int, say: Callable[[str], None] = lambda _text: None) -> str | None:
     """Where the comparison's workers train.
 
@@ -184,7 +191,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
     bw = parse_bandwidth(bandwidth)
     link_speeds = parse_links(links)
     cores = available_cores()
-    n = workers if workers is not None else max(2, cores)
+    n = default_workers(workers)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UsageError(f"Expected a positive number of workers. Received: workers={workers!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

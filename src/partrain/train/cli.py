@@ -162,8 +162,9 @@ def run(args: argparse.Namespace) -> int:
     options = parse_options(args.strategy, args.strategy_opt)
     strategy = get_strategy(args.strategy, **options)
     workers = args.workers or min(available_cores(), strategy.max_workers or available_cores())
-    if not args.workers and (args.backend or "nccl") == "nccl" and gpus_for(args.device):
-        workers = min(workers, gpus_for(args.device))  # on GPUs: one worker per GPU (NCCL's rule)
+    gpus = gpus_for(args.device)
+    if not args.workers and (args.backend or "nccl") == "nccl" and gpus:
+        workers = min(workers, gpus)  # on GPUs: one worker per GPU (NCCL's rule)
     if not 0 < args.test_fraction < 1:
         raise UsageError(f"Expected 0 < --test-fraction < 1. Received: {args.test_fraction}")
     spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),

@@ -11,7 +11,8 @@ processes start together (a barrier) and stop at the same duration, and their
 reports are merged into one (`LoadReport.merge`: every request's outcome kept, the
 latencies pooled, the elapsed time the longest).
 
-Every wait is bounded: start-up, the barrier and each run's results.
+Every wait is bounded: start-up, the barrier and each run's results. A process that
+fails or dies is a `WorkerError` (``partrain loadtest``: one line, exit status 1).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..._process import starting_processes
-from ...errors import UsageError
+from ...errors import UsageError, WorkerError
 from .checking import AnswerChecker
 from .config import LoadConfig, parse_target
 from .report import LoadReport
@@ -143,18 +144,19 @@ class ClientProcesses:
             try:
                 return self._results.get(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
-                dead = [p.name for p in self._procs if not p.is_alive()]
+                dead = [(i, p) for i, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
-                    raise RuntimeError(f"Expected {self.processes} load-generator processes {what}. "
-                                       f"Received: {', '.join(dead)} exited") from None
+                    index, p = dead[0]
+                    raise WorkerError(index, f"expected {self.processes} processes {what}; {p.name} exited "
+                                             f"with status {p.exitcode}", who="load generator") from None
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"Expected {self.processes} load-generator processes {what} in time. "
-                                       f"Received: no answer") from None
+                    raise WorkerError(-1, f"expected {self.processes} processes {what} in time; no answer",
+                                      who="load generator") from None
 
     def run(self, cfg: LoadConfig, check: str | None = None) -> tuple[LoadReport, float]:
         """One load test split over the processes: the merged report, and the busiest process's CPU share."""
         if self._broken:
-            raise RuntimeError(f"load generator: no more runs after {self._broken}")
+            raise WorkerError(-1, f"no more runs after {self._broken}", who="load generator")
         cfg.validate()
         parse_target(cfg.url, cfg.model)  # a bad URL or model name: one line here, not one per process
         if check is not None and check not in self._checker_names:
@@ -164,12 +166,12 @@ class ClientProcesses:
         deadline = time.monotonic() + _BARRIER_TIMEOUT + cfg.run_limit() + 30.0
         try:
             got = [self._get(deadline, "to report") for _ in range(self.processes)]
-        except RuntimeError as exc:  # a late report would be taken for the next run's: no next run
-            self._broken = str(exc)
+        except WorkerError as exc:  # a late report would be taken for the next run's: no next run
+            self._broken = exc.summary
             raise
-        errors = [error for _, _, _, error in got if error]
-        if errors:
-            raise RuntimeError(f"load generator: {errors[0]}")
+        failed = [(index, error) for index, _, _, error in got if error]
+        if failed:
+            raise WorkerError(failed[0][0], failed[0][1], who=f"load-generator process {failed[0][0]}")
         reports = [report for _, report, _, _ in sorted(got, key=lambda g: g[0]) if report is not None]
         return LoadReport.merge(reports), max(cpu for _, _, cpu, _ in got)
 
