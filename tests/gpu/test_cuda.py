@@ -716,8 +716,38 @@ def test_online_training_with_the_model_on_the_device_equals_a_plain_cpu_loop_on
         for row, item_id in enumerate(record.ids):
             got = futures[item_id].result(0)
             assert isinstance(got, Prediction) and got.version == version
-            torch.testing.assert_close(got.output.cpu(), expected[row], atol=F64_ATOL, rtol=0)
+            assert got.output.device == torch.device("cpu")  # prediction_device's default: one copy a batch
+            torch.testing.assert_close(got.output, expected[row], atol=F64_ATOL, rtol=0)
     assert_states_close({k: v.cpu() for k, v in model.inner.state_dict().items()}, ref.state_dict())
+
+
+def test_online_predictions_stay_on_the_device_when_asked():
+    """``prediction_device=None``: the answers are the device's rows, equal to the model's output."""
+    from partrain.stream import OnlineTrainer
+    from tests.stream.test_trainer import mlp64
+
+    model = mlp64().to(DEVICE)
+    x = torch.randn(6, dtype=torch.float64)
+    expected = model(x[None].to(DEVICE))[0].detach()
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse", prediction_device=None)
+    got = trainer.predict(x)
+    trainer.close()
+    assert got.output.device == expected.device
+    torch.testing.assert_close(got.output, expected, atol=F64_ATOL, rtol=0)
+
+
+def test_the_stream_benchmark_runs_every_variant_on_the_device(tmp_path, capsys):
+    """``partrain bench stream --device cuda`` at toy size: every variant answers every item once
+    (its ``stream.lost`` check) with the model on the device."""
+    import json
+
+    from partrain.cli import main
+
+    out = tmp_path / "stream.json"
+    assert main(["bench", "stream", "--toy", "--device", DEVICE.type, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["checks"]["stream.lost"]["met"] is True
+    assert ("on the CPU" in capsys.readouterr().out) is not ON_CUDA
 
 
 # ----- RL: a learner's update on the device (src/partrain/rl/algorithms.py) -----------------------

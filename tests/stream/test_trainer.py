@@ -402,6 +402,32 @@ def test_eval_predictions_come_from_eval_mode():
     assert torch.equal(got.output, reference(x.unsqueeze(0))[0].detach())
 
 
+@pytest.mark.parametrize("pad", [False, True], ids=["one row per item", "padded"])
+def test_predictions_are_delivered_on_the_prediction_device_as_copies(pad):
+    """``prediction_device`` moves a batch's predictions off the model's device (the meta device
+    stands in for the CPU here: a CPU build has no second real one); ``None`` and the model's own
+    device leave them where the model is, its outputs before the update."""
+    model = SumOverTime() if pad else mlp64()
+    ref = copy.deepcopy(model)
+    xs = ([torch.randn(n, 3, dtype=torch.float64) for n in (2, 5, 3)] if pad
+          else [torch.randn(6, dtype=torch.float64) for _ in range(3)])
+    for device, expected in (("meta", "meta"), (None, "cpu"), ("cpu", "cpu")):
+        trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.5), "mse", pad=pad,
+                                max_batch=8, min_batch=3, max_wait=60.0, prediction_device=device)
+        # labelled (padded items have labels of one shape only: not these): the update after the
+        # answers changes the weights, not the answers
+        futures = [trainer.submit(x, None if pad else torch.zeros(2, dtype=torch.float64)) for x in xs]
+        trainer.close()
+        for x, f in zip(xs, futures):
+            got = f.result(0).output
+            assert got.device.type == expected
+            want = ref(x.unsqueeze(0))[0].detach()
+            assert got.shape == want.shape
+            if expected == "cpu":  # a batch of 3 against one row: float64 rounding apart
+                torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+        ref = copy.deepcopy(model)
+
+
 class SumOverTime(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -494,6 +520,8 @@ def test_bad_items_are_refused_in_one_line(call, message):
     ({"lr_schedule": "cosine"}, "Expected an lr schedule among"),
     ({"resume": True}, "Expected a checkpoint path to resume from"),
     ({"loss_fn": "hinge"}, "Expected a loss among"),
+    ({"prediction_device": "gpu0"}, "Expected prediction_device to be a device such as 'cpu' or 'cuda:0', or None. "
+                                    "Received: 'gpu0'"),
 ])
 def test_bad_options_are_refused_in_one_line(options, message):
     model = nn.Linear(6, 2)

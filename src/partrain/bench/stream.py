@@ -22,8 +22,14 @@ trainer's saturation throughput (measured first, median over rounds). Every
 variant runs in alternating rounds (`harness.alternate`), each on a fresh copy
 of the same initial weights.
 
+``--device cuda`` puts every variant's model on the GPU (the issue's setting: "the
+accelerator is barely used"). Items still arrive as CPU tensors and every variant
+delivers its predictions on the CPU (the per-item loop copies each one back, which
+waits for its step; the hand queue copies each batch's; the online trainer does the
+same by default, `prediction_device`). The runs are longer there (`FULL_CUDA`).
+
 Goals (issue 15): stream.vs_per_item (online / per-item items/s at saturation)
->= 10 (printed next to its limit on this CPU: the per-item step over the online
+>= 10 (printed next to its limit on this machine: the per-item step over the online
 step per item at saturation, which no dequeue-all loop can pass);
 stream.vs_hand_queue (online / hand queue items/s at saturation) >= 1.0;
 stream.p99_vs_step (online p99 latency at half of saturation, over the median
@@ -59,6 +65,7 @@ from .harness import (
     Report,
     Spread,
     alternate,
+    device_option,
     divide,
     paired_ratio,
     pick_size,
@@ -94,6 +101,10 @@ class Size:
 FULL = Size(10000, 1000, 6.0, 5)
 QUICK = Size(1500, 150, 1.5, 2)
 TOY = Size(120, 12, 0.3, 1, hidden=16)
+# On a GPU a batched step costs little more than one item's, so the online trainer takes items
+# several times faster than here: more items keep each saturation run past a second.
+FULL_CUDA = Size(60000, 2000, 6.0, 5)
+QUICK_CUDA = Size(12000, 300, 1.5, 2)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,6 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
     parser.add_argument("--hidden", type=positive_int, default=None,
                         help=f"the LSTM's hidden size (default {HIDDEN}): it sets how much a batch costs over one item")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model lives in every variant: cpu (default) or cuda; items arrive as CPU "
+                             "tensors, as from a stream, and every prediction is delivered on the CPU")
 
 
 # --------------------------------------------------------------------------- one run
@@ -132,13 +146,15 @@ class Run:
 
 @dataclass
 class Workload:
-    """Items as they arrive (one tensor each, not slices of a batch) and the initial weights."""
+    """Items as they arrive (one CPU tensor each, not slices of a batch), the initial weights, and
+    the device every variant's model lives on."""
 
     items: list[tuple[torch.Tensor, torch.Tensor]]
     model: nn.Module  # the initial weights every run copies
+    device: str = "cpu"
 
     def fresh(self) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = copy.deepcopy(self.model)
+        model = copy.deepcopy(self.model).to(self.device)
         return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
@@ -213,19 +229,20 @@ def _finish(start: float, due: list[float], done: list[float], answers: list[int
 
 
 def run_per_item(work: Workload, n: int) -> Run:
-    """For each item: forward (the prediction), loss, backward, step; nothing waits."""
+    """For each item: forward (the prediction), loss, backward, step; the prediction on the CPU."""
     model, opt = work.fresh()
+    device = work.device
     done, steps = [0.0] * n, []
     start = time.perf_counter()
     for i in range(n):
         t = time.perf_counter()
         x, y = work.items[i]
-        out = model(x.unsqueeze(0))
-        loss = ((out - y.unsqueeze(0)) ** 2).mean()
+        out = model(x.unsqueeze(0).to(device))
+        loss = ((out - y.unsqueeze(0).to(device)) ** 2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        out.detach()
+        out.detach().cpu()  # the answer a caller can read (on a GPU: waits for the step's work)
         done[i] = time.perf_counter()
         steps.append(done[i] - t)
     run = _finish(start, [0.0] * n, done, [1] * n)
@@ -236,6 +253,7 @@ def run_per_item(work: Workload, n: int) -> Run:
 def run_hand_queue(work: Workload, n: int, max_batch: int, rate: float | None = None) -> Run:
     """The loop a user writes by hand: (x, y, future) into a queue.Queue; a thread takes everything queued."""
     model, opt = work.fresh()
+    device = work.device
     q: queue.Queue[tuple[torch.Tensor, torch.Tensor, concurrent.futures.Future] | None] = \
         queue.Queue(maxsize=4 * max_batch)
     track = _Answers(n)
@@ -258,12 +276,12 @@ def run_hand_queue(work: Workload, n: int, max_batch: int, rate: float | None = 
                     break
                 batch.append(nxt)
             t = time.perf_counter()
-            out = model(torch.stack([x for x, _, _ in batch]))
-            loss = ((out - torch.stack([y for _, y, _ in batch])) ** 2).mean()
+            out = model(torch.stack([x for x, _, _ in batch]).to(device))
+            loss = ((out - torch.stack([y for _, y, _ in batch]).to(device)) ** 2).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
-            predictions = out.detach()
+            predictions = out.detach().cpu()  # one copy off the device (none on the CPU)
             steps.append(time.perf_counter() - t)
             batches.append(len(batch))
             for row, (_, _, future) in enumerate(batch):
@@ -329,14 +347,16 @@ def _drive(submit: Callable[[int, _Answers], None], close: Callable[[], object],
 
 
 def run(args: argparse.Namespace) -> Report:
-    size, smoke = pick_size(args, FULL, QUICK, TOY)
+    device = device_option(args)
+    size, smoke = pick_size(args, FULL_CUDA if device == "cuda" else FULL,
+                            QUICK_CUDA if device == "cuda" else QUICK, TOY)
     if getattr(args, "hidden", None):
         size = dataclasses.replace(size, hidden=args.hidden)
     rounds = args.rounds or size.rounds
     report = Report("stream", smoke=smoke)
     torch.manual_seed(0)
     work = Workload([(torch.randn(SEQ, FEATURES), torch.randn(1)) for _ in range(size.saturation_items)],
-                    LstmRegressor(FEATURES, size.hidden))
+                    LstmRegressor(FEATURES, size.hidden), device)
     switch = sys.getswitchinterval()
     sys.setswitchinterval(SWITCH_INTERVAL)
     try:
@@ -350,7 +370,8 @@ def run(args: argparse.Namespace) -> Report:
 def _measure(report: Report, work: Workload, size: Size, rounds: int, args: argparse.Namespace) -> None:
     tuned = tune_allocator()  # what `partrain stream` does in its process: every variant runs in this one
     report.say(f"GIL switch interval {SWITCH_INTERVAL * 1000:g} ms, as partrain stream sets it (every variant)")
-    report.say(f"model: LSTM({FEATURES} -> {size.hidden}) over {SEQ} steps + linear head, SGD, MSE; "
+    on = f"on {torch.cuda.get_device_name(0)}" if work.device == "cuda" else "on the CPU"
+    report.say(f"model: LSTM({FEATURES} -> {size.hidden}) over {SEQ} steps + linear head, SGD, MSE, {on}; "
                f"{args.threads} torch thread(s); max batch {args.max_batch}; {rounds} alternating round(s); "
                f"glibc heap {'tuned as in partrain stream' if tuned else 'untuned'} (every variant)")
     with torch_threads(args.threads):

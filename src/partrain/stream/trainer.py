@@ -196,6 +196,9 @@ class OnlineTrainer:
     - ``pad``, ``pad_value``: batch items of different trailing sizes by padding
       (else each batch holds one shape);
     - ``input_shape``: refuse items of another shape at `submit` (one line);
+    - ``prediction_device``: where the predictions are delivered (default ``"cpu"``: with the
+      model on an accelerator, one copy per batch, so a caller reads its answer without a device
+      synchronisation of its own; ``None`` keeps them on the model's device);
     - ``metrics_csv``, ``metrics_interval``: a row of figures every interval
       (`partrain.stream.metrics`); ``on_step(StepRecord)``: a hook per step.
 
@@ -215,6 +218,7 @@ class OnlineTrainer:
                  dedup_window: int = 100_000, eval_predictions: bool = False,
                  pad: bool = False, pad_value: float = 0.0,
                  input_shape: Sequence[int] | None = None,
+                 prediction_device: str | torch.device | None = "cpu",
                  metrics_csv: str | None = None, metrics_interval: float = 1.0,
                  on_step: Callable[[StepRecord], None] | None = None, name: str = "stream"):
         for label, value, least in (("max_batch", max_batch, 1), ("max_queue", max_queue, 1),
@@ -249,6 +253,7 @@ class OnlineTrainer:
         self.on_step = on_step
         self.name = name
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.prediction_device = _parse_device(prediction_device, "prediction_device")
         self._stats = StreamStats()
         self.metrics = StreamMetrics(metrics_csv, metrics_interval, max_batch)
         self.version = 0  # optimizer updates applied
@@ -544,10 +549,11 @@ class OnlineTrainer:
             # item by item costs two tensor calls, and two GIL hand-offs, per item)
             if shown.dim() == 0 or shown.shape[0] != n:
                 split_outputs(shown, batch, stacked, own, padded)  # raises its one-line error
-            # a copy (one call): a caller may change its answer in place while the update still runs
-            predictions = [Prediction(row, version) for row in shown.detach().clone().unbind(0)]
+            # a copy (one call, or one transfer off the device): a caller may change its answer in
+            # place while the update still runs
+            predictions = [Prediction(row, version) for row in self._delivered(shown.detach(), True).unbind(0)]
         else:
-            answers = split_outputs(_detached(shown), batch, tuple(t[:n] for t in stacked), own[:len(batch)],
+            answers = split_outputs(self._delivered(_detached(shown), False), batch, tuple(t[:n] for t in stacked), own[:len(batch)],
                                     padded)
             predictions = [Prediction(_drop_batch_dim(a), version) for a in answers]
         answering = self._answer(batch, predictions)
@@ -588,6 +594,17 @@ class OnlineTrainer:
         record = StepRecord(version, tuple(p.item_id for p in batch), len(batch), len(labelled),
                             n_replayed, loss_value, lr, update, seconds)
         return predictions, record
+
+    def _delivered(self, output: Outputs, copy: bool) -> Outputs:
+        """``output`` on `prediction_device` (one transfer per tensor for the whole batch); a copy
+        when ``copy`` even where it is there already."""
+        target = self.prediction_device
+        if isinstance(output, Tensor):
+            moved = output.to(target) if target is not None and output.device != target else output
+            return output.clone() if copy and moved is output else moved
+        if isinstance(output, (tuple, list)):
+            return tuple(self._delivered(o, copy) for o in output)
+        return output  # not a tensor: split_outputs says so in one line
 
     def _after_step(self, record: StepRecord) -> None:
         """Checkpoint, metrics row, hook: the items are trained on, so a failure here is not theirs."""
@@ -800,6 +817,17 @@ def _rows_at(output: Outputs, index: Tensor) -> Outputs:
     if isinstance(output, Tensor):
         return output.index_select(0, index)
     return tuple(o.index_select(0, index) for o in output)
+
+
+def _parse_device(value: str | torch.device | None, label: str) -> torch.device | None:
+    """``None``, or the `torch.device` ``value`` names (one line for a name torch refuses)."""
+    if value is None:
+        return None
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"Expected {label} to be a device such as 'cpu' or 'cuda:0', or None. "
+                         f"Received: {value!r}") from exc
 
 
 def _detached(output: Outputs) -> Outputs:
