@@ -249,6 +249,26 @@ def test_loader_threads_pin_host_memory_for_the_device():
     assert torch.equal(batch[1], torch.tensor([0, 5, 7]))
 
 
+def test_inline_gathers_are_staged_in_pinned_buffers_taken_in_turns():
+    """The inline loader's gather for in-memory tensors (`PinnedGather`): pinned buffers, two sets
+    in turn, a set grown for a bigger batch, and every batch's rows right although the copies queue
+    behind device work while the next gathers go on."""
+    if not ON_CUDA:
+        pytest.skip("pinned memory needs CUDA")
+    from partrain.data.pipeline import PinnedGather
+
+    gather = PinnedGather((X_ALL, Y_ALL), DEVICE)
+    keep_device_busy()
+    sizes = [4, 4, 3, 4, 9, 2, 9, 9]  # smaller, then bigger than the first sets
+    indices = [torch.randperm(N)[:k] for k in sizes]
+    got = [gather(index) for index in indices]
+    for (x, y), index in zip(got, indices):
+        assert x.device.type == "cuda" and torch.equal(x.cpu(), X_ALL[index]) and torch.equal(y.cpu(), Y_ALL[index])
+    staged = [slot[0] for slot in gather.slots]
+    assert all(b.is_pinned() for buffers in staged for b in buffers)
+    assert [buffers[0].shape[0] for buffers in staged] == [9, 9]
+
+
 # ----- Population on the device (src/partrain/population/) --------------------------------------
 
 @pytest.mark.parametrize("engine", ["vmap", "loop", "auto"])

@@ -226,14 +226,56 @@ class InlineBatches:
     def __iter__(self) -> Iterator[Any]:
         non_blocking = self.device.type == "cuda"
         if self.tensors is not None:
-            for index in itertools.islice(self.sampler.iter_tensors(), self.skip, None):
-                yield tuple(t.index_select(0, index).to(self.device, non_blocking=non_blocking)
-                            for t in self.tensors)
+            indices = itertools.islice(self.sampler.iter_tensors(), self.skip, None)
+            if non_blocking and all(t.device.type == "cpu" for t in self.tensors):
+                gather = PinnedGather(self.tensors, self.device)
+                for index in indices:
+                    yield gather(index)
+                return
+            for index in indices:
+                yield tuple(t.index_select(0, index).to(self.device) for t in self.tensors)
             return
         loader = DataLoader(self.ds, batch_sampler=Skipping(self.sampler, self.skip), pin_memory=non_blocking,
                             collate_fn=lambda samples: collate_samples(samples, self.collate, self.ds))
         for batch in loader:
             yield _to_device(batch, self.device)
+
+
+class PinnedGather:
+    """Gathers rows of in-memory tensors into pinned host buffers and copies them to a GPU without blocking.
+
+    A gather into pageable memory makes the copy to the GPU synchronous (the driver stages it),
+    so the next batch's copy could not overlap the step on this one. ``depth`` sets of buffers
+    take turns; a set is written again only once the copy that last read it has run (a CUDA
+    event recorded after it), so a copy still queued behind the device's work never reads a
+    later batch's rows. A set grows when a batch has more rows than it holds.
+    """
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], device: torch.device, depth: int = 2) -> None:
+        self.tensors, self.device = tuple(t.detach() for t in tensors), device
+        self.slots: list[tuple[list[torch.Tensor], Any] | None] = [None] * depth
+        self.turn = 0
+
+    def __call__(self, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        slot, rows = self.turn % len(self.slots), len(index)
+        self.turn += 1
+        held = self.slots[slot]
+        buffers = None
+        if held is not None:
+            held[1].synchronize()  # the copy that read this set last has finished
+            if held[0][0].shape[0] >= rows:
+                buffers = held[0]
+        if buffers is None:
+            buffers = [torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True) for t in self.tensors]
+        out = []
+        for t, buffer in zip(self.tensors, buffers):
+            staged = buffer[:rows]
+            torch.index_select(t, 0, index, out=staged)
+            out.append(staged.to(self.device, non_blocking=True))
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self.slots[slot] = (buffers, event)
+        return tuple(out)
 
 
 class Skipping:
