@@ -756,6 +756,34 @@ def test_online_predictions_stay_on_the_device_when_asked():
     torch.testing.assert_close(got.output, expected, atol=F64_ATOL, rtol=0)
 
 
+def test_partrain_stream_on_the_device_trains_as_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """``partrain stream --device cuda``: the same JSON-lines items in the same batches of 16 give the
+    CPU run's weights (float32, a 3-to-1 linear model: rounding apart), the summary names the device,
+    and the checkpoint resumes on it."""
+    from partrain.cli import main
+    from partrain.train.checkpoint import load_checkpoint
+    from tests.stream.test_cli import FACTORY, write_items
+
+    (tmp_path / "stream_cli_model.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    write_items(tmp_path / "a.jsonl", list(range(160)))
+    weights = {}
+    for device in ("cpu", DEVICE.type):
+        out = f"run-{device}"
+        assert main(["stream", "stream_cli_model:build", "--input", "a.jsonl", "--out", out, "--quiet",
+                     "--device", device, "--input-shape", "3", "--max-batch", "16", "--min-batch", "16",
+                     "--max-wait-ms", "60000"]) == 0
+        assert f"model version 10 on {device}" in capsys.readouterr().err
+        weights[device] = load_checkpoint(f"{out}/checkpoint.pt")["model"]
+    for name, value in weights["cpu"].items():
+        torch.testing.assert_close(weights[DEVICE.type][name], value, atol=1e-5, rtol=1e-5)
+    write_items(tmp_path / "b.jsonl", list(range(160, 176)))
+    assert main(["stream", "stream_cli_model:build", "--input", "b.jsonl", "--out", f"run-{DEVICE.type}", "--quiet",
+                 "--device", DEVICE.type, "--resume", "--max-batch", "16", "--min-batch", "16",
+                 "--max-wait-ms", "60000"]) == 0
+    assert f"model version 11 on {DEVICE.type}" in capsys.readouterr().err
+
+
 def test_the_stream_benchmark_runs_every_variant_on_the_device(tmp_path, capsys):
     """``partrain bench stream --device cuda`` at toy size: every variant answers every item once
     (its ``stream.lost`` check) with the model on the device."""

@@ -66,10 +66,10 @@ def test_trains_on_json_lines_writes_curves_and_a_checkpoint_and_resumes(workdir
     assert state["model_spec"]["name"] == "stream_cli_model:build" and state["stream"]["version"] == 13
 
     write_items(workdir / "b.jsonl", [*range(190, 200), *range(200, 232)])  # 10 seen before
-    assert main(["stream", "stream_cli_model:build", "--input", "b.jsonl", "--out", "run", "--quiet",
+    assert main(["stream", "stream_cli_model:build", "--input", "b.jsonl", "--out", "run", "--quiet", "--device", "cpu",
                  "--resume", "--max-batch", "16", "--min-batch", "16", "--max-wait-ms", "60000"]) == 0
     err = capsys.readouterr().err
-    assert "32 items accepted" in err and "10 duplicates" in err and "model version 15" in err, err
+    assert "32 items accepted" in err and "10 duplicates" in err and "model version 15 on cpu" in err, err
 
 
 BAD = [
@@ -81,6 +81,10 @@ BAD = [
     (["--input", "a.jsonl", "--lr-schedule", "cosine"], "Expected an lr schedule among"),
     (["--input", "a.jsonl", "--min-batch", "8"], "Expected max_wait > 0 seconds with min_batch > 1"),
     (["--input", "a.jsonl", "--input-shape", "3,-1"], "Expected --input-shape without dynamic (-1) dims"),
+    (["--input", "a.jsonl", "--device", "gpu"], "Expected a device such as cpu, cuda, cuda:1 or auto. Received: 'gpu'"),
+    *([] if torch.cuda.is_available() else [
+        (["--input", "a.jsonl", "--device", "cuda"], "Expected a CUDA device for --device cuda. Received: none visible"),
+    ]),
 ]
 
 

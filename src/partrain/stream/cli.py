@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..cli import HelpFormatter
+from ..env import check_device, pick_device
 from ..errors import UsageError
 from ..files import check_output_file
 from .options import LOSSES, OVERFLOW, SCHEDULES
@@ -72,6 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--replay-capacity", type=int, default=10000, help="labelled items the replay buffer keeps")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    tr.add_argument("--device", default="auto",
+                    help="where the model trains: cpu, cuda, cuda:N or auto (CUDA when present); items arrive "
+                         "on the CPU, each batch is copied there, predictions come back in one copy a batch")
 
     b = p.add_argument_group("batching and load")
     b.add_argument("--max-batch", type=int, default=256, help="most items per step")
@@ -119,6 +123,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"Expected --metrics-interval > 0 seconds. Received: {args.metrics_interval}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise UsageError(f"Expected --metrics-port in 0..65535. Received: {args.metrics_port}")
+    check_device(args.device)  # a name torch refuses, or cuda where there is none: one line
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"Expected --out to be a directory. Received: {args.out!r}, a file")
 
@@ -161,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL)
     torch.manual_seed(args.seed)
     model, inner, spec = load_model(args.model)
+    device = pick_device(0, args.device)
+    model.to(device)  # before the optimizer: its state follows the parameters
     optimizer = make_optimizer(args.optimizer, model.parameters(), lr=args.lr, momentum=args.momentum,
                                weight_decay=args.weight_decay)
     codec = Codec(shape, DTYPES[args.input_dtype])
@@ -226,7 +233,7 @@ def _summary(stats: Any, trainer: Any, ckpt: str, unsent: int) -> str:
     line = (f"partrain stream: {stats.accepted} items accepted: {stats.predicted} answered ({stats.trained} "
             f"trained on in {stats.updates} updates), {stats.dropped} dropped, {stats.failed} failed, "
             f"{stats.abandoned} abandoned; {stats.malformed} malformed, {stats.duplicates} duplicates, "
-            f"{stats.rejected} rejected; model version {trainer.version}, checkpoint {ckpt}")
+            f"{stats.rejected} rejected; model version {trainer.version} on {trainer.device}, checkpoint {ckpt}")
     if unsent:
         line += f"; {unsent} replies not sent (broker unreachable)"
     return line
