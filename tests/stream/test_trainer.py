@@ -522,6 +522,9 @@ def test_bad_items_are_refused_in_one_line(call, message):
     ({"loss_fn": "hinge"}, "Expected a loss among"),
     ({"prediction_device": "gpu0"}, "Expected prediction_device to be a device such as 'cpu' or 'cuda:0', or None. "
                                     "Received: 'gpu0'"),
+    *([] if torch.cuda.is_available() else [
+        ({"prediction_device": "cuda"}, "Expected a CUDA device for prediction_device='cuda'. Received: none visible"),
+    ]),
 ])
 def test_bad_options_are_refused_in_one_line(options, message):
     model = nn.Linear(6, 2)

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..env import check_cuda
 from ..errors import UsageError, error_line
 from ..serve.batcher import (
     Batcher,
@@ -553,8 +554,8 @@ class OnlineTrainer:
             # place while the update still runs
             predictions = [Prediction(row, version) for row in self._delivered(shown.detach(), True).unbind(0)]
         else:
-            answers = split_outputs(self._delivered(_detached(shown), False), batch, tuple(t[:n] for t in stacked), own[:len(batch)],
-                                    padded)
+            answers = split_outputs(self._delivered(_detached(shown), False), batch, tuple(t[:n] for t in stacked),
+                                    own[:len(batch)], padded)
             predictions = [Prediction(_drop_batch_dim(a), version) for a in answers]
         answering = self._answer(batch, predictions)
 
@@ -824,10 +825,13 @@ def _parse_device(value: str | torch.device | None, label: str) -> torch.device 
     if value is None:
         return None
     try:
-        return torch.device(value)
+        device = torch.device(value)
     except (RuntimeError, TypeError) as exc:
         raise UsageError(f"Expected {label} to be a device such as 'cpu' or 'cuda:0', or None. "
                          f"Received: {value!r}") from exc
+    if device.type == "cuda":
+        check_cuda(f"{label}={value!r}")  # else every step would fail at its answers
+    return device
 
 
 def _detached(output: Outputs) -> Outputs:
