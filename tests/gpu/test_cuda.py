@@ -840,3 +840,42 @@ def test_an_rl_update_on_the_device_equals_the_cpu_one(name):
         assert p.device.type == DEVICE.type
         torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=F64_ATOL, rtol=0,
                                    msg=lambda m, name_=name_: f"{name_}: {m}")
+
+
+def test_a_learner_on_the_device_trains_acts_and_serves_weights_as_one_on_the_cpu():
+    """`Learner` with its model on the device: the same segments give the CPU learner's weights
+    (float32, rounding apart), central inference answers on the CPU with the CPU learner's logits,
+    values and actions (one seeded sampler each), and the published weights decode to CPU tensors
+    equal to the device model's."""
+    pytest.importorskip("partrain.rl")
+    from partrain.rl import ActorCritic, Learner, VTrace
+    from partrain.rl.wire import Segment, decode_weights
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        cpu_model = ActorCritic(4, 2, hidden=16)
+    learners = [Learner(model, VTrace(), obs_shape=(4,), num_actions=2, unroll=6, seed=3)
+                for model in (cpu_model, copy.deepcopy(cpu_model).to(DEVICE))]
+    assert learners[0].device.type == "cpu" and learners[1].device.type == DEVICE.type
+    for update in range(3):
+        segments = [Segment({k: v.float() if v.is_floating_point() else v
+                             for k, v in _rl_batch(10 * update + i, envs=2).items()}, 0, [], f"actor-{i}")
+                    for i in range(2)]
+        for learner in learners:
+            learner._update(segments)  # what train() does with each batch it takes from the queue
+    assert [learner.version for learner in learners] == [3, 3]
+    for (name, p), q in zip(learners[1].model.named_parameters(), cpu_model.parameters()):
+        assert p.device.type == DEVICE.type
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+    obs = torch.randn(5, 4)
+    want, got = learners[0].act(obs), learners[1].act(obs)
+    for w, g in zip(want, got):
+        assert g.device.type == "cpu"
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+    blob_version, blob = learners[1].weights()
+    state, version = decode_weights(blob)
+    assert version == blob_version == 3
+    for name, t in learners[1].acting.state_dict().items():
+        assert state[name].device.type == "cpu" and torch.equal(state[name], t.cpu()), name

@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from ..cli import HelpFormatter
+from ..env import check_device
 from ..errors import UsageError
 
 DEFAULT_OUT = "rl-run"
@@ -95,6 +96,9 @@ def _learner_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lag", type=int, default=10,
                    help="versions a segment's weights may lag before the actor is told to pull (409)")
     p.add_argument("--hidden", type=int, default=64, help="hidden units of the policy and value MLPs")
+    p.add_argument("--device", default="cpu",
+                   help="where the learner trains and runs central inference: cpu (default), cuda, cuda:N or auto; "
+                        "actors act on their own CPUs")
     p.add_argument("--seed", type=int, default=0, help="seed of the model and of central sampling")
     p.add_argument("--checkpoint-every", type=int, default=100, help="versions between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
@@ -117,6 +121,7 @@ def _config(args: argparse.Namespace) -> Any:
 
     _positive(args, "max_frames", "lr", "epochs", "min_epochs", "unroll", "batch_segments", "max_queue", "max_lag", "hidden",
               "checkpoint_every", "report_every", "timeout")
+    check_device(args.device)  # a name torch refuses, or cuda where there is none: one line
     checkpoint = os.path.join(args.out, "checkpoint.pt")
     if args.resume and not os.path.exists(checkpoint):
         raise UsageError(f"Expected a checkpoint to resume from. Received: {checkpoint!r} (no such file)")
@@ -129,7 +134,7 @@ def _config(args: argparse.Namespace) -> Any:
                          epochs=args.epochs, min_epochs=args.min_epochs,
                          batch_segments=args.batch_segments, max_queue=args.max_queue, max_lag=args.max_lag,
                          seed=args.seed, checkpoint=checkpoint, checkpoint_every=args.checkpoint_every,
-                         resume=args.resume)
+                         resume=args.resume, device=args.device)
 
 
 def _train(args: argparse.Namespace, learner: Any, server: Any, prog: str, idle_timeout: float | None) -> int:
@@ -180,7 +185,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"Expected --port in 0..65535. Received: {args.port}")
     learner = build_learner(_config(args))
     with serving(learner, host=args.host, port=args.port, token=args.token) as server:
-        print(f"partrain rl serve: learner for {args.env} at {server.url} (version {learner.version})",
+        print(f"partrain rl serve: learner for {args.env} on {learner.device} at {server.url} (version "
+              f"{learner.version})",
               flush=True)
         return _train(args, learner, server, "partrain rl serve", args.idle_timeout)
 
@@ -194,7 +200,7 @@ def run_train(args: argparse.Namespace) -> int:
     code = 1
     try:
         with serving(learner, token=args.token) as server:
-            print(f"partrain rl train: learner for {args.env} at {server.url}; starting {args.actors} "
+            print(f"partrain rl train: learner for {args.env} on {learner.device} at {server.url}; starting {args.actors} "
                   f"{args.mode}-inference actors", flush=True)
             for i in range(args.actors):
                 procs.append(start_actor(server.url, args.env, num_envs=args.num_envs, mode=args.mode,

@@ -111,6 +111,9 @@ class Learner:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"Expected {name} >= 1. Received: {name}={value!r}")
         self.model = model
+        #: where the model trains and central inference runs: its parameters' device (move the model
+        #: before building the learner); segments arrive on the CPU and go there for each update
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.algorithm: Algorithm = algorithm if algorithm is not None else VTrace()
         self.optimizer = optimizer if optimizer is not None else default_optimizer(model, lr)
         self.obs_shape = tuple(int(d) for d in obs_shape)
@@ -181,10 +184,13 @@ class Learner:
         return cached
 
     def act(self, obs: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Central inference on a batch: ``(actions, logp, logits, value, version)`` row by row."""
+        """Central inference on a batch: ``(actions, logp, logits, value, version)`` row by row, on the
+        CPU (the acting copy runs where the model is; actions are drawn on the CPU)."""
         with self._lock:
-            logits, value = self.acting(obs)
+            logits, value = self.acting(obs.to(self.device))
             version = self.version
+        if self.device.type != "cpu":
+            logits, value = logits.cpu(), value.cpu()
         actions, logp = sample_actions(logits, self._generator)
         return actions, logp, logits, value, torch.full_like(actions, version)
 
@@ -349,6 +355,8 @@ class Learner:
         for s in segments:
             self.stats.lags.append(self.version - s.version)
         batch = stack_segments(segments)
+        if self.device.type != "cpu":
+            batch = {name: t.to(self.device) for name, t in batch.items()}
         self.model.train()
         if getattr(self.algorithm, "min_epochs", None) is not None:  # passes while the next batch is collected
             self.stats.last_update = self.algorithm.update(  # type: ignore[call-arg]

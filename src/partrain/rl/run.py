@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..env import pick_device
 from ..errors import UsageError
 from .algorithms import PPO, ActorCritic, VTrace
 from .app import LearnerServer
@@ -53,6 +54,7 @@ class LearnerConfig:
     resume: bool = False
     max_batch_size: int = 256
     threads: int = 1
+    device: str = "cpu"  # where the learner's model trains: cpu, cuda, cuda:N or auto (actors act on CPUs)
 
 
 ALGORITHMS = ("vtrace", "ppo")
@@ -86,7 +88,7 @@ def build_learner(cfg: LearnerConfig) -> Learner:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     obs_dim, num_actions = env_spec(cfg.env)
-    model = ActorCritic(obs_dim, num_actions, cfg.hidden)
+    model = ActorCritic(obs_dim, num_actions, cfg.hidden).to(pick_device(0, cfg.device))
     return Learner(model, make_algorithm(cfg.algorithm, cfg.gamma, cfg.entropy_coef, cfg.epochs, cfg.min_epochs), obs_shape=(obs_dim,),
                    num_actions=num_actions, unroll=cfg.unroll, batch_segments=cfg.batch_segments,
                    max_queue=cfg.max_queue, max_lag=cfg.max_lag, lr=cfg.lr, env=cfg.env,
