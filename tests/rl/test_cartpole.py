@@ -26,7 +26,12 @@ from tests.waiting import wait_until
 
 pytest.importorskip("gymnasium")
 
-MAX_FRAMES = 200_000  # runs solve in ~70-135k frames; the bound leaves room for slow ones
+#: runs solve in 71-127k frames on an idle machine (seeds 0-9) but need more with the cores
+#: oversubscribed, as the suite's other tests do it: 103-224k for seeds 0-5 beside 3 busy processes
+#: (why load costs frames is not known; the policy lag stayed 1 at p50). A CI run had seed 0 at a
+#: mean return of 251 and seed 1 at 416 when a 200k bound cut them off. The bound is the benchmark's,
+#: 300k: room for a slow run, never a time bound.
+MAX_FRAMES = 300_000
 #: actor-critic runs across processes are not repeatable, and now and then one collapses after
 #: nearing 475 and stays below it for hundreds of thousands of frames (one CI run: 452 at 72k
 #: frames, 129 at 300k; 6 of 6 runs by hand solved in 71-135k): such a run is followed by a
