@@ -1,64 +1,66 @@
 """docs/rl.md's outside actor, ``examples/rl_outside_actor.py``, runs as written against a learner.
 
-The learner is ``partrain rl serve``; two copies of the example (one acting with local
-weights, one through central inference) are started as plain ``python
-examples/rl_outside_actor.py URL MODE`` processes. Once both have fed the learner (its
-stats: frames, and central inference's calls), the learner is stopped with SIGTERM: both
-must be told that training ended (410) and exit 0 with their summary line.
+Its ``main(url, mode)`` runs twice, on threads of this process (one copy acting with
+local weights, one through central inference), against a learner served on
+127.0.0.1 (`partrain.rl.run.serving`, as ``partrain rl serve`` does). Once both have
+fed the learner (frames, and central inference's calls), training stops: both must be
+told that training ended (410) and return with their summary line. Real outside
+processes are the CartPole test's (`test_cartpole.py`); here the example's own code is
+what is checked, without three more process starts.
 """
 
 from __future__ import annotations
 
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
+import threading
 
-import httpx
 import pytest
+import torch
 
 from tests.waiting import wait_until
 
 pytest.importorskip("gymnasium")
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.mark.timeout(300)
-def test_the_documented_outside_actor_runs_in_both_modes(tmp_path):
-    learner = subprocess.Popen(
-        [sys.executable, "-m", "partrain", "rl", "serve", "--port", "0", "--out", str(tmp_path / "run"),
-         "--report-every", "5"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    actors: list[subprocess.Popen] = []
+def test_the_documented_outside_actor_runs_in_both_modes(capsys):
+    from examples.rl_outside_actor import main as outside_actor
+
+    from partrain.rl.run import LearnerConfig, build_learner, serving
+
+    threads_before = torch.get_num_threads()
+    with torch.random.fork_rng(devices=[]):  # it seeds torch: leave this process's stream as it was
+        learner = build_learner(LearnerConfig())  # CartPole-v1 on the CPU, one torch thread
+    errors: dict[str, BaseException] = {}
+
+    def act(url: str, mode: str) -> None:
+        try:
+            outside_actor(url, mode)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            errors[mode] = exc
+
     try:
-        assert learner.stdout is not None
-        first = learner.stdout.readline()
-        match = re.search(r"at (http://\S+)", first)
-        assert match, first
-        url = match.group(1)
-        actors = [subprocess.Popen([sys.executable, str(ROOT / "examples" / "rl_outside_actor.py"), url, mode],
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                  for mode in ("local", "central")]
-
-        def both_fed() -> bool:
-            row = httpx.get(f"{url}/rl/v1/stats", timeout=30).json()
-            central_steps = sum(row["batch_sizes"].values())  # one inference call per central step
-            return row["frames"] >= 4096 and central_steps >= 64 and row["version"] >= 2
-
-        wait_until(both_fed, "segments from both actors", timeout=180, interval=0.2)
-        learner.send_signal(signal.SIGTERM)
-        out, _ = learner.communicate(timeout=120)
-        assert learner.returncode == 143, out
-        for mode, actor in zip(("local", "central"), actors):
-            actor_out, _ = actor.communicate(timeout=60)
-            assert actor.returncode == 0, (mode, actor_out)
-            done = re.search(r"done: (\d+) frames sent, (\d+) weight versions pulled", actor_out)
-            assert done and int(done.group(1)) > 0, (mode, actor_out)
-            if mode == "local":
-                assert int(done.group(2)) >= 1, actor_out  # it pulled the learner's new weights
+        with serving(learner) as server:
+            actors = [threading.Thread(target=act, args=(server.url, mode), name=f"example-{mode}")
+                      for mode in ("local", "central")]
+            for t in actors:
+                t.start()
+            training = threading.Thread(target=learner.train, kwargs={"timeout": 240}, name="learner")
+            training.start()
+            calls = server.app.state.batchers["policy"].stats.batch_sizes  # central inference: a call per step
+            wait_until(lambda: learner.stats.frames >= 4096 and sum(dict(calls).values()) >= 64 or bool(errors),
+                       "segments from both actors", timeout=180, interval=0.1)
+            learner.stop()
+            training.join(60)
+            assert not training.is_alive()
+        for t in actors:  # serving() answered 410 to both before it stopped the server
+            t.join(60)
+            assert not t.is_alive(), t.name
     finally:
-        for p in [learner, *actors]:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
+        learner.stop()
+        torch.set_num_threads(threads_before)
+    assert not errors, errors
+    out = capsys.readouterr().out
+    done = re.findall(r"done: (\d+) frames sent, (\d+) weight versions pulled", out)
+    assert len(done) == 2 and all(int(frames) > 0 for frames, _ in done), out
+    assert max(int(pulled) for _, pulled in done) >= 1, out  # the local copy pulled new weights
