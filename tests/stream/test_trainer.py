@@ -179,6 +179,31 @@ def test_lr_schedule_counts_items_and_replay_mixes_history(tmp_path):
     assert replayed == [0, 3, 3]
 
 
+def test_replay_draws_at_most_the_history_it_holds_and_trains_like_a_hand_written_loop():
+    """Replay 16 from a history of 2, then 4: a draw takes 2, then 4 items (with replacement, from the
+    trainer's seeded generator), never 16 copies of the few items seen so far; each update equals a
+    hand-written step on the batch plus the drawn items, weights included (float64)."""
+    stream = items(6, unlabelled_every=0)
+    model, ref = mlp64(), mlp64()
+    replayed = []
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse", max_batch=2, min_batch=2,
+                            max_wait=60.0, replay=16, seed=5, on_step=lambda record: replayed.append(record.replayed))
+    trainer.consume(stream)
+    trainer.close()
+    assert replayed == [0, 2, 4]
+
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g, history = torch.Generator().manual_seed(5), []
+    for start in range(0, 6, 2):
+        batch = stream[start:start + 2]
+        drawn = [history[i] for i in torch.randint(len(history), (min(16, len(history)),), generator=g).tolist()] \
+            if history else []
+        reference_step(ref, opt, batch + drawn)
+        history += batch
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-12, atol=1e-12)
+
+
 class Gated(nn.Module):
     """A linear model whose forward waits for ``gate``: the test decides when a step may finish."""
 

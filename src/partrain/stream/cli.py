@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--momentum", type=float, default=0.0, help="for sgd")
     tr.add_argument("--weight-decay", type=float, default=0.0)
     tr.add_argument("--lr-schedule", default="constant", help=f"by items trained on: {', '.join(SCHEDULES)}")
-    tr.add_argument("--replay", type=int, default=0, help="items of recent history mixed into each update")
+    tr.add_argument("--replay", type=int, default=0, help="items of recent history mixed into each update (at most as many as it holds yet)")
     tr.add_argument("--replay-capacity", type=int, default=10000, help="labelled items the replay buffer keeps")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--threads", type=int, default=None, help="torch intra-op threads")

@@ -176,18 +176,18 @@ class MqttSource:
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         if reason.is_failure:
             self._first_error = self._first_error or str(reason)
-            log.warning("stream: MQTT broker refused the connection: %s", reason)
+            log.warning("MQTT broker refused the connection: %s", reason)
             return
         self.connects += 1
         client.subscribe([(topic, self.config.qos) for topic in self.config.topics])
         if self.connects > 1:
-            log.info("stream: reconnected to %s:%d", self.config.host, self.config.port)
+            log.info("reconnected to %s:%d", self.config.host, self.config.port)
         self.connected.set()
 
     def _on_disconnect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         self.connected.clear()
         if self._accepting:
-            log.warning("stream: disconnected from the MQTT broker (%s); reconnecting", reason)
+            log.warning("disconnected from the MQTT broker (%s); reconnecting", reason)
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         if not self._accepting:
@@ -212,19 +212,19 @@ class MqttSource:
         try:
             return self.trainer.submit(item.x, item.y, weight=item.weight, id=item.item_id)
         except DuplicateItem:
-            log.debug("stream: duplicate id %r on %s skipped", item.item_id, message.topic)
+            log.debug("duplicate id %r on %s skipped", item.item_id, message.topic)
             self.client.ack(message.mid, message.qos)
         except UsageError as exc:  # the item does not fit the model's inputs or the first label
             self._malformed(message, str(exc))
         except TrainerClosed:
             pass  # not acknowledged: the broker keeps it for the next session
         except Exception as exc:  # noqa: BLE001 - QueueFull: not acknowledged, redelivered later
-            log.warning("stream: message on %s not taken: %s", message.topic, error_line(exc))
+            log.warning("message on %s not taken: %s", message.topic, error_line(exc))
         return None
 
     def _malformed(self, message: Any, why: str) -> None:
         self.trainer.count_malformed()
-        log.warning("stream: malformed message on %s skipped: %s", message.topic, why)
+        log.warning("malformed message on %s skipped: %s", message.topic, why)
         self.client.ack(message.mid, message.qos)
 
     def _reply_topic(self, message: Any) -> str | None:
@@ -256,7 +256,7 @@ class MqttSource:
             with self._lock:
                 self._replies_pending -= 1
                 self.replies_failed += 1
-            log.warning("stream: reply to %s not sent: %s", topic, error_line(exc))
+            log.warning("reply to %s not sent: %s", topic, error_line(exc))
             return
         with self._lock:
             self._replies_pending -= 1

@@ -5,7 +5,9 @@ what it saw an hour ago. Mixing a few items of recent history into each step
 keeps it anchored. The buffer holds the last ``capacity`` labelled items (a
 ring: the oldest goes first) and draws uniformly, with replacement, from a
 seeded `torch.Generator`, whose state the checkpoint keeps with the items: a
-resumed trainer draws exactly what the uninterrupted one would have.
+resumed trainer draws exactly what the uninterrupted one would have. A draw
+takes at most as many items as the buffer holds: early in a stream, asking for
+16 from a buffer of 2 must not weigh those 2 items eight times each.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ class ReplayBuffer:
         self._next = (self._next + 1) % self.capacity
 
     def sample(self, k: int) -> list[Remembered]:
-        """``k`` items drawn uniformly with replacement (none while the buffer is empty)."""
-        if k < 1 or not self.items:
+        """``min(k, len(self))`` items drawn uniformly with replacement (none while the buffer is empty)."""
+        k = min(k, len(self.items))
+        if k < 1:
             return []
         picks = torch.randint(len(self.items), (k,), generator=self.generator)
         return [self.items[i] for i in picks.tolist()]

@@ -182,7 +182,8 @@ class OnlineTrainer:
       gets `Evicted`, ``stats.dropped`` counts it), ``"reject"`` raises `QueueFull`
       (``stats.rejected`` counts it);
     - ``replay``: items of recent history (the last ``replay_capacity`` labelled
-      ones) drawn into each update, seeded by ``seed``;
+      ones) drawn into each update, seeded by ``seed`` (at most as many as the
+      history holds yet);
     - ``lr_schedule``: the learning-rate multiplier by labelled items trained on
       (`partrain.stream.options.parse_lr_schedule`);
     - ``checkpoint``, ``checkpoint_every``: a checkpoint every N updates and at
@@ -476,7 +477,7 @@ class OnlineTrainer:
             if not isinstance(exc, Exception):
                 raise
             # the batch has its predictions: the error can reach nobody else, so it is said here
-            log.error("stream: the update after version %d failed; its %d item(s) were predicted, not trained "
+            log.error("the update after version %d failed; its %d item(s) were predicted, not trained "
                       "on: %s", self.version, len(batch), error_line(exc))
             with self._cond:
                 self._stats.steps += 1
@@ -587,7 +588,7 @@ class OnlineTrainer:
                         self._buffer.add(Remembered(tuple(t[None] for t in p.inputs), p.target, p.weight))
             else:
                 update = False
-                log.warning("stream: non-finite loss %s at version %d: update skipped", loss_value, version)
+                log.warning("non-finite loss %s at version %d: update skipped", loss_value, version)
         self._count_step(batch, labelled, n_replayed, update)
         seconds = time.perf_counter() - t0 - answering
         self.metrics.record_step(items=len(batch), loss=loss_value, lr=lr, version=self.version,
@@ -618,7 +619,7 @@ class OnlineTrainer:
                 self.on_step(record)
         except Exception as exc:  # noqa: BLE001 - kept, logged once, raised again by close()
             if self.error is None:
-                log.error("stream: after update %d: %s", self.version, error_line(exc))
+                log.error("after update %d: %s", self.version, error_line(exc))
                 self.error = exc
 
     def _count_step(self, batch: list[Pending], labelled: list[Pending], n_replayed: int, updated: bool) -> None:
