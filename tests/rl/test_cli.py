@@ -1,6 +1,9 @@
-"""``partrain rl serve / train``: bad options are one line and status 2, before any learner or actor starts."""
+"""``partrain rl serve / train / act``: bad options are one line and status 2, before any learner or actor starts;
+an actor without a learner says that it waits, then fails after its reconnect timeout."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 import torch
@@ -28,3 +31,30 @@ def test_bad_options_are_one_line_before_anything_starts(argv, line, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("partrain rl: error: ") and line in err[0], err
     assert not (tmp_path / "run").exists()  # nothing written: no learner was built
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_act_with_an_unknown_environment_is_one_line_without_waiting_for_a_learner(capsys):
+    url = f"http://127.0.0.1:{closed_port()}"
+    # the reconnect timeout would make a wait for the learner last a minute: the name is checked first
+    assert main(["rl", "act", url, "--env", "NoSuchEnv-v0", "--reconnect-timeout", "60"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("partrain rl: error: Expected a gymnasium environment id"), err
+    assert "'NoSuchEnv-v0'" in err[0]
+
+
+def test_act_without_a_learner_says_it_waits_then_fails_after_the_reconnect_timeout(capsys, caplog):
+    url = f"http://127.0.0.1:{closed_port()}"
+    assert main(["rl", "act", url, "--env", "CartPole-v1", "--reconnect-timeout", "0.5", "--name", "a1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"partrain rl act: error: Expected a learner at {url}. Received: no answer for 0.5 s "
+                       "(ConnectionRefusedError)"), err
+    # one line when the outage began (pytest's log capture, or stderr where the CLI's handler took it)
+    said = [m for m in [r.getMessage() for r in caplog.records] + err if "no learner answers" in m]
+    assert len(said) == 1 and f"a1: no learner answers at {url}" in said[0], said

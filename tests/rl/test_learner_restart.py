@@ -4,7 +4,7 @@ An actor process started with `subprocess` (``python -m partrain rl act URL``, a
 outside program would) acts against learner 1; learner 1 stops without a goodbye (no
 410, no final checkpoint: only its periodic one is on disk, as after a SIGKILL);
 learner 2 resumes from that checkpoint on the same port. The actor must reconnect on
-its own and go on; the versions it acts with never go back; learner 2 starts above
+its own and go on, saying once that the learner is away and once that it is back; the versions it acts with never go back; learner 2 starts above
 every version learner 1 published and keeps training. The learners run in this
 process (their versions and segments are observed directly); the actor is the outside
 process.
@@ -66,6 +66,10 @@ def test_actor_reconnects_to_a_learner_resumed_from_its_checkpoint(tmp_path):
     actor = subprocess.Popen([sys.executable, "-m", "partrain", "rl", "act", url, "--num-envs", "2", "--seed", "1",
                               "--name", "a0", "--reconnect-timeout", "60"],
                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []  # the actor's output as it comes (stdout and stderr)
+    reader = threading.Thread(target=lambda: lines.extend(actor.stdout), daemon=True)
+    reader.start()
+    away = f"a0: no learner answers at {url} (ConnectionRefusedError); retrying for up to 60 s"
     second = None
     try:
         wait_until(lambda: first.version >= 2 * EVERY + 2 or actor.poll() is not None, "learner 1 at version 12",
@@ -87,6 +91,9 @@ def test_actor_reconnects_to_a_learner_resumed_from_its_checkpoint(tmp_path):
             assert torch.equal(second.model.state_dict()[name], value)
         resumed_at, frames_at = second.version, second.stats.frames
         seen_second = record_offers(second)
+        # the actor tells its user that it waits for the learner, before one is back
+        wait_until(lambda: any(away in line for line in lines) or actor.poll() is not None,
+                   "the actor's line about the outage", timeout=60)
         server = LearnerServer(second, port=int(url.rsplit(":", 1)[1]))
         assert server.start() == url  # the same address: the actor knows no other
         stats = second.train(max_frames=frames_at + 12 * 8, timeout=60)  # 12 more segments of 4 x 2 frames
@@ -99,9 +106,13 @@ def test_actor_reconnects_to_a_learner_resumed_from_its_checkpoint(tmp_path):
         assert acted == sorted(acted), acted
         assert min(v for v in seen_second if v >= resumed_at) >= resumed_at
         # learner 2 is finished: the actor is told (410) and ends on its own, status 0
-        out, _ = actor.communicate(timeout=60)
-        assert actor.returncode == 0, out
+        assert actor.wait(60) == 0
+        reader.join(30)
+        out = "".join(lines)
         assert "a0:" in out
+        # one line when the outage began, one when it ended: not one per retry
+        assert sum(away in line for line in lines) == 1, out
+        assert sum(f"a0: the learner at {url} answers again after" in line for line in lines) == 1, out
     finally:
         first.stop()
         if second is not None:

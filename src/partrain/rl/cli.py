@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import statistics
@@ -220,6 +221,8 @@ def run_act(args: argparse.Namespace) -> int:
 
     _positive(args, "num_envs", "pull_every", "max_frames", "reconnect_timeout")
     name = args.name or f"actor-{os.getpid()}"
+    # the actor's own lines (an outage of the learner, and its end) on stderr, as the CLI's
+    logging.basicConfig(level=logging.INFO, format="partrain rl act: %(message)s", stream=sys.stderr)
     try:
         stats = run_actor(args.url, args.env, num_envs=args.num_envs, mode=args.mode,
                           pull_every=args.pull_every, token=args.token, seed=args.seed,

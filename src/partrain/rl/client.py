@@ -12,7 +12,8 @@ Two modes, chosen per actor:
   endpoint and gets actions back; the learner batches every actor's requests.
 
 Every wait is bounded. A learner that is restarting (connection refused) is retried
-until ``reconnect_timeout``; a full experience queue (503) is retried after its
+until ``reconnect_timeout`` (one log line, on the ``partrain.rl`` logger, when an
+outage begins and one when the learner answers again); a full experience queue (503) is retried after its
 ``Retry-After``; a segment refused as too stale (409) is dropped and the weights are
 pulled at once; a learner that finished training (410) ends `run_actor` normally.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import http.client
 import itertools
 import json
+import logging
 import os
 import socket
 import time
@@ -36,10 +38,11 @@ from torch import Tensor, nn
 from ..errors import UsageError
 from ..serve.protocol import HEADER, decode_infer_response, encode_request
 from .algorithms import ActorCritic, policy_logits
-from .envs import EnvRunner, sample_actions
+from .envs import EnvRunner, env_spec, sample_actions
 from .wire import CONTENT_TYPE, decode_weights, encode_segment
 
 MODES = ("local", "central")
+log = logging.getLogger("partrain.rl")
 _UNNAMED = itertools.count()
 
 
@@ -161,8 +164,9 @@ class Actor:
 
     def _request(self, method: str, path: str, **kw: Any) -> Response:
         """One request; connection failures retried until ``reconnect_timeout``; 401/400 raise."""
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay = 0.05
+        began = time.monotonic()
+        deadline = began + self.reconnect_timeout
+        delay, outage = 0.05, False
         while True:
             try:
                 response = self._http.request(method, path, **kw)
@@ -170,10 +174,18 @@ class Actor:
                 if time.monotonic() + delay > deadline:
                     raise ConnectionError(f"Expected a learner at {self.url}. Received: no answer for "
                                           f"{self.reconnect_timeout:g} s ({type(exc).__name__})") from None
+                if not outage:  # said once per outage: a user waiting on an actor sees why
+                    outage = True
+                    log.warning("%s: no learner answers at %s (%s); retrying for up to %g s", self.name,
+                                self.url, type(exc).__name__, self.reconnect_timeout)
                 self.stats.retries += 1
                 time.sleep(delay)  # a bounded back-off between attempts, not a synchronisation
                 delay = min(1.0, delay * 2)
                 continue
+            if outage:
+                outage = False
+                log.warning("%s: the learner at %s answers again after %.1f s", self.name, self.url,
+                            time.monotonic() - began)
             status = response.status_code
             if status == 503 and time.monotonic() < deadline:  # queue full: retry later, as told
                 self.stats.retries += 1
@@ -315,6 +327,8 @@ def run_actor(url: str, env: str | None = None, *, num_envs: int = 8, mode: str 
     """
     if pull_every < 1:
         raise UsageError(f"Expected pull_every >= 1. Received: pull_every={pull_every}")
+    if env:
+        env_spec(env)  # a name gymnasium does not know is one line now, not after waiting for a learner
     torch.set_num_threads(1)  # a tiny policy: one thread, so that actors do not fight over cores
     actor = connect(url, token=token, mode=mode, name=name, reconnect_timeout=reconnect_timeout, seed=seed)
     env_name = env or actor.info.get("env")
