@@ -149,6 +149,20 @@ def test_bad_options_are_one_line(argv, line, capsys):
     assert err == f"partrain compare: error: {line}"
 
 
+def test_a_budget_too_small_for_any_window_says_how_much_start_up_took(tmp_path, capsys):
+    """Every window skipped for the budget: one line naming the budget and the start-up, status 2
+    (and the table, with each strategy's "over budget" reason, still printed and written)."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--model", "mlp", "--dataset", "synthetic", "--strategies", "allreduce,localsgd H=8",
+                 "--budget", "0.2s", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert err[-1].startswith("partrain compare: error: Expected a budget with room for the windows after "
+                              "start-up. Received: --budget 0.2s, of which starting the processes took "), err
+    assert err[-1].endswith("s: no strategy fitted in the rest (the default is 60s)"), err
+    assert "allreduce: skipped: over budget" in captured.out and (out / "compare.json").exists()
+
+
 def _buckets_in_worker(strategy, model_fn):
     import torch
 

@@ -117,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
         if result.files:
             print(f"\nfiles: {', '.join(result.files.values())}")
     if result.recommendation is None:
+        if any(m.reason.startswith("over budget") for m in result.measurements):
+            raise UsageError(f"Expected a budget with room for the windows after start-up. Received: --budget "
+                             f"{result.budget_s:g}s, of which starting the processes took {result.startup_s:.1f} s: "
+                             f"no strategy fitted in the rest (the default is 60s)")
         raise UsageError("Expected at least one strategy to run. Received: every one skipped or failed "
                          "(see the table)")
     return 0

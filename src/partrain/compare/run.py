@@ -118,6 +118,8 @@ class CompareResult:
     files: dict[str, str] = field(default_factory=dict)
     #: the test loss the rule times every strategy to (NaN without loss curves)
     target_loss: float = math.nan
+    #: seconds of the budget spent before the first window: starting the processes, each importing torch
+    startup_s: float = 0.0
 
     @property
     def budget_overrun(self) -> float:
@@ -222,6 +224,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
 
             launch(warm_up, job.data, workers=processes, strategy="allreduce", timeout=timeout,
                    threads=per_process)
+            result.startup_s = time.perf_counter() - started
             say(f"{_clock(started)} processes ready")
         overheads: list[float] = []
         finish = FINISH_S + (FILES_S if out_dir else 0.0)
