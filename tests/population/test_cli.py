@@ -164,3 +164,14 @@ def test_a_failure_on_one_process_is_reported_as_its_own(tmp_path, capsys) -> No
     assert code == 1
     assert err == ["partrain population: error: worker rank 1 failed: RuntimeError: member forward failed on "
                    "purpose on process 1"]
+
+
+def test_the_leaderboard_says_nan_for_a_diverged_member() -> None:
+    """Not the tables' "-" (a missing value): a member whose loss is NaN diverged."""
+    from partrain.population.report import format_leaderboard
+
+    rows = [{"rank": 1, "member": 3, "val_loss": 0.25, "lr": 0.012345, "last_copied_from": ""},
+            {"rank": 2, "member": 0, "val_loss": float("nan"), "lr": float("inf"), "last_copied_from": 3}]
+    lines = format_leaderboard(rows).splitlines()
+    assert lines[2].split() == ["1", "3", "0.25", "0.01235"], lines
+    assert lines[3].split() == ["2", "0", "nan", "inf", "3"], lines

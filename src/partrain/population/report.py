@@ -4,25 +4,36 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from typing import Any
 
 from ..tables import format_table
 
 
 def format_leaderboard(rows: list[dict[str, Any]], limit: int = 20) -> str:
-    """The leaderboard as a plain-text table (best first, at most ``limit`` rows)."""
+    """The leaderboard as a plain-text table (best first, at most ``limit`` rows).
+
+    A member whose loss is NaN or infinite (it diverged) shows ``nan`` or ``inf``,
+    not the table's "-" for a missing value.
+    """
     if not rows:
         return "(no members)"
     headers = list(rows[0])
     body = []
     for r in rows[:limit]:
-        body.append([(f"{v:.4g}" if isinstance(v, float) and k not in ("val_accuracy", "test_accuracy",
-                                                                         "val_loss", "test_loss")
-                      else v) for k, v in r.items()])
+        body.append([_cell(k, v) for k, v in r.items()])
     text = format_table(headers, body)
     if len(rows) > limit:
         text += f"\n... {len(rows) - limit} more in leaderboard.csv"
     return text
+
+
+def _cell(key: str, value: Any) -> Any:
+    if not isinstance(value, float):
+        return value
+    if not math.isfinite(value):
+        return str(value)  # nan, inf, -inf: a diverged member says so
+    return value if key in ("val_accuracy", "test_accuracy", "val_loss", "test_loss") else f"{value:.4g}"
 
 
 def plot_curves(history: list[dict[str, Any]], lineage: list[dict[str, Any]], path: str) -> None:
