@@ -312,10 +312,7 @@ def check_device(device: str | None = None, backend: str | None = None) -> None:
         except (RuntimeError, TypeError):
             raise UsageError(f"Expected a device such as cpu, cuda, cuda:1 or auto. Received: {device!r}") from None
         if dev.type == "cuda":
-            check_cuda(f"--device {device}")
-            if dev.index is not None and dev.index >= torch.cuda.device_count():
-                raise UsageError(f"Expected a visible CUDA device for --device {device}. Received: "
-                                 f"{torch.cuda.device_count()} visible (cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+            check_cuda_device(dev, f"--device {device}")
     if backend is None:
         return
     import torch.distributed as dist
@@ -364,6 +361,15 @@ def check_cuda(what: str) -> None:
     if not torch.cuda.is_available():
         raise UsageError(f"Expected a CUDA device for {what}. Received: none visible "
                          f"(torch.cuda.is_available() is False)")
+
+
+def check_cuda_device(device: torch.device, what: str) -> None:
+    """One line when CUDA ``device`` (``cuda`` or ``cuda:N``) is not there: no CUDA, or N past the last GPU."""
+    check_cuda(what)
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise UsageError(f"Expected a visible CUDA device for {what}. Received: {count} visible "
+                         f"(cuda:0 to cuda:{count - 1})")
 
 
 def default_backend(device: torch.device) -> str:

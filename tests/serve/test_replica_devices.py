@@ -46,6 +46,6 @@ def test_a_named_gpu_gets_the_one_replica(two_fake_gpus, monkeypatch):
 
 
 def test_a_gpu_the_machine_lacks_is_one_line(two_fake_gpus, monkeypatch):
-    with pytest.raises(UsageError, match=r"Expected a visible CUDA device for device='cuda:5'. Received: 2 visible "
+    with pytest.raises(UsageError, match=r"Expected a visible CUDA device for --device cuda:5. Received: 2 visible "
                                          r"\(cuda:0 to cuda:1\)"):
         _run(monkeypatch, "cuda:5")

@@ -538,6 +538,16 @@ def test_bad_items_are_refused_in_one_line(call, message):
         trainer.close()
 
 
+def test_a_gpu_index_past_the_last_gpu_is_one_line(monkeypatch):
+    """prediction_device='cuda:2' on a machine with 2 GPUs (torch's count, faked on a CPU build)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    model = nn.Linear(6, 2)
+    with pytest.raises(UsageError, match=r"^Expected a visible CUDA device for prediction_device='cuda:2'\. "
+                                         r"Received: 2 visible \(cuda:0 to cuda:1\)$"):
+        OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse", prediction_device="cuda:2")
+
+
 @pytest.mark.parametrize("options, message", [
     ({"max_batch": 0}, "Expected max_batch >= 1 (an integer). Received: max_batch=0"),
     ({"overflow": "spill"}, "Expected an overflow policy among ['block', 'drop_oldest', 'reject']"),

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .._process import starting_processes, stop_processes, unblock_interrupts, watch_parent
-from ..env import available_cores
+from ..env import available_cores, check_cuda_device
 from ..errors import UsageError, signal_name
 from .protocol import ServedModel
 
@@ -141,14 +141,9 @@ def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 
         raise UsageError(f"Expected --replicas >= 1. Received: {replicas}")
     devices: list[str | None]
     if device.startswith("cuda"):
+        check_cuda_device(torch.device(device), f"--device {device}")
         count = torch.cuda.device_count()
-        if count == 0:
-            raise UsageError("Expected a CUDA device for --device cuda. Received: none visible")
-        index = torch.device(device).index
-        if index is not None:  # one named GPU: one replica on it
-            if index >= count:
-                raise UsageError(f"Expected a visible CUDA device for device={device!r}. Received: {count} "
-                                 f"visible (cuda:0 to cuda:{count - 1})")
+        if torch.device(device).index is not None:  # one named GPU: one replica on it
             replicas, devices = 1, [device]
         else:
             replicas = count if replicas == 1 else min(replicas, count)

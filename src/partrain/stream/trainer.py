@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..env import check_cuda
+from ..env import check_cuda_device
 from ..errors import UsageError, error_line
 from ..serve.batcher import (
     Batcher,
@@ -831,7 +831,7 @@ def _parse_device(value: str | torch.device | None, label: str) -> torch.device 
         raise UsageError(f"Expected {label} to be a device such as 'cpu' or 'cuda:0', or None. "
                          f"Received: {value!r}") from exc
     if device.type == "cuda":
-        check_cuda(f"{label}={value!r}")  # else every step would fail at its answers
+        check_cuda_device(device, f"{label}={value!r}")  # else every step would fail at its answers
     return device
 
 
