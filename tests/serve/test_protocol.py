@@ -119,8 +119,66 @@ def test_binary_output_per_output_and_multi_input_model(client) -> None:
     torch.testing.assert_close(outs["output__1"], (a * b).sum(dim=1))
 
 
+def _top_by_hand(row: list[float], k: int) -> list[int]:
+    return sorted(range(len(row)), key=lambda i: -row[i])[:k]
+
+
+def test_classification_extension_answers_the_top_classes_as_value_index_strings(client, digits_model) -> None:
+    """Triton's classification extension: BYTES [batch, K] of "<value>:<index>", highest first; the
+    reference is the local model's rows ranked by hand."""
+    x = torch.randn(5, 1, 8, 8)
+    with torch.inference_mode():
+        want = digits_model(x)
+    request = {"inputs": [{"name": "input", "shape": [5, 1, 8, 8], "datatype": "FP32", "data": x.flatten().tolist()}],
+               "outputs": [{"name": "output", "parameters": {"classification": 3}}]}
+    r = client.post("/v2/models/digits/infer", json=request)
+    assert r.status_code == 200, r.text
+    (entry,) = r.json()["outputs"]
+    assert (entry["name"], entry["datatype"], entry["shape"]) == ("output", "BYTES", [5, 3])
+    for row in range(5):
+        got = [s.split(":") for s in entry["data"][3 * row:3 * row + 3]]
+        assert [int(i) for _, i in got] == _top_by_hand(want[row].tolist(), 3)
+        for value, i in got:
+            assert float(value) == pytest.approx(float(want[row, int(i)]), rel=1e-5, abs=1e-5)
+    # the same with the binary extension: length-prefixed elements, decoded by the project's client
+    request["outputs"][0]["parameters"]["binary_data"] = True
+    r = client.post("/v2/models/digits/infer", json=request)
+    assert r.status_code == 200, r.text
+    got = decode_response(r.content, r.headers.get(HEADER))["output"]
+    assert got.shape == (5, 3) and got.reshape(-1).tolist() == entry["data"]
+
+
+def test_classification_strings_follow_the_spec_example_and_print_the_datatypes_own_value() -> None:
+    """The extension's own example: [1, 5, 10, 4] ranks indices [2, 1]; a float32 score is written as
+    float32 prints (5.9716883), not as the float64 it widens to (5.971688270568848)."""
+    from partrain.serve.protocol import encode_classification
+
+    assert encode_classification("o", torch.tensor([[1, 5, 10, 4]]), 2, False)[0]["data"] == ["10:2", "5:1"]
+    entry, blob = encode_classification("o", torch.tensor([[0.1, 5.9716883, 2.4373708]]), 2, True)
+    assert blob == b"\x0b\x00\x00\x005.9716883:1" + b"\x0b\x00\x00\x002.4373708:2"
+    assert entry == {"name": "o", "shape": [1, 2], "datatype": "BYTES", "parameters": {"binary_data_size": 30}}
+
+
+@pytest.mark.parametrize("model, output, count, message", [
+    ("digits", "output", 0, "Expected the classification parameter of output 'output' as a positive integer"),
+    ("digits", "output", True, "Received: True"),
+    ("digits", "output", "3", "Received: '3'"),
+    ("digits", "output", 11, "Expected a classification count of at most 10 (the classes of output 'output'). "
+                             "Received: 11"),
+    ("pair", "output__1", 1, "Expected classification on an output of shape [batch, classes]. Received: output "
+                             "'output__1' of shape [-1]"),
+])
+def test_a_bad_classification_request_is_a_400(client, model, output, count, message) -> None:
+    inputs = {"digits": [{"name": "input", "shape": [1, 1, 8, 8], "datatype": "FP32", "data": [0.0] * 64}],
+              "pair": [{"name": n, "shape": [1, 4], "datatype": "FP64", "data": [1.0] * 4}
+                       for n in ("input__0", "input__1")]}[model]
+    path = "/v2/models/pair/versions/7/infer" if model == "pair" else "/v2/models/digits/infer"
+    r = client.post(path, json={"inputs": inputs, "outputs": [{"name": output, "parameters": {"classification": count}}]})
+    assert r.status_code == 400 and message in r.json()["error"], r.text
+
+
 def test_server_and_model_metadata_health_and_versions(client) -> None:
-    assert client.get("/v2").json()["extensions"] == ["binary_tensor_data"]
+    assert client.get("/v2").json()["extensions"] == ["binary_tensor_data", "classification"]
     assert client.get("/v2/health/live").json() == {"live": True}
     assert client.get("/v2/health/ready").json() == {"ready": True}
     meta = client.get("/v2/models/digits").json()

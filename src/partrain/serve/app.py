@@ -197,7 +197,7 @@ class _Server:
         from .. import __version__
 
         return json_response({"name": self.server_name, "version": __version__,
-                              "extensions": ["binary_tensor_data"]})
+                              "extensions": ["binary_tensor_data", "classification"]})
 
     async def live(self, request: Request) -> Response:
         return json_response({"live": True})

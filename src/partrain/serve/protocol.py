@@ -18,6 +18,11 @@ Wire format, per the protocol and Triton's binary tensor data extension:
   ``binary_data_size`` per binary output and ``Inference-Header-Content-Length``.
 - request parameter ``"timeout"`` (microseconds, as in Triton) bounds the time a
   request may wait for its batch.
+- the classification extension: a requested output with ``"parameters":
+  {"classification": K}`` (an output of shape [batch, classes]) comes back as
+  BYTES of shape [batch, K], each element ``"<value>:<index>"`` of the K highest
+  values of its row, highest first (JSON strings, or with the binary extension
+  each element as a 4-byte little-endian length and its UTF-8 bytes).
 """
 
 from __future__ import annotations
@@ -264,6 +269,8 @@ class InferRequest:
     inputs: tuple[Tensor, ...]
     outputs: list[tuple[str, bool]]  # (output name, send as binary)
     timeout: float | None = None  # seconds, from the "timeout" parameter (microseconds)
+    #: output name -> the top-k count of the classification extension, for outputs that asked for it
+    classification: dict[str, int] = field(default_factory=dict)
 
 
 def _bad(message: str) -> ProtocolError:
@@ -496,6 +503,7 @@ def decode_infer_request(body: bytes, header_length: str | None, model: ServedMo
     out_names = [t.name for t in model.outputs]
     requested = header.get("outputs")
     outputs: list[tuple[str, bool]]
+    classification: dict[str, int] = {}
     if requested is None:
         outputs = [(n, default_binary) for n in out_names]
     else:
@@ -513,6 +521,8 @@ def decode_infer_request(body: bytes, header_length: str | None, model: ServedMo
             as_binary = oparams.get("binary_data", default_binary)
             if not isinstance(as_binary, bool):
                 raise _bad(f"Expected binary_data as true/false. Received: {as_binary!r}")
+            if "classification" in oparams:
+                classification[out["name"]] = _classification_count(model, out["name"], oparams["classification"])
             outputs.append((out["name"], as_binary))
     timeout = params.get("timeout")
     if timeout is not None:
@@ -523,7 +533,24 @@ def decode_infer_request(body: bytes, header_length: str | None, model: ServedMo
     if request_id is not None and not isinstance(request_id, str):
         raise _bad(f"Expected 'id' as a string. Received: {_json_kind(request_id)}")
     ordered = tuple(by_name[t.name] for t in model.inputs)
-    return InferRequest(request_id, ordered, outputs, timeout)
+    return InferRequest(request_id, ordered, outputs, timeout, classification)
+
+
+def _classification_count(model: ServedModel, name: str, count: Any) -> int:
+    """The classification extension's count for output ``name``: a positive integer, at most the
+    output's classes, on an output of shape [batch, classes]."""
+    spec = next(t for t in model.outputs if t.name == name)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise _bad(f"Expected the classification parameter of output {name!r} as a positive integer (how many "
+                   f"top classes). Received: {count!r}")
+    if len(spec.shape) != 2:
+        raise _bad(f"Expected classification on an output of shape [batch, classes]. Received: output {name!r} "
+                   f"of shape {list(spec.shape)}")
+    classes = spec.shape[1]
+    if classes >= 0 and count > classes:
+        raise _bad(f"Expected a classification count of at most {classes} (the classes of output {name!r}). "
+                   f"Received: {count}")
+    return count
 
 
 # --------------------------------------------------------------------------- tensors on the wire
@@ -580,8 +607,11 @@ def encode_tensor(name: str, value: Tensor | np.ndarray, binary: bool) -> tuple[
 
 
 def decode_tensor(entry: dict[str, Any], binary: memoryview, offset: int,
-                  kind: str = "output") -> tuple[Tensor, int]:
+                  kind: str = "output") -> tuple[Any, int]:
     """The tensor of one JSON entry: inline ``data``, or ``binary_data_size`` bytes at ``offset``.
+
+    An output of datatype BYTES (the classification extension's) comes back as a numpy
+    array of ``str`` of its shape; inputs are tensors of the numeric datatypes only.
 
     Returns it and the offset of the next binary tensor; raises `ProtocolError`
     whose message names the tensor as ``kind`` (input / output) and name.
@@ -589,6 +619,8 @@ def decode_tensor(entry: dict[str, Any], binary: memoryview, offset: int,
     name = entry.get("name")
     label = f"{kind} {name!r}"
     datatype = entry.get("datatype")
+    if datatype == "BYTES" and kind == "output":
+        return _strings(label, entry, binary, offset)
     if datatype not in DATATYPES:
         raise _bad(f"Expected {label} datatype among {sorted(DATATYPES)}. Received: {datatype!r}")
     shape = _check_shape(label, entry.get("shape"))
@@ -607,6 +639,61 @@ def decode_tensor(entry: dict[str, Any], binary: memoryview, offset: int,
     if offset + size > len(binary):
         raise _bad(f"Expected {offset + size} bytes of binary data after the JSON header. Received: {len(binary)}")
     return _tensor_from_bytes(label, binary[offset:offset + size], datatype, shape), offset + size
+
+
+def _strings(label: str, entry: dict[str, Any], binary: memoryview, offset: int) -> tuple[np.ndarray, int]:
+    """A BYTES output: inline ``data`` strings, or length-prefixed elements in the binary data."""
+    shape = _check_shape(label, entry.get("shape"))
+    count = math.prod(shape)
+    size = (entry.get("parameters") or {}).get("binary_data_size")
+    if size is None:
+        data = entry.get("data")
+        if not isinstance(data, list) or len(data) != count or not all(isinstance(v, str) for v in data):
+            raise _bad(f"Expected {count} strings as the data of {label}. Received: {str(data)[:80]}")
+        values, after = data, offset
+    else:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
+            raise _bad(f"Expected binary_data_size of {label} within the binary data. Received: {size!r}")
+        values, after = _strings_from_bytes(label, bytes(binary[offset:offset + size]), count), offset + size
+    array = np.empty(count, dtype=object)
+    array[:] = values
+    return array.reshape(shape), after
+
+
+def encode_classification(name: str, value: Tensor, count: int, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+    """Output ``name`` as the classification extension returns it: BYTES of shape [batch, count],
+    each ``"<value>:<index>"`` of the ``count`` highest values of its row, highest first (compared
+    in the output's own datatype; the value written as numpy prints it, shortest round trip)."""
+    t = value.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    if t.dim() != 2 or count > t.shape[1]:
+        raise ProtocolError(f"Expected output {name!r} of shape [batch, >= {count}] for a classification. "
+                            f"Received: {list(t.shape)}", 500)
+    top, index = torch.topk(t, count, dim=1)
+    labels = [f"{v!s}:{i}" for v, i in zip(top.numpy().reshape(-1), index.reshape(-1).tolist())]
+    entry: dict[str, Any] = {"name": name, "shape": [t.shape[0], count], "datatype": "BYTES"}
+    if not binary:
+        entry["data"] = labels
+        return entry, None
+    blob = b"".join(len(b).to_bytes(4, "little") + b for b in (label.encode() for label in labels))
+    entry["parameters"] = {"binary_data_size": len(blob)}
+    return entry, blob
+
+
+def _strings_from_bytes(label: str, raw: bytes, count: int) -> list[str]:
+    """``count`` BYTES elements of the binary extension: each a 4-byte little-endian length, then its bytes."""
+    out, at = [], 0
+    for _ in range(count):
+        if at + 4 > len(raw):
+            raise _bad(f"Expected {count} length-prefixed elements in the binary data of {label}. Received: "
+                       f"{len(out)} before its {len(raw)} bytes ran out")
+        size = int.from_bytes(raw[at:at + 4], "little")
+        if at + 4 + size > len(raw):
+            raise _bad(f"Expected {size} bytes for element {len(out)} of {label}. Received: {len(raw) - at - 4}")
+        out.append(raw[at + 4:at + 4 + size].decode("utf-8", errors="replace"))
+        at += 4 + size
+    return out
 
 
 def _message(header: dict[str, Any], blobs: list[bytes | None]) -> tuple[bytes, dict[str, str]]:
@@ -629,6 +716,11 @@ def encode_infer_response(model: ServedModel, request: InferRequest, result: Any
     by_name = {spec.name: t for spec, t in zip(model.outputs, outs)}
     items, blobs = [], []
     for name, as_binary in request.outputs:
+        if name in request.classification:
+            entry, blob = encode_classification(name, by_name[name], request.classification[name], as_binary)
+            items.append(entry)
+            blobs.append(blob)
+            continue
         try:
             entry, blob = encode_tensor(name, by_name[name], as_binary)
         except NonFiniteError as exc:
@@ -685,7 +777,7 @@ class InferResponse:
 
     id: str | None
     model_name: str | None
-    outputs: dict[str, Tensor]
+    outputs: dict[str, Any]  # Tensor; a numpy array of str for a BYTES output (classification)
 
 
 def decode_infer_response(body: bytes, header_length: str | None = None) -> InferResponse:
@@ -699,7 +791,7 @@ def decode_infer_response(body: bytes, header_length: str | None = None) -> Infe
     items = header.get("outputs")
     if not isinstance(items, list):
         raise _bad(f"Expected 'outputs' as a list in the response. Received: {str(items)[:80]}")
-    outputs: dict[str, Tensor] = {}
+    outputs: dict[str, Any] = {}
     offset = 0
     for entry in items:
         if not isinstance(entry, dict):
