@@ -226,7 +226,8 @@ def run(args: argparse.Namespace) -> int:
                  if k.startswith("test_") and k != "test_loss" and isinstance(v, float) and v == v]
         shown = ", ".join(f"test {name}: {value:.4f}" for name, value in tests) or \
             f"train loss: {result.train_loss:.4f}"
-        print(f"{shown}  ({args.strategy}, {workers} workers, {len(result.history)} epochs; "
+        epochs = len(result.history)
+        print(f"{shown}  ({args.strategy}, {workers} worker{'s' * (workers != 1)}, {epochs} epoch{'s' * (epochs != 1)}; "
               f"metrics, curves and checkpoint in {out})")
     return 0
 
