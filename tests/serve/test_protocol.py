@@ -157,6 +157,10 @@ def test_classification_strings_follow_the_spec_example_and_print_the_datatypes_
     entry, blob = encode_classification("o", torch.tensor([[0.1, 5.9716883, 2.4373708]]), 2, True)
     assert blob == b"\x0b\x00\x00\x005.9716883:1" + b"\x0b\x00\x00\x002.4373708:2"
     assert entry == {"name": "o", "shape": [1, 2], "datatype": "BYTES", "parameters": {"binary_data_size": 30}}
+    # more classes than the output has, where the model's metadata could not say (-1): the request's error
+    with pytest.raises(ProtocolError) as info:
+        encode_classification("o", torch.tensor([[1.0, 2.0]]), 3, False)
+    assert info.value.status == 400 and "at most 2" in str(info.value)
 
 
 @pytest.mark.parametrize("model, output, count, message", [

@@ -667,9 +667,12 @@ def encode_classification(name: str, value: Tensor, count: int, binary: bool) ->
     t = value.detach().cpu()
     if t.dtype == torch.bfloat16:
         t = t.float()
-    if t.dim() != 2 or count > t.shape[1]:
-        raise ProtocolError(f"Expected output {name!r} of shape [batch, >= {count}] for a classification. "
+    if t.dim() != 2:  # the model's answer does not match its own metadata
+        raise ProtocolError(f"Expected output {name!r} of shape [batch, classes] for a classification. "
                             f"Received: {list(t.shape)}", 500)
+    if count > t.shape[1]:  # the request's count, checkable only now where the metadata says -1 classes
+        raise _bad(f"Expected a classification count of at most {t.shape[1]} (the classes of output {name!r}). "
+                   f"Received: {count}")
     top, index = torch.topk(t, count, dim=1)
     labels = [f"{v!s}:{i}" for v, i in zip(top.numpy().reshape(-1), index.reshape(-1).tolist())]
     entry: dict[str, Any] = {"name": name, "shape": [t.shape[0], count], "datatype": "BYTES"}
