@@ -76,8 +76,6 @@ FULL = Size(rounds=5, reader_batches=120, memory_samples=16384, sequences=2048)
 QUICK = Size(rounds=2, reader_batches=30, memory_samples=4096, sequences=512)
 TOY = Size(rounds=1, reader_batches=4, memory_samples=256, sequences=64, width=64, compile="aot_eager")
 
-
-
 READER_BATCH, FEATURES, CLASSES = 64, 256, 10
 
 

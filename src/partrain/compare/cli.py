@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from ..train.optim import make_optimizer
     from .options import parse_bandwidth, parse_budget, parse_links, parse_straggler
     from .report import format_result, to_json
-    from .run import CANDIDATES, compare
+    from .run import CANDIDATES, OVER_BUDGET, compare
 
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"Expected a positive number of workers. Received: --workers {args.workers}")
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if result.files:
             print(f"\nfiles: {', '.join(result.files.values())}")
     if result.recommendation is None:
-        if any(m.reason.startswith("over budget") for m in result.measurements):
+        if any(m.reason.startswith(OVER_BUDGET) for m in result.measurements):
             raise UsageError(f"Expected a budget with room for the windows after start-up. Received: --budget "
                              f"{result.budget_s:g}s, of which starting the processes took {result.startup_s:.1f} s: "
                              f"no strategy fitted in the rest (the default is 60s)")

@@ -129,6 +129,10 @@ class CompareResult:
         return next((m for m in self.measurements if m.label == label), None)
 
 
+#: the reason a window was skipped for the budget begins so (the CLI's last line tells it apart)
+OVER_BUDGET = "over budget"
+
+
 def default_workers(workers: int | None) -> int:
     """The parallel strategies' processes: ``workers``, or one per core (at least 2)."""
     from ..env import available_cores
@@ -279,7 +283,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                         "(the calibration window: no budget left for a longer one)")
                     continue
                 measurements.append(Measurement(cand.label, cand.strategy, dict(cand.options), workers_c,
-                                                status="skipped", reason=f"over budget: {max(window, 0):.1f} s "
+                                                status="skipped", reason=f"{OVER_BUDGET}: {max(window, 0):.1f} s "
                                                 f"left, {MIN_EPOCHS} epochs of at least "
                                                 f"{WARMUP_STEPS + MIN_MEASURED_STEPS} steps in all take ~{need:.1f} s"))
                 continue
