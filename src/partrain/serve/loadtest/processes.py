@@ -21,6 +21,7 @@ import dataclasses
 import multiprocessing as mp
 import queue
 import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from .report import LoadReport
 
 _START_TIMEOUT = 120.0  # seconds for every process to import the client and say it is ready
 _BARRIER_TIMEOUT = 60.0
+_ABORT_TIMEOUT = 5.0  # seconds for the start barrier's abort when the processes stop after their run
 
 
 def split(total: int, parts: int) -> list[int]:
@@ -177,7 +179,14 @@ class ClientProcesses:
 
     def close(self, now: bool = False) -> None:
         """Stop the processes: after their current run, or with ``now`` (an error, Ctrl-C) at once."""
-        self._barrier.abort()  # a process still waiting for one that died stops waiting now
+        if not now:
+            # a process still waiting for one that died stops waiting now. Not with ``now``: the
+            # processes are killed below anyway, and the barrier's lock is shared with them: a
+            # fresh-clone CI run hung here for good after Ctrl-C, acquiring it (the abort has no
+            # timeout), so it is bounded too
+            aborting = threading.Thread(target=self._barrier.abort, name="partrain-loadtest-abort", daemon=True)
+            aborting.start()
+            aborting.join(_ABORT_TIMEOUT)
         for commands, p in zip(self._commands, self._procs):
             if p.is_alive() and not now:
                 commands.put(None)
