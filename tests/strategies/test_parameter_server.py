@@ -29,24 +29,27 @@ process; in float64 that stays near 1e-14 after these tens of steps, see
 
 import datetime
 import functools
+import json
 import math
 import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from partrain.env import DistEnv
 from partrain.errors import UsageError, WorkerError
 from partrain.launch import launch
 from partrain.models import cnn
 from partrain.strategies import get_strategy, parse_options
 from partrain.strategies._ps_wire import LocalPipe, frame, plan_shards, split_frame
-from partrain.strategies.parameter_server import ParameterServer
-from partrain.train.loop import fit
+from partrain.strategies.parameter_server import ParameterServer, optimizer_state_from_ps
+from partrain.train.loop import fit, restore
 from tests.helpers import (
     assert_history_matches,
     assert_states_close,
@@ -72,8 +75,9 @@ def by_hand(epochs, max_steps=None):
 
 
 def run_fit(strategy, workers, batch, **kw):
+    kw.setdefault("quiet", True)
     return fit(small_cnn64, digits64, sgd_momentum, strategy=strategy, workers=workers, batch_size=batch,
-               scheduler_fn=halve_every_epoch, quiet=True, return_state=True, timeout=60, **kw)
+               scheduler_fn=halve_every_epoch, return_state=True, timeout=60, **kw)
 
 
 # ----- no processes ------------------------------------------------------------------------------
@@ -170,6 +174,79 @@ def test_sync_equals_a_hand_written_loop(servers, tmp_path):
     assert_history_matches(resumed.history, history)
     assert resumed.final["ps_server0_version"] == resumed.final["ps_server1_version"] == 26
     assert_states_close(resumed.model_state, state)
+
+
+def test_a_checkpoint_crosses_between_ps_and_allreduce_with_its_momentum(tmp_path):
+    """Epoch 1 under ps (2 servers: threads of the workers), 2 under allreduce from its checkpoint, 3 under ps:
+    equal to 3 epochs in one process. The servers hold the momentum: across each switch it
+    must reach the other side (without it the next steps differ), and a line says so."""
+    first = run_fit(ParameterServer(colocate=True), 2, 32, epochs=1, out_dir=str(tmp_path / "a"))
+    second = run_fit("allreduce", 2, 32, epochs=2, out_dir=str(tmp_path / "b"), resume=first.checkpoint)
+    state2, history2 = by_hand(2)
+    assert_history_matches(second.history, history2)
+    assert_states_close(second.model_state, state2)
+    third = run_fit(ParameterServer(colocate=True), 2, 32, epochs=3, out_dir=str(tmp_path / "c"),
+                    resume=second.checkpoint)
+    state3, history3 = by_hand(3)
+    assert_history_matches(third.history, history3)
+    assert_states_close(third.model_state, state3)
+
+
+def test_resuming_another_strategys_checkpoint_says_what_is_left_once(capsys):
+    """In one process (`restore` itself): a ps checkpoint's momentum reaches the optimizer
+    and one line names what stays behind; a checkpoint of a strategy that keeps nothing of
+    its own, or of the same strategy, says nothing."""
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    strat = get_strategy("single")
+    strat.setup(DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
+    parts = SimpleNamespace(optimizer=opt, scheduler=None)
+    params = list(model.parameters())  # weight 2x3, bias 2: one server each
+    shards = [{"meta": json.dumps({"shapes": [list(p.shape)], "opt_state": [
+                   {"param": 0, "tensors": {"momentum_buffer": 1}, "values": {}}]}),
+               "tensors": [torch.zeros(p.numel()), torch.full(p.shape, float(i + 1))]} for i, p in enumerate(params)]
+    ps_ckpt = {"config": {"strategy": "ps"}, "optimizer": {"state": {}, "param_groups": opt.state_dict()["param_groups"]},
+               "strategy": {"format": "partrain.ps/1", "servers": shards, "plan": [[0], [1]]}, "epoch": 1, "step": 5}
+    position = restore(strat, parts, ps_ckpt)
+    assert (position.epoch, position.step) == (1, 5)
+    assert torch.equal(opt.state[model.weight]["momentum_buffer"], torch.full((2, 3), 1.0))
+    assert torch.equal(opt.state[model.bias]["momentum_buffer"], torch.full((2,), 2.0))
+    assert capsys.readouterr().out == ("partrain: resuming a ps checkpoint with single: the model, the optimizer "
+                                       "state and the position carry over; ps's own state does not\n")
+    quiet = {"config": {"strategy": "allreduce"}, "optimizer": opt.state_dict(), "strategy": {}, "epoch": 1, "step": 5}
+    restore(strat, parts, quiet)
+    restore(strat, parts, {**quiet, "config": {"strategy": "single"}})
+    restore(strat, parts, ps_ckpt, quiet=True)
+    assert capsys.readouterr().out == ""
+
+
+def test_a_ps_checkpoint_gives_its_servers_optimizer_state_by_parameter():
+    """`optimizer_state_from_ps` by hand: each server's entries go back to the parameter
+    numbers the shard plan gave it, with the checkpoint's plan or, for an older checkpoint
+    without one, the plan of the resuming optimizer's parameter sizes."""
+    numels = [6, 40, 3, 40, 5]
+    plan = plan_shards(numels, 2)  # largest first, each to the lighter server: 1, 3, then 0 (46 | 40),
+    assert plan == [[0, 1], [2, 3, 4]]  # 4 (46 | 45), 2 (46 | 48)
+    shards = []
+    for owned in plan:
+        tensors = [torch.zeros(sum(numels[i] for i in owned))]  # the shard's parameters
+        opt_state = []
+        for j, i in enumerate(owned):
+            opt_state.append({"param": j, "tensors": {"momentum_buffer": len(tensors)}, "values": {"k": i}})
+            tensors.append(torch.full((numels[i],), float(i)))
+        meta = {"shapes": [[numels[i]] for i in owned], "opt_state": opt_state}
+        shards.append({"meta": json.dumps(meta), "tensors": tensors})
+    groups = [{"lr": 0.1, "params": [0, 1, 2, 3, 4]}]
+    for state in ({"format": "partrain.ps/1", "servers": shards, "plan": plan},
+                  {"format": "partrain.ps/1", "servers": shards}):
+        merged = optimizer_state_from_ps(state, {"state": {}, "param_groups": groups}, numels)
+        assert merged["param_groups"] == groups
+        assert sorted(merged["state"]) == [0, 1, 2, 3, 4]
+        for i, one in merged["state"].items():
+            assert one["k"] == i and torch.equal(one["momentum_buffer"], torch.full((numels[i],), float(i)))
+    bad = {"format": "partrain.ps/1", "servers": shards, "plan": [[0, 1, 2], [3, 4]]}
+    with pytest.raises(UsageError, match="Expected the ps checkpoint's server"):
+        optimizer_state_from_ps(bad, {"state": {}, "param_groups": groups}, numels)
 
 
 class ServerDiesAfterStart(ParameterServer):

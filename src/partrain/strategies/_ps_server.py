@@ -499,11 +499,12 @@ class Server:
             raise RuntimeError(f"parameter server {self.index}: checkpoint shard shapes {meta.get('shapes')} "
                                f"differ from the model's {self.meta.get('shapes')}")
         self.flat.copy_(tensors[0])
-        self.version = int(meta["version"])
-        if len(meta["clocks"]) == len(self.clocks):
-            self.clocks = [int(c) for c in meta["clocks"]]
-            self.dropped = [int(c) for c in meta["dropped"]]
-        self.updates = int(meta["updates"])
+        if "version" in meta:  # a ps checkpoint's; another strategy's (parameters and optimizer state) has none
+            self.version = int(meta["version"])
+            if len(meta["clocks"]) == len(self.clocks):
+                self.clocks = [int(c) for c in meta["clocks"]]
+                self.dropped = [int(c) for c in meta["dropped"]]
+            self.updates = int(meta["updates"])
         if self.optimizer is not None:
             self.optimizer.state.clear()
             for entry in meta["opt_state"]:

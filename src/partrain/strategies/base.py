@@ -237,7 +237,12 @@ class Strategy(ABC):
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """This strategy's own state, from a checkpoint the same strategy wrote."""
+
+    def adopt_optimizer_state(self, state: dict[str, Any] | None) -> None:
+        """A checkpoint another strategy wrote: the optimizer has just loaded ``state`` (its
+        ``state_dict()``, the whole model's). A strategy that keeps the optimizer state
+        elsewhere (ps: on its servers) takes it from there. Collective. Here: nothing to do."""
 
     def close(self) -> None:
         pass

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import math
 import sys
 import threading
@@ -480,7 +481,9 @@ class ParameterServer(Strategy):
             meta = wire.decode_json(payload)
             tensors = wire.recv_described(meta["tensors"], functools.partial(self._irecv, s), self.timeout)
             shards.append({"meta": payload.numpy().tobytes().decode(), "tensors": tensors})
-        return {"format": "partrain.ps/1", "servers": shards}
+        # plan: which parameters (in the optimizer's order) each server holds, for another
+        # strategy resuming from this checkpoint (`optimizer_state_from_ps`)
+        return {"format": STATE_FORMAT, "servers": shards, "plan": self._plan}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the servers' state (worker 0 sends it), then every worker pulls the parameters."""
@@ -488,17 +491,46 @@ class ParameterServer(Strategy):
             return
         self._check_open()
         shards = state.get("servers")
-        if state.get("format") != "partrain.ps/1" or not isinstance(shards, list):
-            raise UsageError(f"Expected a ps strategy state (format partrain.ps/1). Received: "
+        if not is_ps_state(state):
+            raise UsageError(f"Expected a ps strategy state (format {STATE_FORMAT}). Received: "
                              f"{state.get('format')!r}")
         if len(shards) != self.servers:
             raise UsageError(f"Expected a checkpoint of {self.servers} parameter servers. Received: one of "
                              f"{len(shards)}")
+        self._set_server_states([(shard["meta"], list(shard["tensors"])) for shard in shards])
+
+    def adopt_optimizer_state(self, state: dict[str, Any] | None) -> None:
+        """Another strategy's checkpoint: the servers take its optimizer state (momentum, Adam's
+        moments) for the parameters each holds, with the parameters the workers resumed."""
+        self._check_open()
+        per_param = (state or {}).get("state") or {}
+        shards = []
+        for owned in self._plan:
+            tensors = [self._flat([self._params[i] for i in owned], grads=False)]
+            opt_state = []
+            for j, i in enumerate(owned):
+                entry: dict[str, Any] = {"param": j, "tensors": {}, "values": {}}
+                for key, value in per_param.get(i, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        entry["tensors"][key] = len(tensors)
+                        tensors.append(value.detach().to("cpu"))
+                    else:
+                        entry["values"][key] = value
+                if entry["tensors"] or entry["values"]:
+                    opt_state.append(entry)
+            # no version or clocks: the servers keep their own (a fresh start's)
+            meta = {"shapes": [list(self._params[i].shape) for i in owned], "opt_state": opt_state,
+                    "tensors": wire.describe_tensors(tensors)}
+            shards.append((json.dumps(meta, separators=(",", ":")), tensors))
+        self._set_server_states(shards)
+        self._optimizer.state.clear()  # the proxy holds hyperparameters only (the servers the state)
+
+    def _set_server_states(self, shards: list[tuple[str, list[torch.Tensor]]]) -> None:
+        """Worker 0 sends each server its state (JSON meta, tensors); then every worker pulls."""
         self._finish_pull()
         if self.rank == 0:
-            for s, shard in enumerate(shards):
-                payload = torch.frombuffer(bytearray(shard["meta"].encode()), dtype=torch.uint8)
-                tensors = list(shard["tensors"])
+            for s, (meta, tensors) in enumerate(shards):
+                payload = torch.frombuffer(bytearray(meta.encode()), dtype=torch.uint8)
                 head = torch.empty(wire.HEADER, dtype=torch.float64)
                 recv = self._post_raw([head], s)
                 self._isend(s, [wire.header(wire.STATE_SET, 0, 0, 0, payload.numel(), len(tensors)), payload,
@@ -553,6 +585,40 @@ class _ServerOptimizer(Optimizer):
                 loss = closure()
         self._strategy.push()
         return loss
+
+
+STATE_FORMAT = "partrain.ps/1"
+
+
+def is_ps_state(state: Any) -> bool:
+    """Whether a checkpoint's strategy entry is the ps strategy's (its servers' states)."""
+    return isinstance(state, dict) and state.get("format") == STATE_FORMAT and isinstance(state.get("servers"), list)
+
+
+def optimizer_state_from_ps(state: dict[str, Any], optimizer_state: dict[str, Any] | None,
+                            numels: list[int]) -> dict[str, Any] | None:
+    """The optimizer state a ps checkpoint keeps on its servers, as the optimizer's own
+    ``state_dict()`` (parameters numbered in the optimizer's order), for another strategy
+    to resume with: the checkpoint's ``optimizer`` entry holds only the hyperparameters.
+
+    ``numels``: the sizes of the resuming optimizer's parameters, for a checkpoint older
+    than the shard plan it now carries. None when ``optimizer_state`` is None.
+    """
+    if optimizer_state is None:
+        return None
+    shards = state["servers"]
+    plan = state.get("plan") or wire.plan_shards(numels, len(shards))
+    merged: dict[int, dict[str, Any]] = {}
+    for owned, shard in zip(plan, shards, strict=True):
+        meta = json.loads(shard["meta"])
+        if len(meta["shapes"]) != len(owned):
+            raise UsageError(f"Expected the ps checkpoint's server {meta.get('server')} to hold {len(owned)} "
+                             f"parameters. Received: {len(meta['shapes'])}")
+        for entry in meta["opt_state"]:
+            one = {key: shard["tensors"][i] for key, i in entry["tensors"].items()}
+            one.update(entry["values"])
+            merged[owned[entry["param"]]] = one
+    return {"state": merged, "param_groups": optimizer_state["param_groups"]}
 
 
 def _describe_optimizer(optimizer: Optimizer) -> tuple[dict[str, Any], list[tuple[int, str, int | None, bool]]]:

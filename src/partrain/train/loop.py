@@ -55,6 +55,7 @@ from ..errors import UsageError, first_line
 from ..launch import launch
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
 from ..strategies.base import Strategy, get_strategy
+from ..strategies.parameter_server import is_ps_state, optimizer_state_from_ps
 from .checkpoint import fit_weights, load_checkpoint, save_checkpoint
 from .compiling import FusedStep, compile_model, compile_settings, fused_blocker, optimizer_blocker
 from .config import FitConfig, LaunchConfig, split_options
@@ -363,7 +364,7 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
                 scheduler_fn: SchedulerFn | None, cfg: FitConfig) -> RunResult | None:
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
     parts = build(strategy, model_fn, data, optimizer_fn, task, scheduler_fn, cfg, ckpt)
-    position = restore(strategy, parts, ckpt)
+    position = restore(strategy, parts, ckpt, quiet=cfg.quiet)
     writer = _start_outputs(strategy, cfg, resumed=ckpt is not None)
     stopped = None
     try:
@@ -488,13 +489,32 @@ def _trial_batch(feeder: Feeder, strategy: Strategy, cfg: FitConfig) -> Any:
     return next(iter(InlineBatches(feeder.ds, sampler, strategy.device, feeder.collate)))
 
 
-def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None) -> _Position:
-    """Optimizer, strategy and scheduler state of a checkpoint, and where it stopped."""
+def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quiet: bool = False) -> _Position:
+    """Optimizer, strategy and scheduler state of a checkpoint, and where it stopped.
+
+    A checkpoint another strategy wrote gives the model, the optimizer state (a ps
+    checkpoint's from its servers, and to ps servers) and the position; that strategy's
+    own state is left, with one line saying so.
+    """
     if ckpt is None:
         return _Position()
-    if ckpt.get("optimizer") is not None:
-        parts.optimizer.load_state_dict(ckpt["optimizer"])
-    if ckpt.get("strategy"):
+    written_by = (ckpt.get("config") or {}).get("strategy")
+    foreign = written_by is not None and written_by != strategy.name
+    optimizer_state = ckpt.get("optimizer")
+    if foreign and is_ps_state(ckpt.get("strategy")):  # its servers held the optimizer state
+        numels = [p.numel() for group in parts.optimizer.param_groups for p in group["params"]]
+        optimizer_state = optimizer_state_from_ps(ckpt["strategy"], optimizer_state, numels)
+    if optimizer_state is not None:
+        parts.optimizer.load_state_dict(optimizer_state)
+    if foreign:
+        # the model, the optimizer state and the position carry over; what the other strategy
+        # kept of its own (local SGD's counters and outer momentum, a pipeline's stage layout,
+        # ps versions) has no meaning here
+        strategy.adopt_optimizer_state(optimizer_state)
+        if ckpt.get("strategy") and strategy.is_main and not quiet:
+            print(f"partrain: resuming a {written_by} checkpoint with {strategy.name}: the model, the optimizer "
+                  f"state and the position carry over; {written_by}'s own state does not", flush=True)
+    elif ckpt.get("strategy"):
         strategy.load_state_dict(ckpt["strategy"])
     if parts.scheduler is not None and ckpt.get("scheduler") is not None:
         parts.scheduler.load_state_dict(ckpt["scheduler"])
