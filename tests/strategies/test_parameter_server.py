@@ -176,20 +176,19 @@ def test_sync_equals_a_hand_written_loop(servers, tmp_path):
     assert_states_close(resumed.model_state, state)
 
 
-def test_a_checkpoint_crosses_between_ps_and_allreduce_with_its_momentum(tmp_path):
-    """Epoch 1 under ps (2 servers: threads of the workers), 2 under allreduce from its checkpoint, 3 under ps:
-    equal to 3 epochs in one process. The servers hold the momentum: across each switch it
-    must reach the other side (without it the next steps differ), and a line says so."""
-    first = run_fit(ParameterServer(colocate=True), 2, 32, epochs=1, out_dir=str(tmp_path / "a"))
-    second = run_fit("allreduce", 2, 32, epochs=2, out_dir=str(tmp_path / "b"), resume=first.checkpoint)
-    state2, history2 = by_hand(2)
-    assert_history_matches(second.history, history2)
-    assert_states_close(second.model_state, state2)
-    third = run_fit(ParameterServer(colocate=True), 2, 32, epochs=3, out_dir=str(tmp_path / "c"),
-                    resume=second.checkpoint)
-    state3, history3 = by_hand(3)
-    assert_history_matches(third.history, history3)
-    assert_states_close(third.model_state, state3)
+def test_a_checkpoint_crosses_strategies_and_server_counts_with_its_momentum(tmp_path):
+    """One epoch each: ps on 2 servers (threads of the workers), allreduce, ps on 1 server,
+    ps on 2 again, each resuming from the last one's checkpoint: equal to 4 epochs in one
+    process. The servers hold the momentum: at each switch it must reach the other side
+    (without it the next steps differ)."""
+    runs = [ParameterServer(colocate=True), "allreduce", ParameterServer(servers=1), ParameterServer(colocate=True)]
+    checkpoint = None
+    for epochs, strategy in enumerate(runs, start=1):
+        result = run_fit(strategy, 2, 32, epochs=epochs, out_dir=str(tmp_path / str(epochs)), resume=checkpoint)
+        state, history = by_hand(epochs)
+        assert_history_matches(result.history, history)
+        assert_states_close(result.model_state, state)
+        checkpoint = result.checkpoint
 
 
 def test_resuming_another_strategys_checkpoint_says_what_is_left_once(capsys):

@@ -494,9 +494,10 @@ class ParameterServer(Strategy):
         if not is_ps_state(state):
             raise UsageError(f"Expected a ps strategy state (format {STATE_FORMAT}). Received: "
                              f"{state.get('format')!r}")
-        if len(shards) != self.servers:
-            raise UsageError(f"Expected a checkpoint of {self.servers} parameter servers. Received: one of "
-                             f"{len(shards)}")
+        if len(shards) != self.servers:  # sharded otherwise: the optimizer state, parameter by parameter
+            numels = [p.numel() for p in self._params]
+            self.adopt_optimizer_state(optimizer_state_from_ps(state, {"param_groups": []}, numels))
+            return
         self._set_server_states([(shard["meta"], list(shard["tensors"])) for shard in shards])
 
     def adopt_optimizer_state(self, state: dict[str, Any] | None) -> None:
