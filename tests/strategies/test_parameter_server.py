@@ -50,6 +50,7 @@ from partrain.strategies import get_strategy, parse_options
 from partrain.strategies._ps_wire import LocalPipe, frame, plan_shards, split_frame
 from partrain.strategies.parameter_server import ParameterServer, optimizer_state_from_ps
 from partrain.train.loop import fit, restore
+from partrain.train.schedule import Schedule
 from tests.helpers import (
     assert_history_matches,
     assert_states_close,
@@ -199,7 +200,7 @@ def test_resuming_another_strategys_checkpoint_says_what_is_left_once(capsys):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     strat = get_strategy("single")
     strat.setup(DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
-    parts = SimpleNamespace(optimizer=opt, scheduler=None)
+    parts = SimpleNamespace(optimizer=opt, scheduler=None, schedule=Schedule(), optimizer_class="torch.optim.sgd.SGD")
     params = list(model.parameters())  # weight 2x3, bias 2: one server each
     shards = [{"meta": json.dumps({"shapes": [list(p.shape)], "opt_state": [
                    {"param": 0, "tensors": {"momentum_buffer": 1}, "values": {}}]}),

@@ -8,9 +8,16 @@ random stream) changes bits.
 """
 
 import os
+from types import SimpleNamespace
 
+import torch
+from torch import nn
+
+from partrain.env import DistEnv
+from partrain.strategies.single import Single
 from partrain.train.checkpoint import load_checkpoint
-from partrain.train.loop import fit
+from partrain.train.loop import fit, restore
+from partrain.train.schedule import Schedule
 from tests.helpers import assert_states_close, sgd, small_cnn
 
 
@@ -60,3 +67,84 @@ def test_fit_keeps_frozen_slices_across_checkpoint_and_resume(tmp_path):
     assert torch.equal(w[:4, :10], initial[:4, :10])
     assert (w[4:] != initial[4:]).float().mean() > 0.9, "the other elements train"
     assert frozen_mask(frozen_mlp()[1].weight) is not None
+
+
+# ----- a checkpoint into a run whose optimizer differs (in one process: `restore` itself) ----------
+
+SGD = "torch.optim.sgd.SGD"
+
+
+class _Recording(Single):
+    """``single``, noting what the resume hands to `adopt_optimizer_state`."""
+
+    def adopt_optimizer_state(self, state):
+        self.adopted.append(state)
+
+
+def _single():
+    strat = _Recording()
+    strat.adopted = []
+    strat.setup(DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
+    return strat
+
+
+def _sgd_checkpoint(model, **settings):
+    """A checkpoint of ``model`` after one SGD step with ``settings`` (its momentum buffers set)."""
+    opt = torch.optim.SGD(model.parameters(), **settings)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    model.zero_grad()
+    return {"config": {"strategy": "single"}, "optimizer": opt.state_dict(), "optimizer_class": SGD,
+            "strategy": {}, "epoch": 1, "step": 1}, opt
+
+
+def _parts(opt, cls=SGD, scheduler=None, schedule=None):
+    return SimpleNamespace(optimizer=opt, scheduler=scheduler, schedule=schedule or Schedule(), optimizer_class=cls)
+
+
+def test_a_resume_takes_this_runs_optimizer_settings_and_says_which(capsys):
+    """``optimizer.load_state_dict`` brings the checkpoint's lr and momentum: a resume with
+    ``--lr 0.01`` trained on at the checkpoint's 0.05 without a word. This run's settings win,
+    the state (momentum buffers) carries over, and one line names each change; an lr that a
+    schedule sets is the schedule's."""
+    model = nn.Linear(3, 2)
+    ckpt, old = _sgd_checkpoint(model, lr=0.05, momentum=0.9)
+    buffers = [old.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.8)
+    position = restore(_single(), _parts(opt), ckpt)
+    assert (position.epoch, position.step) == (1, 1)
+    assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["momentum"] == 0.8
+    for p, buf in zip(model.parameters(), buffers, strict=True):
+        assert torch.equal(opt.state[p]["momentum_buffer"], buf)
+    assert capsys.readouterr().out == ("partrain: resuming with this run's optimizer settings where the "
+                                       "checkpoint's differ: lr 0.01 (the checkpoint's 0.05), momentum 0.8 "
+                                       "(the checkpoint's 0.9)\n")
+
+    for scheduled in ({"schedule": Schedule("cosine")}, {"scheduler": object()}):  # the lr is the schedule's
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.8)
+        restore(_single(), _parts(opt, **scheduled), {**ckpt, "scheduler": None})
+        assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["momentum"] == 0.8
+        assert capsys.readouterr().out.endswith("momentum 0.8 (the checkpoint's 0.9)\n")
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # the same settings: nothing to say
+    restore(_single(), _parts(opt), ckpt)
+    assert capsys.readouterr().out == ""
+
+
+def test_a_resume_with_another_optimizer_starts_it_afresh(capsys):
+    """SGD's momentum means nothing to Adam (its first step failed with KeyError: 'step'): the
+    model and the position carry over, the optimizer and the strategy start afresh."""
+    model = nn.Linear(3, 2)
+    ckpt, _ = _sgd_checkpoint(model, lr=0.05, momentum=0.9)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    strat = _single()
+    position = restore(strat, _parts(adam, cls="torch.optim.adam.Adam"), {**ckpt, "strategy": {"kept": 1}})
+    assert (position.epoch, position.step) == (1, 1)
+    assert not adam.state and adam.param_groups[0]["lr"] == 1e-3
+    assert strat.adopted == [None]  # a strategy holding optimizer state elsewhere (ps) resets it
+    model(torch.ones(1, 3)).sum().backward()
+    adam.step()  # Adam's own state from here
+    assert capsys.readouterr().out == ("partrain: resuming a checkpoint of torch.optim.sgd.SGD with "
+                                       "torch.optim.adam.Adam: the model and the position carry over; the "
+                                       "optimizer starts afresh\n")

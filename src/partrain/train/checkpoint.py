@@ -11,6 +11,8 @@ Format (a dict; every producer in partrain writes it, every consumer reads it):
   ``x * scale + offset``), or ``None`` when the model's factory cannot be imported by name
 - ``"task"``: the loss, metrics and precision it trained with (`Task.describe`)
 - ``"optimizer"``, ``"strategy"``, ``"scheduler"``: state dicts or ``None``
+- ``"optimizer_class"``: the optimizer's class as ``module.Name`` (a resume with another
+  one starts its optimizer afresh)
 - ``"epoch"``: epochs completed, ``"step"``: optimizer steps taken
 - ``"config"``: the run's settings (JSON-able), ``"metrics"``: history so far
 """

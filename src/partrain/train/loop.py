@@ -309,6 +309,8 @@ class _Parts:
     compile_seconds: float | None = None
     #: the whole step compiled as one function (``data_on_device`` with ``compile``; None: not fused)
     fused: FusedStep | None = None
+    #: the class of the optimizer ``optimizer_fn`` made (before a strategy wrapped it), as module.Name
+    optimizer_class: str = ""
 
 
 @dataclass
@@ -426,6 +428,7 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
                          quiet=cfg.quiet or not strategy.is_main):
             compile_seconds = time.perf_counter() - t_compile
     optimizer = optimizer_fn(model.parameters())
+    optimizer_class = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if cfg.scale_lr:
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * strategy.num_workers * cfg.accumulate
@@ -448,7 +451,7 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
                   schedule=parse_schedule(cfg.lr_schedule, cfg.warmup_steps),
                   base_lrs=[g["lr"] for g in optimizer.param_groups],
                   steps_per_epoch=steps_per_epoch, total_steps=total, feeder=feeder, compile_seconds=compile_seconds,
-                  fused=fused,
+                  fused=fused, optimizer_class=optimizer_class,
                   lengths=lengths_of(train_ds) if cfg.bucket is not False else None)
 
 
@@ -494,28 +497,42 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quie
 
     A checkpoint another strategy wrote gives the model, the optimizer state (a ps
     checkpoint's from its servers, and to ps servers) and the position; that strategy's
-    own state is left, with one line saying so.
+    own state is left. One written with another optimizer class gives the model and the
+    position; the optimizer starts afresh. This run's optimizer settings (lr, momentum,
+    weight decay, ...) win where they differ from the checkpoint's, except an lr that a
+    schedule sets. Each of these says so in one line.
     """
     if ckpt is None:
         return _Position()
+    say = strategy.is_main and not quiet
     written_by = (ckpt.get("config") or {}).get("strategy")
     foreign = written_by is not None and written_by != strategy.name
-    optimizer_state = ckpt.get("optimizer")
-    if foreign and is_ps_state(ckpt.get("strategy")):  # its servers held the optimizer state
+    written_with = ckpt.get("optimizer_class")
+    new_optimizer = written_with is not None and written_with != parts.optimizer_class
+    asked = [dict(group) for group in parts.optimizer.param_groups]  # this run's settings, before loading
+    optimizer_state = None if new_optimizer else ckpt.get("optimizer")
+    if foreign and optimizer_state is not None and is_ps_state(ckpt.get("strategy")):  # its servers held it
         numels = [p.numel() for group in parts.optimizer.param_groups for p in group["params"]]
         optimizer_state = optimizer_state_from_ps(ckpt["strategy"], optimizer_state, numels)
     if optimizer_state is not None:
         parts.optimizer.load_state_dict(optimizer_state)
-    if foreign:
-        # the model, the optimizer state and the position carry over; what the other strategy
-        # kept of its own (local SGD's counters and outer momentum, a pipeline's stage layout,
-        # ps versions) has no meaning here
+    if foreign or new_optimizer:
+        # what the other strategy kept of its own (local SGD's counters and outer momentum or
+        # the workers' optimizer states, a pipeline's stage layout, ps versions) has no meaning here
         strategy.adopt_optimizer_state(optimizer_state)
-        if ckpt.get("strategy") and strategy.is_main and not quiet:
-            print(f"partrain: resuming a {written_by} checkpoint with {strategy.name}: the model, the optimizer "
-                  f"state and the position carry over; {written_by}'s own state does not", flush=True)
     elif ckpt.get("strategy"):
         strategy.load_state_dict(ckpt["strategy"])
+    if new_optimizer and say:
+        print(f"partrain: resuming a checkpoint of {written_with} with {parts.optimizer_class}: the model and the "
+              "position carry over; the optimizer starts afresh", flush=True)
+    elif foreign and ckpt.get("strategy") and say:
+        print(f"partrain: resuming a {written_by} checkpoint with {strategy.name}: the model, the optimizer "
+              f"state and the position carry over; {written_by}'s own state does not", flush=True)
+    if optimizer_state is not None:
+        changed = _keep_asked_settings(parts, asked)
+        if changed and say:
+            print("partrain: resuming with this run's optimizer settings where the checkpoint's differ: "
+                  + ", ".join(changed), flush=True)
     if parts.scheduler is not None and ckpt.get("scheduler") is not None:
         parts.scheduler.load_state_dict(ckpt["scheduler"])
     position = _Position(ckpt["epoch"], ckpt["step"], list(ckpt.get("metrics") or []))
@@ -529,6 +546,44 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quie
         position.rng = rng[strategy.rank].to(torch.uint8).clone()  # set_rng_state reads a whole storage
         position.sums = sums[strategy.rank]
     return position
+
+
+def _keep_asked_settings(parts: _Parts, asked: list[dict[str, Any]]) -> list[str]:
+    """Put back this run's numeric optimizer settings that loading the checkpoint replaced.
+
+    ``optimizer.load_state_dict`` takes the checkpoint's hyperparameters: a resume with
+    ``--lr 0.001`` went on at the checkpoint's 0.05 without a word. Left alone: an lr that a
+    schedule sets (a torch scheduler's state, or partrain's schedule from this run's base lr).
+    Returns ``"key value (the checkpoint's old)"`` for each setting put back.
+    """
+    scheduled_lr = (parts.scheduler is not None or parts.schedule.kind != "constant"
+                    or parts.schedule.warmup_steps > 0)
+    several = len(asked) > 1
+    changed = []
+    for g, (group, mine) in enumerate(zip(parts.optimizer.param_groups, asked, strict=True)):
+        for key, value in mine.items():
+            if key in ("params", "initial_lr") or (key == "lr" and scheduled_lr) or not _numeric(value):
+                continue
+            old = group.get(key)
+            if _numeric(old) and _text(old) != _text(value):
+                group[key] = value
+                where = f" (group {g})" if several else ""
+                changed.append(f"{key}{where} {_text(value)} (the checkpoint's {_text(old)})")
+    return changed
+
+
+def _numeric(value: Any) -> bool:
+    """A number (not a bool) or a tuple or list of numbers: a setting compared across a resume."""
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(_numeric(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text(value: Any) -> str:
+    """A numeric setting as shown (and compared: 0.9 and (0.9,) as torch restores a tuple as a list)."""
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(f"{float(v):g}" for v in value) + ")"
+    return f"{float(value):g}"
 
 
 class _UpdateGuard:
@@ -901,6 +956,7 @@ def _state(strategy: Strategy, parts: _Parts, cfg: FitConfig, position: _Positio
             "task": parts.task.describe(),
             "freeze": freeze_state_dict(strategy.unwrap(parts.model)),
             "optimizer": _optimizer_state(parts.optimizer),
+            "optimizer_class": parts.optimizer_class,
             "strategy": strategy.state_dict(),
             "scheduler": parts.scheduler.state_dict() if parts.scheduler is not None else None,
             "epoch": position.epoch, "step": position.step,
