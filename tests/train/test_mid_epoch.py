@@ -17,7 +17,7 @@ from partrain.errors import UsageError, WorkerError
 from partrain.train.checkpoint import load_checkpoint
 from partrain.train.loop import fit
 from tests.helpers import assert_states_close, sgd
-from tests.train.test_tasks import COMMON, no_launch, regression64
+from tests.train.test_tasks import COMMON, no_launch, regression64, regressor64
 
 FAIL_AT = "PARTRAIN_TEST_FAIL_AT"
 
@@ -87,3 +87,25 @@ def test_a_run_stopped_by_max_steps_inside_an_epoch_resumes_where_it_stopped(tmp
     assert_states_close(resumed.model_state, full.model_state, atol=0)
     assert [row["step"] for row in resumed.history] == [row["step"] for row in full.history]
     assert resumed.history[-1]["train_loss"] == full.history[-1]["train_loss"]
+
+
+def test_a_mid_epoch_checkpoint_resumed_with_another_batch_size_goes_on_after_the_same_samples(tmp_path):
+    """Stopped inside epoch 2 after 4 micro-batches of 8 per worker (accumulate 2), resumed
+    with batches of 16 (accumulate 1): the same optimizer steps on the same global batches,
+    so it equals the uninterrupted run (float64; sums split differently: 1e-10). Before, the
+    resume skipped 4 batches of the new size: 128 samples of an epoch of 97. A size that
+    does not divide the 32 samples per worker done is one line."""
+    run = dict(RUN, batch_size=8, accumulate=2)
+    full = fit(regressor64, regression64, sgd, out_dir=str(tmp_path / "full"), return_state=True, **run)
+    part = str(tmp_path / "part")
+    fit(regressor64, regression64, sgd, out_dir=part, max_steps=6, **run)
+    assert load_checkpoint(os.path.join(part, "checkpoint.pt"))["within_epoch"]["batch"] == 4
+    with pytest.raises(UsageError, match=r"^Expected batch_size 8 \(the mid-epoch checkpoint's\) or one that divides "
+                                         r"the 32 samples per worker it had trained on, to resume within its epoch\. "
+                                         r"Received: 12$"):
+        fit(regressor64, regression64, sgd, out_dir=part, resume="auto", **{**run, "batch_size": 12, "accumulate": 1})
+    resumed = fit(regressor64, regression64, sgd, out_dir=part, resume="auto", return_state=True,
+                  **{**run, "batch_size": 16, "accumulate": 1})
+    assert [row["samples"] for row in resumed.history] == [row["samples"] for row in full.history] == [97, 97]
+    assert [row["step"] for row in resumed.history] == [4, 8]
+    assert_states_close(resumed.model_state, full.model_state, atol=1e-10)

@@ -203,6 +203,9 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         raise UsageError("Expected a Dataset of samples (or None) to evaluate on. Received: a batch generator "
                          "(Generated) as the test set")
     _check_feeding(cfg, train_ds, task)
+    if ckpt is not None and ckpt.get("within_epoch"):  # one line here rather than from every worker
+        _resume_batch(int(ckpt["within_epoch"]["batch"]), ckpt, cfg.batch_size,
+                      bucketed=cfg.bucket is not False and lengths_of(train_ds) is not None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = model_fn()
@@ -366,7 +369,7 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
                 scheduler_fn: SchedulerFn | None, cfg: FitConfig) -> RunResult | None:
     ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
     parts = build(strategy, model_fn, data, optimizer_fn, task, scheduler_fn, cfg, ckpt)
-    position = restore(strategy, parts, ckpt, quiet=cfg.quiet)
+    position = restore(strategy, parts, ckpt, quiet=cfg.quiet, batch_size=cfg.batch_size)
     writer = _start_outputs(strategy, cfg, resumed=ckpt is not None)
     stopped = None
     try:
@@ -492,7 +495,8 @@ def _trial_batch(feeder: Feeder, strategy: Strategy, cfg: FitConfig) -> Any:
     return next(iter(InlineBatches(feeder.ds, sampler, strategy.device, feeder.collate)))
 
 
-def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quiet: bool = False) -> _Position:
+def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quiet: bool = False,
+            batch_size: int | None = None) -> _Position:
     """Optimizer, strategy and scheduler state of a checkpoint, and where it stopped.
 
     A checkpoint another strategy wrote gives the model, the optimizer state (a ps
@@ -500,7 +504,9 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quie
     own state is left. One written with another optimizer class gives the model and the
     position; the optimizer starts afresh. This run's optimizer settings (lr, momentum,
     weight decay, ...) win where they differ from the checkpoint's, except an lr that a
-    schedule sets. Each of these says so in one line.
+    schedule sets. Each of these says so in one line. A mid-epoch checkpoint resumed with
+    another ``batch_size`` goes on after the same samples (or refuses in one line when its
+    batches cannot be counted in the new size).
     """
     if ckpt is None:
         return _Position()
@@ -542,10 +548,32 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quie
         if len(rng) != strategy.num_workers:
             raise UsageError(f"Expected {len(rng)} workers to resume a mid-epoch checkpoint (its random states are "
                              f"per worker). Received: {strategy.num_workers}")
-        position.batch = int(within["batch"])
+        position.batch = _resume_batch(int(within["batch"]), ckpt, batch_size, bucketed=parts.lengths is not None)
         position.rng = rng[strategy.rank].to(torch.uint8).clone()  # set_rng_state reads a whole storage
         position.sums = sums[strategy.rank]
     return position
+
+
+def _resume_batch(batch: int, ckpt: dict[str, Any], batch_size: int | None, bucketed: bool) -> int:
+    """Where a mid-epoch checkpoint goes on, in this run's batches: after the same samples.
+
+    Every batch before a mid-epoch checkpoint was a whole global batch, slices of one
+    epoch order that does not depend on the batch size: ``batch`` batches of the old size
+    are ``batch * old / new`` of the new one when that divides. Otherwise (or batches
+    bucketed by length, which are made for one batch size) one line: before, the run
+    skipped ``batch`` batches of the new size and trained on some samples twice or never.
+    """
+    old = (ckpt.get("config") or {}).get("batch_size")
+    if batch_size is None or not isinstance(old, int) or old == batch_size:
+        return batch
+    done = batch * old
+    if not bucketed and done % batch_size == 0:
+        return done // batch_size
+    if bucketed:
+        raise UsageError(f"Expected batch_size {old} (the mid-epoch checkpoint's: batches bucketed by length are "
+                         f"made for one size) to resume within its epoch. Received: {batch_size}")
+    raise UsageError(f"Expected batch_size {old} (the mid-epoch checkpoint's) or one that divides the {done} "
+                     f"samples per worker it had trained on, to resume within its epoch. Received: {batch_size}")
 
 
 def _keep_asked_settings(parts: _Parts, asked: list[dict[str, Any]]) -> list[str]:
