@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import csv
+import logging
 import re
 import shutil
 import threading
@@ -160,6 +161,34 @@ def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
     assert b.version == 6
     for p, q in zip(whole.parameters(), resumed.parameters()):
         assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_resume_with_other_optimizer_settings_trains_with_them_and_says_so(tmp_path, caplog):
+    """The checkpoint's Adam state (moments) carries over; this run's lr and betas win where the
+    checkpoint's differ (its lr had come back with the optimizer state: a resume with another
+    --lr trained on at the old one), the schedule scales the new base lr, and one log line
+    names the changes."""
+    stream = items(24, unlabelled_every=0)
+    a = ordered_trainer(mlp64(), tmp_path / "a.pt")
+    a.consume(stream)
+    a.close()
+    saved = torch.load(tmp_path / "a.pt", weights_only=True)["optimizer"]["state"]
+    lrs = []
+    model = mlp64()
+    with caplog.at_level(logging.INFO, logger="partrain.stream"):
+        b = OnlineTrainer(model, torch.optim.Adam(model.parameters(), lr=0.002, betas=(0.8, 0.99)), "mse",
+                          max_batch=8, min_batch=8, max_wait=60.0, lr_schedule="warmup:20",
+                          checkpoint=str(tmp_path / "a.pt"), resume=True, on_step=lambda r: lrs.append(r.lr))
+    assert [r.getMessage() for r in caplog.records] == [
+        "resuming with this run's optimizer settings where the checkpoint's differ: betas (0.8, 0.99) (the "
+        "checkpoint's (0.9, 0.999)), lr 0.002 (the checkpoint's 0.01)"]
+    group = b.optimizer.param_groups[0]
+    assert tuple(group["betas"]) == (0.8, 0.99)
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(b.optimizer.state[p]["exp_avg"], saved[i]["exp_avg"])
+    b.consume([{**it, "id": f"new-{i}"} for i, it in enumerate(items(8, seed=2, unlabelled_every=0))])
+    b.close()
+    assert lrs == [0.002]  # past the warmup (24 items trained): the schedule's factor is 1
 
 
 def test_lr_schedule_counts_items_and_replay_mixes_history(tmp_path):

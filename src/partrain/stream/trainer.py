@@ -55,6 +55,7 @@ from ..serve.batcher import (
     stack_batch,
 )
 from ..train.checkpoint import fit_weights, load_checkpoint, save_checkpoint
+from ..train.optim import keep_run_settings, setting_text
 from .metrics import StreamMetrics, plot_curves, prometheus_collector, serve_prometheus
 from .options import MinBatchPolicy, check_overflow, parse_lr_schedule, resolve_loss, weighted_loss
 from .replay import Remembered, ReplayBuffer
@@ -697,6 +698,7 @@ class OnlineTrainer:
             raise UsageError(f"Expected a checkpoint written by an online trainer in {path!r}. "
                              "Received: one without stream state")
         fit_weights(self.checkpoint_module, state.get("model"), f"the online model from {path!r}")
+        asked = [dict(group) for group in self.optimizer.param_groups]  # this run's settings
         try:
             self.optimizer.load_state_dict(state["optimizer"])
         except (KeyError, ValueError, TypeError) as exc:
@@ -704,7 +706,16 @@ class OnlineTrainer:
                              f"Received: {error_line(exc)}") from None
         self.version = int(stream["version"])
         self.items_trained = int(stream["items_trained"])
-        self._base_lr = [float(v) for v in stream["base_lr"]]
+        # this run's settings win where the checkpoint's differ (its lr is the schedule's base
+        # times the factor it had reached: the base is compared, and the schedule sets the lr)
+        changed = keep_run_settings(self.optimizer, asked, skip={"lr"})
+        changed += [f"lr{f' (group {g})' if len(asked) > 1 else ''} {setting_text(mine)} (the checkpoint's "
+                    f"{setting_text(theirs)})"
+                    for g, (mine, theirs) in enumerate(zip(self._base_lr, stream["base_lr"], strict=True))
+                    if setting_text(mine) != setting_text(theirs)]
+        if changed:
+            log.info("resuming with this run's optimizer settings where the checkpoint's differ: %s",
+                     ", ".join(changed))
         self._buffer.load_state_dict(stream["replay"])
         for item_id in stream["trained_ids"]:
             self._trained_ids[item_id] = None

@@ -60,6 +60,7 @@ from .checkpoint import fit_weights, load_checkpoint, save_checkpoint
 from .compiling import FusedStep, compile_model, compile_settings, fused_blocker, optimizer_blocker
 from .config import FitConfig, LaunchConfig, split_options
 from .metrics import MetricsWriter, StepTimes
+from .optim import keep_run_settings
 from .prepare import (
     DataArg,
     check_model_takes,
@@ -535,7 +536,11 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quie
         print(f"partrain: resuming a {written_by} checkpoint with {strategy.name}: the model, the optimizer "
               f"state and the position carry over; {written_by}'s own state does not", flush=True)
     if optimizer_state is not None:
-        changed = _keep_asked_settings(parts, asked)
+        # an lr that a schedule sets stays the schedule's (a torch scheduler's state; partrain's
+        # own schedule already starts from this run's base lr)
+        scheduled_lr = (parts.scheduler is not None or parts.schedule.kind != "constant"
+                        or parts.schedule.warmup_steps > 0)
+        changed = keep_run_settings(parts.optimizer, asked, skip={"lr"} if scheduled_lr else ())
         if changed and say:
             print("partrain: resuming with this run's optimizer settings where the checkpoint's differ: "
                   + ", ".join(changed), flush=True)
@@ -574,44 +579,6 @@ def _resume_batch(batch: int, ckpt: dict[str, Any], batch_size: int | None, buck
                          f"made for one size) to resume within its epoch. Received: {batch_size}")
     raise UsageError(f"Expected batch_size {old} (the mid-epoch checkpoint's) or one that divides the {done} "
                      f"samples per worker it had trained on, to resume within its epoch. Received: {batch_size}")
-
-
-def _keep_asked_settings(parts: _Parts, asked: list[dict[str, Any]]) -> list[str]:
-    """Put back this run's numeric optimizer settings that loading the checkpoint replaced.
-
-    ``optimizer.load_state_dict`` takes the checkpoint's hyperparameters: a resume with
-    ``--lr 0.001`` went on at the checkpoint's 0.05 without a word. Left alone: an lr that a
-    schedule sets (a torch scheduler's state, or partrain's schedule from this run's base lr).
-    Returns ``"key value (the checkpoint's old)"`` for each setting put back.
-    """
-    scheduled_lr = (parts.scheduler is not None or parts.schedule.kind != "constant"
-                    or parts.schedule.warmup_steps > 0)
-    several = len(asked) > 1
-    changed = []
-    for g, (group, mine) in enumerate(zip(parts.optimizer.param_groups, asked, strict=True)):
-        for key, value in mine.items():
-            if key in ("params", "initial_lr") or (key == "lr" and scheduled_lr) or not _numeric(value):
-                continue
-            old = group.get(key)
-            if _numeric(old) and _text(old) != _text(value):
-                group[key] = value
-                where = f" (group {g})" if several else ""
-                changed.append(f"{key}{where} {_text(value)} (the checkpoint's {_text(old)})")
-    return changed
-
-
-def _numeric(value: Any) -> bool:
-    """A number (not a bool) or a tuple or list of numbers: a setting compared across a resume."""
-    if isinstance(value, (tuple, list)):
-        return bool(value) and all(_numeric(v) for v in value)
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _text(value: Any) -> str:
-    """A numeric setting as shown (and compared: 0.9 and (0.9,) as torch restores a tuple as a list)."""
-    if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(f"{float(v):g}" for v in value) + ")"
-    return f"{float(value):g}"
 
 
 class _UpdateGuard:
