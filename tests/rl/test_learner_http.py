@@ -7,6 +7,7 @@ an outside process would. Start reading at `test_versions_are_monotonic...`.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -203,6 +204,28 @@ def test_checkpoint_resume_keeps_weights_and_versions_monotonic(tmp_path):
     assert version == v == 12
     for name, value in learner.model.state_dict().items():
         assert torch.equal(state[name], value)
+
+
+def test_a_resume_with_another_lr_trains_with_it_and_says_so(tmp_path, caplog):
+    """The optimizer state (Adam's moments) comes from the checkpoint; the lr this learner was
+    given wins over the checkpoint's (it came back with the state: `--lr` on a resume did nothing)."""
+    path = str(tmp_path / "ckpt.pt")
+    learner = make_learner(checkpoint=path)
+    opt = learner.optimizer
+    for p in learner.model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    learner.save(path)
+    with caplog.at_level(logging.WARNING, logger="partrain.rl"):
+        resumed = make_learner(checkpoint=path, resume=True, lr=5e-4)
+    assert [r.getMessage() for r in caplog.records] == [
+        "resuming with this run's optimizer settings where the checkpoint's differ: lr 0.0005 (the checkpoint's 0.001)"]
+    assert resumed.optimizer.param_groups[0]["lr"] == 5e-4
+    for p, q in zip(learner.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(opt.state[p]["exp_avg"], resumed.optimizer.state[q]["exp_avg"])
+    caplog.clear()
+    make_learner(checkpoint=path, resume=True)  # the same lr: nothing to say
+    assert not caplog.records
 
 
 def test_a_crash_while_checkpointing_never_lets_a_resumed_learner_reuse_a_published_version(tmp_path):

@@ -21,6 +21,7 @@ starts at that checkpoint's version plus ``checkpoint_every``.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import queue
 import threading
@@ -35,9 +36,12 @@ from torch import Tensor, nn
 
 from ..errors import UsageError
 from ..train.checkpoint import load_checkpoint, save_checkpoint
+from ..train.optim import keep_run_settings
 from .algorithms import Algorithm, VTrace, default_optimizer
 from .envs import sample_actions
 from .wire import Segment, encode_weights, stack_segments
+
+log = logging.getLogger("partrain.rl")
 
 #: an actor counts as acting (`Learner.active_actors`) this many seconds after its last segment
 ACTIVE_WITHIN = 3.0
@@ -420,7 +424,12 @@ class Learner:
         except RuntimeError as exc:
             raise UsageError(f"Expected a checkpoint of this model. Received: {path!r} "
                              f"({str(exc).splitlines()[0]})") from None
+        asked = [dict(group) for group in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        changed = keep_run_settings(self.optimizer, asked)  # this run's lr and the like win
+        if changed:  # a warning: shown without any logging set up (`partrain rl serve`)
+            log.warning("resuming with this run's optimizer settings where the checkpoint's differ: %s",
+                        ", ".join(changed))
         rl = state["rl"]
         every = int(state.get("config", {}).get("checkpoint_every", self.checkpoint_every))
         # the crashed run reached fewer than `every` versions past this checkpoint
