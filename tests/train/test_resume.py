@@ -128,8 +128,16 @@ def test_a_resume_takes_this_runs_optimizer_settings_and_says_which(capsys):
         assert capsys.readouterr().out.endswith("momentum 0.8 (the checkpoint's 0.9)\n")
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)  # the same settings: nothing to say
-    restore(_single(), _parts(opt), ckpt)
-    assert capsys.readouterr().out == ""
+    strat = _single()
+    restore(strat, _parts(opt), ckpt)
+    assert capsys.readouterr().out == "" and strat.adopted == []
+
+    # another strategy's checkpoint (that kept nothing of its own): its optimizer state goes to
+    # the strategy too (ps hands it to its servers), without a line
+    strat = _single()
+    restore(strat, _parts(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)),
+            {**ckpt, "config": {"strategy": "allreduce"}})
+    assert strat.adopted == [ckpt["optimizer"]] and capsys.readouterr().out == ""
 
 
 def test_a_resume_with_another_optimizer_starts_it_afresh(capsys):
