@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from partrain.env import DistEnv
+from partrain.strategies.local_sgd import LocalSGD
 from partrain.strategies.single import Single
 from partrain.train.checkpoint import load_checkpoint
 from partrain.train.loop import fit, restore
@@ -156,3 +157,25 @@ def test_a_resume_with_another_optimizer_starts_it_afresh(capsys):
     assert capsys.readouterr().out == ("partrain: resuming a checkpoint of torch.optim.sgd.SGD with "
                                        "torch.optim.adam.Adam: the model and the position carry over; the "
                                        "optimizer starts afresh\n")
+
+
+def test_a_diloco_checkpoint_resumed_without_its_outer_optimizer_says_what_is_unused(capsys):
+    """Same strategy name, other options: local SGD without ``outer=nesterov`` has no use for a
+    DiLoCo checkpoint's outer momentum; one line says so instead of dropping it silently."""
+    state = {"steps": 8, "global": torch.zeros(3), "momentum": torch.zeros(3)}
+    assert LocalSGD(outer="none").unused_state(state) == (
+        "the outer Nesterov momentum of a DiLoCo checkpoint (outer=nesterov; this run: outer=none)")
+    assert LocalSGD(outer="nesterov").unused_state(state) is None
+    assert LocalSGD(outer="none").unused_state({"steps": 8}) is None
+
+    class Unused(_Recording):
+        def unused_state(self, state):
+            return "something" if state else None
+
+    model = nn.Linear(3, 2)
+    ckpt, _ = _sgd_checkpoint(model, lr=0.05, momentum=0.9)
+    strat = Unused()
+    strat.adopted = []
+    strat.setup(DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
+    restore(strat, _parts(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)), {**ckpt, "strategy": {"k": 1}})
+    assert capsys.readouterr().out == "partrain: resuming with single: something is left unused\n"

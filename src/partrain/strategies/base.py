@@ -239,6 +239,11 @@ class Strategy(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """This strategy's own state, from a checkpoint the same strategy wrote."""
 
+    def unused_state(self, state: dict[str, Any]) -> str | None:
+        """What of a checkpoint's state (this strategy's own kind) the options of this instance
+        leave unused, for the line a resume prints; None when every part is used."""
+        return None
+
     def adopt_optimizer_state(self, state: dict[str, Any] | None) -> None:
         """A checkpoint another strategy wrote: the optimizer has just loaded ``state`` (its
         ``state_dict()``, the whole model's). A strategy that keeps the optimizer state

@@ -199,6 +199,11 @@ class LocalSGD(Strategy):
                 state["worker_optimizer_states"] = torch.stack(rows)
         return state
 
+    def unused_state(self, state: dict[str, Any]) -> str | None:
+        if "global" in state and self.outer != "nesterov":
+            return "the outer Nesterov momentum of a DiLoCo checkpoint (outer=nesterov; this run: outer=none)"
+        return None
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state.get("steps", 0))
         self.local_steps = int(state.get("local_steps", 0))

@@ -529,6 +529,9 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quie
         strategy.adopt_optimizer_state(optimizer_state)
     elif ckpt.get("strategy"):
         strategy.load_state_dict(ckpt["strategy"])
+        unused = strategy.unused_state(ckpt["strategy"])
+        if unused and say:
+            print(f"partrain: resuming with {strategy.name}: {unused} is left unused", flush=True)
     if new_optimizer and say:
         print(f"partrain: resuming a checkpoint of {written_with} with {parts.optimizer_class}: the model and the "
               "position carry over; the optimizer starts afresh", flush=True)
