@@ -48,7 +48,7 @@ from partrain.launch import launch
 from partrain.models import cnn
 from partrain.strategies import get_strategy, parse_options
 from partrain.strategies._ps_wire import LocalPipe, frame, plan_shards, split_frame
-from partrain.strategies.parameter_server import ParameterServer, optimizer_state_from_ps
+from partrain.strategies.parameter_server import ParameterServer, ps_optimizer_states
 from partrain.train.loop import fit, restore
 from partrain.train.schedule import Schedule
 from tests.helpers import (
@@ -223,7 +223,7 @@ def test_resuming_another_strategys_checkpoint_says_what_is_left_once(capsys):
 
 
 def test_a_ps_checkpoint_gives_its_servers_optimizer_state_by_parameter():
-    """`optimizer_state_from_ps` by hand: each server's entries go back to the parameter
+    """`ps_optimizer_states` by hand: each server's entries go back to the parameter
     numbers the shard plan gave it, with the checkpoint's plan or, for an older checkpoint
     without one, the plan of the resuming optimizer's parameter sizes."""
     numels = [6, 40, 3, 40, 5]
@@ -238,17 +238,15 @@ def test_a_ps_checkpoint_gives_its_servers_optimizer_state_by_parameter():
             tensors.append(torch.full((numels[i],), float(i)))
         meta = {"shapes": [[numels[i]] for i in owned], "opt_state": opt_state}
         shards.append({"meta": json.dumps(meta), "tensors": tensors})
-    groups = [{"lr": 0.1, "params": [0, 1, 2, 3, 4]}]
     for state in ({"format": "partrain.ps/1", "servers": shards, "plan": plan},
                   {"format": "partrain.ps/1", "servers": shards}):
-        merged = optimizer_state_from_ps(state, {"state": {}, "param_groups": groups}, numels)
-        assert merged["param_groups"] == groups
-        assert sorted(merged["state"]) == [0, 1, 2, 3, 4]
-        for i, one in merged["state"].items():
+        merged = ps_optimizer_states(state, numels)
+        assert sorted(merged) == [0, 1, 2, 3, 4]
+        for i, one in merged.items():
             assert one["k"] == i and torch.equal(one["momentum_buffer"], torch.full((numels[i],), float(i)))
     bad = {"format": "partrain.ps/1", "servers": shards, "plan": [[0, 1, 2], [3, 4]]}
     with pytest.raises(UsageError, match="Expected the ps checkpoint's server"):
-        optimizer_state_from_ps(bad, {"state": {}, "param_groups": groups}, numels)
+        ps_optimizer_states(bad, numels)
 
 
 class ServerDiesAfterStart(ParameterServer):

@@ -482,7 +482,7 @@ class ParameterServer(Strategy):
             tensors = wire.recv_described(meta["tensors"], functools.partial(self._irecv, s), self.timeout)
             shards.append({"meta": payload.numpy().tobytes().decode(), "tensors": tensors})
         # plan: which parameters (in the optimizer's order) each server holds, for another
-        # strategy resuming from this checkpoint (`optimizer_state_from_ps`)
+        # strategy resuming from this checkpoint (`ps_optimizer_states`)
         return {"format": STATE_FORMAT, "servers": shards, "plan": self._plan}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -495,8 +495,7 @@ class ParameterServer(Strategy):
             raise UsageError(f"Expected a ps strategy state (format {STATE_FORMAT}). Received: "
                              f"{state.get('format')!r}")
         if len(shards) != self.servers:  # sharded otherwise: the optimizer state, parameter by parameter
-            numels = [p.numel() for p in self._params]
-            self.adopt_optimizer_state(optimizer_state_from_ps(state, {"param_groups": []}, numels))
+            self.adopt_optimizer_state({"state": ps_optimizer_states(state, [p.numel() for p in self._params])})
             return
         self._set_server_states([(shard["meta"], list(shard["tensors"])) for shard in shards])
 
@@ -596,17 +595,15 @@ def is_ps_state(state: Any) -> bool:
     return isinstance(state, dict) and state.get("format") == STATE_FORMAT and isinstance(state.get("servers"), list)
 
 
-def optimizer_state_from_ps(state: dict[str, Any], optimizer_state: dict[str, Any] | None,
-                            numels: list[int]) -> dict[str, Any] | None:
-    """The optimizer state a ps checkpoint keeps on its servers, as the optimizer's own
-    ``state_dict()`` (parameters numbered in the optimizer's order), for another strategy
-    to resume with: the checkpoint's ``optimizer`` entry holds only the hyperparameters.
+def ps_optimizer_states(state: dict[str, Any], numels: list[int]) -> dict[int, dict[str, Any]]:
+    """The optimizer state a ps checkpoint keeps on its servers, by parameter number (the
+    optimizer's order), as in an optimizer's ``state_dict()["state"]``: for another strategy,
+    or another server count, to resume with (the checkpoint's ``optimizer`` entry holds only
+    the hyperparameters).
 
     ``numels``: the sizes of the resuming optimizer's parameters, for a checkpoint older
-    than the shard plan it now carries. None when ``optimizer_state`` is None.
+    than the shard plan it now carries.
     """
-    if optimizer_state is None:
-        return None
     shards = state["servers"]
     plan = state.get("plan") or wire.plan_shards(numels, len(shards))
     merged: dict[int, dict[str, Any]] = {}
@@ -619,7 +616,7 @@ def optimizer_state_from_ps(state: dict[str, Any], optimizer_state: dict[str, An
             one = {key: shard["tensors"][i] for key, i in entry["tensors"].items()}
             one.update(entry["values"])
             merged[owned[entry["param"]]] = one
-    return {"state": merged, "param_groups": optimizer_state["param_groups"]}
+    return merged
 
 
 def _describe_optimizer(optimizer: Optimizer) -> tuple[dict[str, Any], list[tuple[int, str, int | None, bool]]]:

@@ -55,7 +55,7 @@ from ..serve.batcher import (
     stack_batch,
 )
 from ..train.checkpoint import fit_weights, load_checkpoint, save_checkpoint
-from ..train.optim import keep_run_settings, setting_text
+from ..train.optim import keep_run_settings, setting_change, setting_text
 from .metrics import StreamMetrics, plot_curves, prometheus_collector, serve_prometheus
 from .options import MinBatchPolicy, check_overflow, parse_lr_schedule, resolve_loss, weighted_loss
 from .replay import Remembered, ReplayBuffer
@@ -709,8 +709,7 @@ class OnlineTrainer:
         # this run's settings win where the checkpoint's differ (its lr is the schedule's base
         # times the factor it had reached: the base is compared, and the schedule sets the lr)
         changed = keep_run_settings(self.optimizer, asked, skip={"lr"})
-        changed += [f"lr{f' (group {g})' if len(asked) > 1 else ''} {setting_text(mine)} (the checkpoint's "
-                    f"{setting_text(theirs)})"
+        changed += [setting_change("lr", mine, theirs, g if len(asked) > 1 else None)
                     for g, (mine, theirs) in enumerate(zip(self._base_lr, stream["base_lr"], strict=True))
                     if setting_text(mine) != setting_text(theirs)]
         if changed:

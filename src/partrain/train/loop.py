@@ -55,7 +55,7 @@ from ..errors import UsageError, first_line
 from ..launch import launch
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
 from ..strategies.base import Strategy, get_strategy
-from ..strategies.parameter_server import is_ps_state, optimizer_state_from_ps
+from ..strategies.parameter_server import is_ps_state, ps_optimizer_states
 from .checkpoint import fit_weights, load_checkpoint, save_checkpoint
 from .compiling import FusedStep, compile_model, compile_settings, fused_blocker, optimizer_blocker
 from .config import FitConfig, LaunchConfig, split_options
@@ -520,7 +520,7 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quie
     optimizer_state = None if new_optimizer else ckpt.get("optimizer")
     if foreign and optimizer_state is not None and is_ps_state(ckpt.get("strategy")):  # its servers held it
         numels = [p.numel() for group in parts.optimizer.param_groups for p in group["params"]]
-        optimizer_state = optimizer_state_from_ps(ckpt["strategy"], optimizer_state, numels)
+        optimizer_state = {**optimizer_state, "state": ps_optimizer_states(ckpt["strategy"], numels)}
     if optimizer_state is not None:
         parts.optimizer.load_state_dict(optimizer_state)
     if foreign or new_optimizer:

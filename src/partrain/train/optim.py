@@ -50,9 +50,14 @@ def keep_run_settings(optimizer: Optimizer, asked: list[dict[str, Any]], skip: C
             old = group.get(key)
             if _numeric(old) and setting_text(old) != setting_text(value):
                 group[key] = value
-                where = f" (group {g})" if several else ""
-                changed.append(f"{key}{where} {setting_text(value)} (the checkpoint's {setting_text(old)})")
+                changed.append(setting_change(key, value, old, g if several else None))
     return changed
+
+
+def setting_change(key: str, value: Any, old: Any, group: int | None = None) -> str:
+    """``"lr 0.01 (the checkpoint's 0.05)"``: one setting a resume put back, for its line."""
+    where = "" if group is None else f" (group {group})"
+    return f"{key}{where} {setting_text(value)} (the checkpoint's {setting_text(old)})"
 
 
 def _numeric(value: Any) -> bool:
