@@ -35,22 +35,19 @@ import os
 import signal
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from partrain.env import DistEnv
 from partrain.errors import UsageError, WorkerError
 from partrain.launch import launch
 from partrain.models import cnn
 from partrain.strategies import get_strategy, parse_options
 from partrain.strategies._ps_wire import LocalPipe, frame, plan_shards, split_frame
 from partrain.strategies.parameter_server import ParameterServer, ps_optimizer_states
-from partrain.train.loop import fit, restore
-from partrain.train.schedule import Schedule
+from partrain.train.loop import fit
 from tests.helpers import (
     assert_history_matches,
     assert_states_close,
@@ -182,8 +179,8 @@ def test_a_checkpoint_crosses_server_counts_and_strategies_with_its_momentum(tmp
     each resuming from the last one's checkpoint: equal to 3 epochs in one process. The
     servers hold the momentum: at each switch it must reach the other side (without it the
     next steps differ). The way into ps from another strategy's checkpoint is the one the
-    change of server count takes (`adopt_optimizer_state`; `restore` calls it, see
-    tests/train/test_resume.py)."""
+    change of server count takes (`adopt_optimizer_state`; `restore` calls it, and hands a
+    ps checkpoint's state to another strategy: tests/train/test_resume.py)."""
     runs = [ParameterServer(colocate=True), ParameterServer(servers=1), "allreduce"]
     checkpoint = None
     for epochs, strategy in enumerate(runs, start=1):
@@ -192,34 +189,6 @@ def test_a_checkpoint_crosses_server_counts_and_strategies_with_its_momentum(tmp
         assert_history_matches(result.history, history)
         assert_states_close(result.model_state, state)
         checkpoint = result.checkpoint
-
-
-def test_resuming_another_strategys_checkpoint_says_what_is_left_once(capsys):
-    """In one process (`restore` itself): a ps checkpoint's momentum reaches the optimizer
-    and one line names what stays behind; a checkpoint of a strategy that keeps nothing of
-    its own, or of the same strategy, says nothing."""
-    model = nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    strat = get_strategy("single")
-    strat.setup(DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
-    parts = SimpleNamespace(optimizer=opt, scheduler=None, schedule=Schedule(), optimizer_class="torch.optim.sgd.SGD")
-    params = list(model.parameters())  # weight 2x3, bias 2: one server each
-    shards = [{"meta": json.dumps({"shapes": [list(p.shape)], "opt_state": [
-                   {"param": 0, "tensors": {"momentum_buffer": 1}, "values": {}}]}),
-               "tensors": [torch.zeros(p.numel()), torch.full(p.shape, float(i + 1))]} for i, p in enumerate(params)]
-    ps_ckpt = {"config": {"strategy": "ps"}, "optimizer": {"state": {}, "param_groups": opt.state_dict()["param_groups"]},
-               "strategy": {"format": "partrain.ps/1", "servers": shards, "plan": [[0], [1]]}, "epoch": 1, "step": 5}
-    position = restore(strat, parts, ps_ckpt)
-    assert (position.epoch, position.step) == (1, 5)
-    assert torch.equal(opt.state[model.weight]["momentum_buffer"], torch.full((2, 3), 1.0))
-    assert torch.equal(opt.state[model.bias]["momentum_buffer"], torch.full((2,), 2.0))
-    assert capsys.readouterr().out == ("partrain: resuming a ps checkpoint with single: the model, the optimizer "
-                                       "state and the position carry over; ps's own state does not\n")
-    quiet = {"config": {"strategy": "allreduce"}, "optimizer": opt.state_dict(), "strategy": {}, "epoch": 1, "step": 5}
-    restore(strat, parts, quiet)
-    restore(strat, parts, {**quiet, "config": {"strategy": "single"}})
-    restore(strat, parts, ps_ckpt, quiet=True)
-    assert capsys.readouterr().out == ""
 
 
 def test_a_ps_checkpoint_gives_its_servers_optimizer_state_by_parameter():

@@ -7,6 +7,7 @@ order; any state the checkpoint fails to restore (momentum, data order, the
 random stream) changes bits.
 """
 
+import json
 import os
 from types import SimpleNamespace
 
@@ -82,8 +83,8 @@ class _Recording(Single):
         self.adopted.append(state)
 
 
-def _single():
-    strat = _Recording()
+def _single(cls=_Recording):
+    strat = cls()
     strat.adopted = []
     strat.setup(DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
     return strat
@@ -174,8 +175,34 @@ def test_a_diloco_checkpoint_resumed_without_its_outer_optimizer_says_what_is_un
 
     model = nn.Linear(3, 2)
     ckpt, _ = _sgd_checkpoint(model, lr=0.05, momentum=0.9)
-    strat = Unused()
-    strat.adopted = []
-    strat.setup(DistEnv(0, 1, 0, 1, torch.device("cpu"), "gloo"))
+    strat = _single(Unused)
     restore(strat, _parts(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)), {**ckpt, "strategy": {"k": 1}})
     assert capsys.readouterr().out == "partrain: resuming with single: something is left unused\n"
+
+
+def test_a_ps_checkpoint_gives_another_strategy_its_servers_momentum_and_says_what_is_left(capsys):
+    """The servers held the optimizer state (the checkpoint's ``optimizer`` entry has only the
+    hyperparameters): it reaches this run's optimizer by parameter, and one line names what
+    stays behind; a checkpoint of a strategy that keeps nothing of its own, or of the same
+    strategy, says nothing."""
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    strat = _single()
+    params = list(model.parameters())  # weight 2x3, bias 2: one server each
+    shards = [{"meta": json.dumps({"shapes": [list(p.shape)], "opt_state": [
+                   {"param": 0, "tensors": {"momentum_buffer": 1}, "values": {}}]}),
+               "tensors": [torch.zeros(p.numel()), torch.full(p.shape, float(i + 1))]} for i, p in enumerate(params)]
+    ps_ckpt = {"config": {"strategy": "ps"}, "optimizer": {"state": {}, "param_groups": opt.state_dict()["param_groups"]},
+               "optimizer_class": SGD, "strategy": {"format": "partrain.ps/1", "servers": shards, "plan": [[0], [1]]},
+               "epoch": 1, "step": 5}
+    position = restore(strat, _parts(opt), ps_ckpt)
+    assert (position.epoch, position.step) == (1, 5)
+    assert torch.equal(opt.state[model.weight]["momentum_buffer"], torch.full((2, 3), 1.0))
+    assert torch.equal(opt.state[model.bias]["momentum_buffer"], torch.full((2,), 2.0))
+    assert capsys.readouterr().out == ("partrain: resuming a ps checkpoint with single: the model, the optimizer "
+                                       "state and the position carry over; ps's own state does not\n")
+    quiet = {"config": {"strategy": "allreduce"}, "optimizer": opt.state_dict(), "strategy": {}, "epoch": 1, "step": 5}
+    restore(strat, _parts(opt), quiet)
+    restore(strat, _parts(opt), {**quiet, "config": {"strategy": "single"}})
+    restore(strat, _parts(opt), ps_ckpt, quiet=True)
+    assert capsys.readouterr().out == ""
