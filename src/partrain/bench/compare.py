@@ -14,8 +14,9 @@ In each: ``partrain.compare`` with its default budget (60 s; quick 10 s) recomme
 strategy; then every strategy it measured trains `TARGET_RUNS` times for the same wall
 time (5 s; quick 1.5 s) with per-epoch evaluations, in alternating rounds (each strategy
 once per round), every strategy on epochs of the same samples (`target_epochs`). The target
-loss is the median over strategies of each one's median lowest test loss. A strategy's time to target is the median over its runs of the training time
-(evaluations left out) until its test loss first reaches it, interpolated within the epoch
+loss is the median, over the strategies that learned (at least 10% below the untrained loss,
+as in compare's windows), of each one's median lowest test loss. A strategy's time to target
+is the median over its runs of the training time (evaluations left out) until its test loss first reaches it, interpolated within the epoch
 (a run that never reaches it counts as the longest).
 
 Goals (issue 16): compare.regret_max (over scenarios, the recommended strategy's time to
@@ -196,13 +197,15 @@ def target_epochs(measurements: list[Any], batch_size: int, train_s: float) -> t
 
 
 def times_to_target(runs: dict[str, list[Any]]) -> tuple[float, dict[str, float], dict[str, list[float]]]:
-    """The target (the median over strategies of each one's median lowest loss), each strategy's
-    median time to it over its runs (a run that never reached it counts as infinitely long; NaN when
-    most runs never did), and every run's time to it (NaN: never), in run order."""
-    from ..compare.decide import time_to_reach
+    """The target (compare's `common_target` over each strategy's median lowest loss: the median over
+    the strategies that learned), each strategy's median time to it over its runs (a run that never
+    reached it counts as infinitely long; NaN when most runs never did), and every run's time to it
+    (NaN: never), in run order."""
+    from ..compare.decide import common_target, time_to_reach
 
-    lows = sorted(statistics.median(min(v for _, v in r.curve) for r in rs) for rs in runs.values())
-    target = float(lows[len(lows) // 2]) if lows else math.nan
+    lows = [statistics.median(min(v for _, v in r.curve) for r in rs) for rs in runs.values()]
+    start = max((r.curve[0][1] for rs in runs.values() for r in rs if r.curve), default=math.nan)
+    target = common_target(lows, start)
     times, each_run = {}, {}
     for label, rs in runs.items():
         each_run[label] = [time_to_reach(r.curve_s, [v for _, v in r.curve], target) for r in rs]
@@ -297,7 +300,7 @@ def run(args: argparse.Namespace) -> Report:
     report.table(["scenario", "recommended", "tied with (compare)", "fastest to target", "target loss", "s (recommended)",
                   "s (fastest)", "regret", "2-worker prediction error", "compare s"], rows,
                  title=f"time to the target loss (training seconds, median of {rounds} runs per strategy); "
-                       "the target is the median of the strategies' lowest losses")
+                       "the target is the median of the lowest losses of the strategies that learned")
     report.goal("compare.regret_max", _worst(regrets), "<=", 0.10,
                 "recommended / fastest time to target - 1, worst scenario")
     report.goal("compare.prediction_error", _worst(errors), "<=", 0.20,

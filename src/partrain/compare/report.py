@@ -81,8 +81,8 @@ def format_result(result: CompareResult) -> str:
         if not m.ok:
             lines.append(f"{m.label}: {m.status}: {m.reason}")
     target = result.target_loss
-    ranked_by = (f"s to target: training seconds to test loss {target:.4g} (the median of the windows' lowest), "
-                 "what the rank follows" if target == target else
+    ranked_by = (f"s to target: training seconds to test loss {target:.4g} (the median of the lowest of the "
+                 "windows that learned), what the rank follows" if target == target else
                  "ranked by samples/s (the windows did not train far enough to time a target loss)")
     lines.append(f"{ranked_by}; data/compute/comm: shares of a worker's step; loss/X: test loss at equal samples "
                  "over X's; host load: the host's CPU time that went elsewhere during the window (stolen by a "
@@ -121,6 +121,10 @@ def format_result(result: CompareResult) -> str:
         lines += ["", f"check of the model here: {int(v['workers'])}-worker allreduce predicted from one worker "
                   f"and the host probe {v['predicted']:,.0f} samples/s, measured {v['measured']:,.0f} "
                   f"(error {v['error']:.0%})"]
+    elif result.straggler is not None and result.constants is not None:
+        lines += ["", f"check of the model here: not made: the injected straggler (worker {result.straggler.worker}, "
+                  f"{result.straggler.slowdown:g}x) slows every step of the measured allreduce, and the model "
+                  "predicts workers of equal speed"]
     return "\n".join(lines)
 
 
