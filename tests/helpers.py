@@ -111,7 +111,8 @@ def epoch_order(num_samples: int, epoch: int, seed: int = 0) -> torch.Tensor:
 def train_by_hand(model_fn: Callable[[], nn.Module], data_fn: Callable[[], tuple[TensorDataset, TensorDataset]],
                   optimizer_fn: Callable[..., torch.optim.Optimizer], *, batch: int, epochs: int,
                   max_steps: int | None = None, scheduler_fn: Callable[[Any], Any] | None = None,
-                  seed: int = 0) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+                  seed: int = 0, samples_per_epoch: int | None = None) -> tuple[dict[str, torch.Tensor],
+                                                                            list[dict[str, Any]]]:
     """One process, plain PyTorch: the reference for `fit` on the global batch.
 
     Its own batching (consecutive slices of `epoch_order`, the last one of an epoch
@@ -119,17 +120,25 @@ def train_by_hand(model_fn: Callable[[], nn.Module], data_fn: Callable[[], tuple
     no loss normalisation. Returns the final ``state_dict`` and, per epoch, the
     figures `fit` reports (train loss and accuracy over the samples seen, test
     loss and accuracy after the epoch, step count, learning rate).
+
+    ``samples_per_epoch``: every epoch's order laid end to end, an epoch is then the next
+    ``samples_per_epoch`` of them (`FitConfig.samples_per_epoch`).
     """
     with torch_threads(1):  # speed only: float64 (see the module docstring)
-        return _train_by_hand(model_fn, data_fn, optimizer_fn, batch, epochs, max_steps, scheduler_fn, seed)
+        return _train_by_hand(model_fn, data_fn, optimizer_fn, batch, epochs, max_steps, scheduler_fn, seed,
+                              samples_per_epoch)
 
 
 def _train_by_hand(model_fn: Callable[[], nn.Module], data_fn: Callable[[], tuple[TensorDataset, TensorDataset]],
                    optimizer_fn: Callable[..., torch.optim.Optimizer], batch: int, epochs: int,
                    max_steps: int | None, scheduler_fn: Callable[[Any], Any] | None,
-                   seed: int) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+                   seed: int, samples_per_epoch: int | None = None) -> tuple[dict[str, torch.Tensor],
+                                                                          list[dict[str, Any]]]:
     train, test = data_fn()
     x_all, y_all = train.tensors
+    if samples_per_epoch is not None:
+        passes = -(-epochs * samples_per_epoch // len(x_all))
+        stream = torch.cat([epoch_order(len(x_all), p, seed) for p in range(passes)])
     torch.manual_seed(seed)  # fit seeds the same way before it calls the model factory
     model = model_fn()
     optimizer = optimizer_fn(model.parameters())
@@ -138,7 +147,8 @@ def _train_by_hand(model_fn: Callable[[], nn.Module], data_fn: Callable[[], tupl
     for epoch in range(epochs):
         if max_steps is not None and step >= max_steps:
             break
-        order = epoch_order(len(x_all), epoch, seed)
+        order = epoch_order(len(x_all), epoch, seed) if samples_per_epoch is None else \
+            stream[epoch * samples_per_epoch:(epoch + 1) * samples_per_epoch]
         model.train()
         loss_sum, correct, seen = 0.0, 0, 0
         for start in range(0, len(order), batch):

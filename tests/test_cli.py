@@ -36,7 +36,7 @@ def test_train_options_are_frozen():
         "--nnodes", "--node-rank", "--master-addr", "--master-port", "--model", "--dataset",
         "--synthetic-samples", "--synthetic-shape", "--synthetic-classes", "--test-fraction", "--sync-bn",
         "--epochs", "--batch-size", "--accumulate", "--lr", "--scale-lr", "--optimizer", "--momentum",
-        "--weight-decay", "--max-steps", "--seed", "--out", "--resume", "--quiet",
+        "--weight-decay", "--max-steps", "--samples-per-epoch", "--seed", "--out", "--resume", "--quiet",
         "--loss", "--lr-schedule", "--warmup-steps", "--clip-grad", "--precision", "--on-nan", "--early-stop",
         "--monitor", "--overwrite", "--config", "--tensorboard", "--checkpoint-every", "--checkpoint-seconds",
         "--loader", "--loader-workers", "--prefetch", "--data-on-device", "--compile",

@@ -21,6 +21,7 @@ import functools
 
 import pytest
 
+from partrain.errors import UsageError
 from partrain.train.loop import fit
 from tests.helpers import (
     assert_history_matches,
@@ -75,3 +76,23 @@ def test_accumulation_equals_the_hand_written_loop_and_is_counted():
         # only the last micro-batch of a window communicates: each of the 2 workers all-reduces
         # every gradient (float64, 8 bytes) once per optimizer step
         assert row["comm_bytes"] == 2 * STEPS_PER_EPOCH * n_params * 8
+
+
+def test_short_epochs_walk_through_the_data_as_the_hand_written_loop(tmp_path):
+    """``samples_per_epoch``: 3 epochs of 600 of the 1437 samples go on through the shuffled passes (the
+    second epoch ends in the second pass); with allreduce's 2 workers they equal the hand loop's
+    epochs cut from the passes laid end to end, figures and parameters."""
+    state, history = train_by_hand(small_cnn64, digits64, sgd, batch=GLOBAL_BATCH, epochs=3, samples_per_epoch=600)
+    result = fit(small_cnn64, digits64, sgd, strategy="allreduce", workers=2, batch_size=GLOBAL_BATCH // 2,
+                 epochs=3, samples_per_epoch=600, quiet=True, return_state=True, timeout=60,
+                 out_dir=str(tmp_path / "run"))
+    assert [row["samples"] for row in result.history] == [600] * 3
+    assert result.final["step"] == 3 * 7  # 600 = 6 * 96 + 24
+    assert_history_matches(result.history, history)
+    assert_states_close(result.model_state, state)
+    # resuming with another epoch length would go on from another place in the data: one line, nothing started
+    with pytest.raises(UsageError, match=r"^Expected samples_per_epoch=600 \(the checkpoint's: another epoch length "
+                                         r"would go on from another place in the training set\) to resume\. "
+                                         r"Received: samples_per_epoch=500$"):
+        fit(small_cnn64, digits64, sgd, strategy="allreduce", workers=2, batch_size=48, epochs=4, samples_per_epoch=500,
+            quiet=True, timeout=60, out_dir=str(tmp_path / "run"), resume="auto")

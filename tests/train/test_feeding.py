@@ -313,3 +313,31 @@ def test_bad_feeding_arguments_to_fit_are_one_line_before_any_worker(options, li
     with pytest.raises(UsageError) as info:
         fit(regressor64, map_style, sgd, **dict(ONE, **options))
     assert str(info.value).startswith(line)
+
+
+def test_short_epochs_walk_through_the_data_on_every_feeding_path(tmp_path):
+    """``samples_per_epoch``: the inline loop, the device-resident feeder and the fused compiled epoch
+    take the same samples; an epoch as long as the training set is the plain epoch; a batch
+    generator, which sets its own epoch, is one line before any worker."""
+    from partrain.errors import UsageError
+    from tests.train.test_tasks import no_launch
+
+    short = dict(ONE, epochs=3, samples_per_epoch=40)  # 97 samples: the third epoch begins the second pass
+    inline = fit(regressor64, regression64, sgd, **short)
+    assert [row["samples"] for row in inline.history] == [40, 40, 40]
+    for options in (dict(data_on_device=True), dict(data_on_device=True, compile="eager")):
+        other = fit(regressor64, regression64, sgd, **options, **short)
+        assert_states_close(other.model_state, inline.model_state)
+        for mine, theirs in zip(other.history, inline.history):
+            assert mine["train_loss"] == pytest.approx(theirs["train_loss"], rel=1e-12, abs=0)
+    whole = fit(regressor64, regression64, sgd, **dict(ONE, samples_per_epoch=97))
+    plain = fit(regressor64, regression64, sgd, **ONE)
+    assert_states_close(whole.model_state, plain.model_state, atol=0.0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("partrain.train.loop.launch", no_launch)
+        with pytest.raises(UsageError, match=r"^Expected samples_per_epoch with a Dataset of samples; a batch generator "
+                                             r"sets its own epoch\. Received: samples_per_epoch=40 with a Generated"):
+            fit(regressor64, generated, sgd, **dict(ONE, workers=2, samples_per_epoch=40))
+        with pytest.raises(UsageError, match=r"^Expected a positive number of training samples per epoch\. "
+                                             r"Received: samples_per_epoch=0$"):
+            fit(regressor64, regression64, sgd, **dict(ONE, workers=2, samples_per_epoch=0))

@@ -178,11 +178,13 @@ def target_epochs(measurements: list[Any], batch_size: int, train_s: float) -> t
     seconds at its measured samples/s (at least `MIN_TARGET_STEPS` steps, whole epochs).
 
     The epoch is the same for all (the fastest strategy's ``train_s`` split into
-    `EPOCHS_TO_TARGET`, a multiple of every global batch), so every strategy trains on the same
-    samples: a run's epoch is the first samples of the training set (`window_data`), and an
-    epoch sized by each strategy's own speed gave a slower one fewer distinct samples to learn
-    from (in the compute scenario, single's 992 of the 2048 against 1,536 for the 2-worker
-    strategies: single's test loss levelled off above the target and its regret was 0.555)."""
+    `EPOCHS_TO_TARGET`, a multiple of every global batch): the runs' evaluations fall at the
+    same sample counts, and every strategy trains on a prefix of the same stream of samples
+    (epochs walk on through the training set, `FitConfig.samples_per_epoch`). Before epochs walked,
+    a run's epoch was the first samples of the training set, and an epoch sized by each
+    strategy's own speed gave a slower one fewer distinct samples to learn from (in the compute
+    scenario, single's 992 of the 2048 against 1,536 for the 2-worker strategies: single's
+    test loss levelled off above the target and its regret was 0.555)."""
     ok = [m for m in measurements if m.ok and m.samples_per_s > 0]
     if not ok:
         return 0, {}

@@ -28,14 +28,14 @@ from .sharding import ShardedBatchSampler
 class BucketBatchSampler(ShardedBatchSampler):
     def __init__(self, lengths: Sequence[int] | torch.Tensor, batch_size: int, rank: int = 0,
                  num_replicas: int = 1, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 pool: int = 50) -> None:
+                 pool: int = 50, samples_per_epoch: int | None = None) -> None:
         lengths = torch.as_tensor(lengths, dtype=torch.int64)
         if lengths.dim() != 1:
             raise UsageError(f"Expected one length per sample (a 1-d sequence). Received: shape {tuple(lengths.shape)}")
         if pool < 1:
             raise UsageError(f"Expected a positive pool of global batches to sort in. Received: pool={pool}")
-        super().__init__(len(lengths), batch_size, rank, num_replicas, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+        super().__init__(samples_per_epoch or len(lengths), batch_size, rank, num_replicas, shuffle=shuffle, seed=seed,
+                         drop_last=drop_last, dataset_size=len(lengths))
         self.lengths, self.pool = lengths, pool
 
     def order(self) -> torch.Tensor:

@@ -15,6 +15,12 @@ epoch (seeded by ``seed`` and the epoch) is cut into *global batches* of
   normalised exactly;
 - ``drop_last=True`` drops the final incomplete global batch instead.
 
+An epoch may be shorter than the dataset (``dataset_size``, `FitConfig.samples_per_epoch`):
+epoch ``e`` is then positions ``[e N, (e + 1) N)`` of the passes over the dataset laid end to
+end, each pass a seeded permutation of every index, so the epochs walk through the whole
+training set (Keras's ``steps_per_epoch`` on a repeated dataset), and no sample repeats before
+a pass ends. With ``N`` equal to the dataset, epoch ``e`` is pass ``e``: the plain epochs.
+
 `ClaimingBatchSampler` is the variant for asynchronous strategies: workers
 *claim* per-worker batches of the epoch's order from a counter the whole job
 shares (the process group's store), so a worker twice as fast trains on twice
@@ -39,7 +45,8 @@ class ShardedBatchSampler(Sampler[list[int]]):
     claims_batches = False
 
     def __init__(self, num_samples: int, batch_size: int, rank: int = 0, num_replicas: int = 1,
-                 *, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+                 *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 dataset_size: int | None = None) -> None:
         if batch_size < 1:
             raise UsageError(f"Expected a positive batch size. Received: batch_size={batch_size}")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
@@ -53,6 +60,10 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        if dataset_size is not None and dataset_size < 1:
+            raise UsageError(f"Expected a non-empty dataset. Received: {dataset_size} samples")
+        #: the indices an epoch draws from; ``num_samples`` is an epoch's share of their passes
+        self.dataset_size = num_samples if dataset_size is None else dataset_size
         self.epoch = 0
 
     @property
@@ -64,11 +75,25 @@ class ShardedBatchSampler(Sampler[list[int]]):
         self.epoch = epoch
 
     def order(self) -> torch.Tensor:
-        """This epoch's order of all sample indices (identical on every worker)."""
+        """This epoch's sample indices in order (identical on every worker): the epoch's
+        ``num_samples`` positions of the passes over the dataset (see the module docstring)."""
+        n, size = self.num_samples, self.dataset_size
+        if n == size:
+            return self._pass(self.epoch)
+        parts, taken = [], 0
+        while taken < n:
+            which, offset = divmod(self.epoch * n + taken, size)
+            part = self._pass(which)[offset:offset + n - taken]
+            parts.append(part)
+            taken += len(part)
+        return torch.cat(parts)
+
+    def _pass(self, which: int) -> torch.Tensor:
+        """Pass ``which`` over the dataset: every index once, shuffled by the seed and the pass."""
         if not self.shuffle:
-            return torch.arange(self.num_samples)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(self.num_samples, generator=g)
+            return torch.arange(self.dataset_size)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + which)
+        return torch.randperm(self.dataset_size, generator=g)
 
     def __len__(self) -> int:
         full, rest = divmod(self.num_samples, self.global_batch)
@@ -111,9 +136,10 @@ class ClaimingBatchSampler(ShardedBatchSampler):
     claims_batches = True
 
     def __init__(self, num_samples: int, batch_size: int, rank: int, num_replicas: int, *, store: Any,
-                 key: str, shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+                 key: str, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 dataset_size: int | None = None) -> None:
         super().__init__(num_samples, batch_size, rank, num_replicas, shuffle=shuffle, seed=seed,
-                         drop_last=drop_last)
+                         drop_last=drop_last, dataset_size=dataset_size)
         self.store = store
         self.key = key
 

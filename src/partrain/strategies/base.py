@@ -142,8 +142,9 @@ class Strategy(ABC):
         return model.to(self.device), optimizer
 
     def shard(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-              drop_last: bool = False) -> ShardedBatchSampler:
-        """This worker's batches of an epoch: every sample once per epoch across workers.
+              drop_last: bool = False, dataset_size: int | None = None) -> ShardedBatchSampler:
+        """This worker's batches of an epoch of ``num_samples``: every sample once per epoch across
+        workers (an epoch shorter than ``dataset_size`` walks on through the dataset's passes).
 
         Fixed, equal shares; with ``dynamic_sharding``, batches claimed from a counter the
         job shares (`ClaimingBatchSampler`). Every worker must call ``shard`` equally often.
@@ -155,9 +156,10 @@ class Strategy(ABC):
                                  f"{self.num_workers} workers. Received: setup() without one")
             return ClaimingBatchSampler(num_samples, batch_size, max(self.rank, 0), self.num_workers,
                                         store=self.store, key=f"partrain/claims/{self._samplers}",
-                                        shuffle=shuffle, seed=seed, drop_last=drop_last)
+                                        shuffle=shuffle, seed=seed, drop_last=drop_last,
+                                        dataset_size=dataset_size)
         return ShardedBatchSampler(num_samples, batch_size, max(self.rank, 0), self.num_workers,
-                                   shuffle=shuffle, seed=seed, drop_last=drop_last)
+                                   shuffle=shuffle, seed=seed, drop_last=drop_last, dataset_size=dataset_size)
 
     def train_step(self, model: nn.Module, optimizer: Optimizer, x: Any, y: Any,
                    loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float = 1.0,

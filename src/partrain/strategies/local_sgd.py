@@ -156,7 +156,7 @@ class LocalSGD(Strategy):
         comm.unflatten_into(flat[n:], self._buffers)
 
     def shard(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
-              drop_last: bool = False) -> ShardedBatchSampler:
+              drop_last: bool = False, dataset_size: int | None = None) -> ShardedBatchSampler:
         """This worker's batches; the replicas are synced when a pass over them ends.
 
         A new pass over data begins (next epoch, or evaluation): sync first, in case
@@ -164,7 +164,7 @@ class LocalSGD(Strategy):
         """
         self.sync()
         return _SyncAtEnd(num_samples, batch_size, max(self.rank, 0), self.num_workers, shuffle=shuffle,
-                          seed=seed, drop_last=drop_last, on_end=self.sync)
+                          seed=seed, drop_last=drop_last, dataset_size=dataset_size, on_end=self.sync)
 
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
         self.sync()

@@ -101,6 +101,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     o.add_argument("--scale-lr", action="store_true", help="multiply lr by workers x accumulate (linear scaling rule)")
     o.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    o.add_argument("--samples-per-epoch", type=int, default=None, metavar="N",
+                   help="an epoch of N training samples, each going on through the shuffled set where the last "
+                        "stopped (evaluate and checkpoint every N samples of a large set); default: the whole set")
     o.add_argument("--lr-schedule", default="constant", metavar="NAME",
                    help="constant, cosine, linear or step:EPOCHS[:GAMMA], per optimizer step")
     o.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up over these steps")
@@ -210,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer_fn,
         strategy=strategy, loss_fn=args.loss, workers=workers, epochs=args.epochs, batch_size=args.batch_size,
         accumulate=args.accumulate, scale_lr=args.scale_lr, out_dir=out, resume=resume, seed=args.seed,
-        quiet=args.quiet, max_steps=args.max_steps, timeout=args.timeout, backend=args.backend,
+        quiet=args.quiet, max_steps=args.max_steps, samples_per_epoch=args.samples_per_epoch, timeout=args.timeout,
+        backend=args.backend,
         device=args.device, threads=args.threads, on_nan=args.on_nan, clip_grad=args.clip_grad,
         precision=args.precision, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
         early_stop=args.early_stop, monitor=args.monitor, tensorboard=args.tensorboard,

@@ -44,6 +44,10 @@ class FitConfig:
     seed: int = 0
     #: stop after this many optimizer steps in total (None: run every epoch)
     max_steps: int | None = None
+    #: an epoch of this many training samples, each epoch going on through the shuffled training
+    #: set where the last one stopped (evaluate, checkpoint and log every N samples of a large
+    #: training set; Keras's ``steps_per_epoch`` on a repeated dataset); None: the whole set
+    samples_per_epoch: int | None = None
     drop_last: bool = False
     #: where metrics, curves and checkpoints go (nothing is written without it)
     out_dir: str | None = None
@@ -112,6 +116,8 @@ class FitConfig:
         _positive("accumulate", self.accumulate, "number of micro-batches to accumulate")
         if self.max_steps is not None:
             _positive("max_steps", self.max_steps, "number of steps")
+        if self.samples_per_epoch is not None:
+            _positive("samples_per_epoch", self.samples_per_epoch, "number of training samples per epoch")
         if self.out_dir is not None and not str(self.out_dir).strip():
             raise UsageError("Expected out_dir to be a directory path or None. Received: an empty string")
         if self.on_nan not in ON_NAN:

@@ -203,7 +203,12 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
     if isinstance(test_ds, Generated):
         raise UsageError("Expected a Dataset of samples (or None) to evaluate on. Received: a batch generator "
                          "(Generated) as the test set")
+    if cfg.samples_per_epoch is not None and isinstance(train_ds, Generated):
+        raise UsageError("Expected samples_per_epoch with a Dataset of samples; a batch generator sets its own epoch. "
+                         f"Received: samples_per_epoch={cfg.samples_per_epoch} with a Generated training set")
     _check_feeding(cfg, train_ds, task)
+    if ckpt is not None:
+        _same_samples_per_epoch(ckpt, cfg.samples_per_epoch)
     if ckpt is not None and ckpt.get("within_epoch"):  # one line here rather than from every worker
         _resume_batch(int(ckpt["within_epoch"]["batch"]), ckpt, cfg.batch_size,
                       bucketed=cfg.bucket is not False and lengths_of(train_ds) is not None)
@@ -446,7 +451,8 @@ def build(strategy: Strategy, model_fn: Callable[[], nn.Module], data: DataArg,
     if isinstance(train_ds, Generated):  # its length counts batches per worker
         batches = len(train_ds)
     else:
-        batches = math.ceil(len(train_ds) / (cfg.batch_size * strategy.num_workers))  # type: ignore[arg-type]
+        samples = cfg.samples_per_epoch or len(train_ds)  # type: ignore[arg-type]
+        batches = math.ceil(samples / (cfg.batch_size * strategy.num_workers))
     steps_per_epoch = max(1, math.ceil(batches / cfg.accumulate))
     total = steps_per_epoch * cfg.epochs
     if cfg.max_steps is not None:
@@ -560,6 +566,15 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quie
         position.rng = rng[strategy.rank].to(torch.uint8).clone()  # set_rng_state reads a whole storage
         position.sums = sums[strategy.rank]
     return position
+
+
+def _same_samples_per_epoch(ckpt: dict[str, Any], samples_per_epoch: int | None) -> None:
+    """A run resumes with its checkpoint's ``samples_per_epoch``: epoch ``e`` starts at sample ``e N`` of
+    the passes over the training set, so another ``N`` would go on from another place."""
+    old = (ckpt.get("config") or {}).get("samples_per_epoch")
+    if old != samples_per_epoch:
+        raise UsageError(f"Expected samples_per_epoch={old} (the checkpoint's: another epoch length would go on from "
+                         f"another place in the training set) to resume. Received: samples_per_epoch={samples_per_epoch}")
 
 
 def _resume_batch(batch: int, ckpt: dict[str, Any], batch_size: int | None, bucketed: bool) -> int:
@@ -846,8 +861,9 @@ def _train_sampler(strategy: Strategy, parts: _Parts, cfg: FitConfig) -> Any:
     when the samples have lengths (same workers, same global batches, every sample once)."""
     if isinstance(parts.train_ds, Generated):  # the generator shards itself, by rank
         return GeneratedSampler(len(parts.train_ds), strategy.rank, strategy.num_workers)
-    sampler = strategy.shard(len(parts.train_ds), cfg.batch_size, shuffle=True, seed=cfg.seed,  # type: ignore[arg-type]
-                             drop_last=cfg.drop_last)
+    size = len(parts.train_ds)  # type: ignore[arg-type]
+    sampler = strategy.shard(cfg.samples_per_epoch or size, cfg.batch_size, shuffle=True, seed=cfg.seed,
+                             drop_last=cfg.drop_last, dataset_size=size)
     if parts.lengths is None:
         if cfg.bucket:
             raise UsageError("Expected a training set with per-sample lengths for bucket=True (a "
@@ -859,7 +875,7 @@ def _train_sampler(strategy: Strategy, parts: _Parts, cfg: FitConfig) -> Any:
                              f"{strategy.name!r}, whose workers claim batches")
         return sampler
     return BucketBatchSampler(parts.lengths, cfg.batch_size, sampler.rank, sampler.num_replicas,
-                              seed=cfg.seed, drop_last=cfg.drop_last)
+                              seed=cfg.seed, drop_last=cfg.drop_last, samples_per_epoch=cfg.samples_per_epoch)
 
 
 def _set_lr(parts: _Parts, step: int) -> None:
