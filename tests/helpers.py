@@ -111,8 +111,8 @@ def epoch_order(num_samples: int, epoch: int, seed: int = 0) -> torch.Tensor:
 def train_by_hand(model_fn: Callable[[], nn.Module], data_fn: Callable[[], tuple[TensorDataset, TensorDataset]],
                   optimizer_fn: Callable[..., torch.optim.Optimizer], *, batch: int, epochs: int,
                   max_steps: int | None = None, scheduler_fn: Callable[[Any], Any] | None = None,
-                  seed: int = 0, samples_per_epoch: int | None = None) -> tuple[dict[str, torch.Tensor],
-                                                                            list[dict[str, Any]]]:
+                  seed: int = 0,
+                  samples_per_epoch: int | None = None) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """One process, plain PyTorch: the reference for `fit` on the global batch.
 
     Its own batching (consecutive slices of `epoch_order`, the last one of an epoch
@@ -132,8 +132,8 @@ def train_by_hand(model_fn: Callable[[], nn.Module], data_fn: Callable[[], tuple
 def _train_by_hand(model_fn: Callable[[], nn.Module], data_fn: Callable[[], tuple[TensorDataset, TensorDataset]],
                    optimizer_fn: Callable[..., torch.optim.Optimizer], batch: int, epochs: int,
                    max_steps: int | None, scheduler_fn: Callable[[Any], Any] | None,
-                   seed: int, samples_per_epoch: int | None = None) -> tuple[dict[str, torch.Tensor],
-                                                                          list[dict[str, Any]]]:
+                   seed: int,
+                   samples_per_epoch: int | None = None) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     train, test = data_fn()
     x_all, y_all = train.tensors
     if samples_per_epoch is not None:

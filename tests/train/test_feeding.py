@@ -335,8 +335,9 @@ def test_short_epochs_walk_through_the_data_on_every_feeding_path(tmp_path):
     assert_states_close(whole.model_state, plain.model_state, atol=0.0)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("partrain.train.loop.launch", no_launch)
-        with pytest.raises(UsageError, match=r"^Expected samples_per_epoch with a Dataset of samples; a batch generator "
-                                             r"sets its own epoch\. Received: samples_per_epoch=40 with a Generated"):
+        with pytest.raises(UsageError, match=r"^Expected samples_per_epoch with a Dataset of samples; a batch "
+                                             r"generator sets its own epoch\. Received: samples_per_epoch=40 with "
+                                             r"a Generated"):
             fit(regressor64, generated, sgd, **dict(ONE, workers=2, samples_per_epoch=40))
         with pytest.raises(UsageError, match=r"^Expected a positive number of training samples per epoch\. "
                                              r"Received: samples_per_epoch=0$"):

@@ -16,8 +16,9 @@ time (5 s; quick 1.5 s) with per-epoch evaluations, in alternating rounds (each 
 once per round), every strategy on epochs of the same samples (`target_epochs`). The target
 loss is the median, over the strategies that learned (at least 10% below the untrained loss,
 as in compare's windows), of each one's median lowest test loss. A strategy's time to target
-is the median over its runs of the training time (evaluations left out) until its test loss first reaches it, interpolated within the epoch
-(a run that never reaches it counts as the longest).
+is the median over its runs of the training time (evaluations left out) until its test loss
+first reaches it, interpolated within the epoch (a run that never reaches it counts as the
+longest).
 
 Goals (issue 16): compare.regret_max (over scenarios, the recommended strategy's time to
 target over the fastest's, minus 1) <= 0.10; compare.prediction_error (over the scenarios

@@ -164,8 +164,8 @@ def measure(job: Job, candidate: Candidate, workers: int, epoch_samples: int, ep
                          straggler.slowdown if straggler else 1.0)
         try:
             result = fit(functools.partial(probed_model, job.model_fn, spec), data, job.optimizer_fn,
-                         strategy=strat, loss_fn=job.loss_fn, workers=n, epochs=epochs, samples_per_epoch=epoch_samples,
-                         batch_size=job.batch_size, seed=job.seed, quiet=True,
+                         strategy=strat, loss_fn=job.loss_fn, workers=n, epochs=epochs,
+                         samples_per_epoch=epoch_samples, batch_size=job.batch_size, seed=job.seed, quiet=True,
                          checkpoint=False, return_state=False, timeout=job.timeout, threads=job.threads,
                          device=job.device, **job.fit_options)
         except (WorkerError, UsageError, RuntimeError) as exc:

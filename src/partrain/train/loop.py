@@ -204,8 +204,8 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         raise UsageError("Expected a Dataset of samples (or None) to evaluate on. Received: a batch generator "
                          "(Generated) as the test set")
     if cfg.samples_per_epoch is not None and isinstance(train_ds, Generated):
-        raise UsageError("Expected samples_per_epoch with a Dataset of samples; a batch generator sets its own epoch. "
-                         f"Received: samples_per_epoch={cfg.samples_per_epoch} with a Generated training set")
+        raise UsageError("Expected samples_per_epoch with a Dataset of samples; a batch generator sets its own "
+                         f"epoch. Received: samples_per_epoch={cfg.samples_per_epoch} with a Generated training set")
     _check_feeding(cfg, train_ds, task)
     if ckpt is not None:
         _same_samples_per_epoch(ckpt, cfg.samples_per_epoch)
@@ -568,13 +568,13 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quie
     return position
 
 
-def _same_samples_per_epoch(ckpt: dict[str, Any], samples_per_epoch: int | None) -> None:
-    """A run resumes with its checkpoint's ``samples_per_epoch``: epoch ``e`` starts at sample ``e N`` of
-    the passes over the training set, so another ``N`` would go on from another place."""
+def _same_samples_per_epoch(ckpt: dict[str, Any], n: int | None) -> None:
+    """A run resumes with its checkpoint's ``samples_per_epoch``: epoch ``e`` starts at sample ``e N``
+    of the passes over the training set, so another ``N`` would go on from another place."""
     old = (ckpt.get("config") or {}).get("samples_per_epoch")
-    if old != samples_per_epoch:
-        raise UsageError(f"Expected samples_per_epoch={old} (the checkpoint's: another epoch length would go on from "
-                         f"another place in the training set) to resume. Received: samples_per_epoch={samples_per_epoch}")
+    if old != n:
+        raise UsageError(f"Expected samples_per_epoch={old} (the checkpoint's: another epoch length would go on "
+                         f"from another place in the training set) to resume. Received: samples_per_epoch={n}")
 
 
 def _resume_batch(batch: int, ckpt: dict[str, Any], batch_size: int | None, bucketed: bool) -> int:
