@@ -9,6 +9,7 @@ process numbers its own requests from 0, so every expected count is known exactl
 from __future__ import annotations
 
 import json
+import weakref
 from collections import Counter
 
 import pytest
@@ -99,6 +100,21 @@ def test_bad_input_is_refused_before_any_process_runs_and_a_dead_process_is_an_e
             clients.run(LoadConfig(url=url, model="tiny", concurrency=2, requests=4))
         with pytest.raises(RuntimeError, match="no more runs after .*partrain-loadtest-1 exited"):
             clients.run(LoadConfig(url=url, model="tiny", concurrency=2, requests=4))
+
+
+def test_close_releases_the_queues_and_the_barrier_at_once_and_twice_is_harmless(serve):
+    """Their semaphores are released inside `close` (with Ctrl-C held: a finalizer cut by a signal
+    leaves the resource tracker warning of a leaked semaphore), not when the frames holding the
+    object are collected."""
+    url = serve()
+    clients = _clients(url, 2)
+    clients.run(LoadConfig(url=url, model="tiny", concurrency=2, requests=2))
+    held = [weakref.ref(clients._barrier), weakref.ref(clients._results), *map(weakref.ref, clients._commands)]
+    clients.close(now=True)
+    assert [ref() for ref in held] == [None] * len(held)  # while `clients` is still referenced here
+    clients.close()
+    with pytest.raises(RuntimeError, match="no more runs after the processes were closed"):
+        clients.run(LoadConfig(url=url, model="tiny", concurrency=2, requests=2))
 
 
 def test_cli_spreads_the_load_and_still_fails_on_wrong_answers(serve, tmp_path, capsys):

@@ -18,6 +18,7 @@ fails or dies is a `WorkerError` (``partrain loadtest``: one line, exit status 1
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing as mp
 import queue
 import signal
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._process import starting_processes
+from ..._process import signals_held, starting_processes
 from ...errors import UsageError, WorkerError
 from .checking import AnswerChecker
 from .config import LoadConfig, parse_target
@@ -179,6 +180,8 @@ class ClientProcesses:
 
     def close(self, now: bool = False) -> None:
         """Stop the processes: after their current run, or with ``now`` (an error, Ctrl-C) at once."""
+        if self._barrier is None:  # closed already
+            return
         if not now:
             # a process still waiting for one that died stops waiting now. Not with ``now``: the
             # processes are killed below anyway, and the barrier's lock is shared with them: a
@@ -206,6 +209,16 @@ class ClientProcesses:
             # thread otherwise waits, at exit, to push the samples into a pipe nobody reads
             commands.cancel_join_thread()
             commands.close()
+        # the queues' and the barrier's semaphores are released here, with Ctrl-C held (see
+        # `signals_held`; once in CI a second SIGINT cut one's finalizer, and the resource
+        # tracker printed two warnings after the command's one line), not whenever the
+        # interrupted frames that hold this object are collected; a queue's feeder thread may
+        # still hold its locks a moment, and releases them in its own thread, where no signal lands
+        p = commands = None  # this frame's last references to a process (its arguments) and a queue
+        with signals_held():
+            self._broken = self._broken or "the processes were closed"
+            self._procs, self._commands, self._results, self._barrier = [], [], None, None
+            gc.collect()
 
     def __enter__(self) -> ClientProcesses:
         return self
