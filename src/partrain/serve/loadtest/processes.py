@@ -210,8 +210,9 @@ class ClientProcesses:
             commands.cancel_join_thread()
             commands.close()
         # the queues' and the barrier's semaphores are released here, with Ctrl-C held (see
-        # `signals_held`; once in CI a second SIGINT cut one's finalizer, and the resource
-        # tracker printed two warnings after the command's one line), not whenever the
+        # `signals_held`: once in CI the resource tracker printed, after the command's one line,
+        # the two warnings of a semaphore unlinked but never unregistered, most likely a finalizer
+        # cut by a re-sent SIGINT; not reproduced in 8 runs here), not whenever the
         # interrupted frames that hold this object are collected; a queue's feeder thread may
         # still hold its locks a moment, and releases them in its own thread, where no signal lands
         p = commands = None  # this frame's last references to a process (its arguments) and a queue
