@@ -156,13 +156,22 @@ def starting_processes() -> Iterator[None]:
     one pending. The calling thread only: a SIGINT meanwhile goes to another thread of
     this process and is handled as usual.
     """
-    if not hasattr(signal, "pthread_sigmask"):  # Windows
+    with _blocked({signal.SIGINT}) as old:
+        if old is not None:
+            _start_resource_tracker(old | {signal.SIGINT})
         yield
+
+
+@contextlib.contextmanager
+def _blocked(signals: set[int]) -> Iterator[set[int] | None]:
+    """``signals`` blocked in the calling thread for the block (delivered after it); yields the mask
+    before, or None where threads have no signal mask (Windows: nothing is blocked)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield None
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
-        _start_resource_tracker(old | {signal.SIGINT})
-        yield
+        yield old
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
@@ -194,14 +203,8 @@ def signals_held() -> Iterator[None]:
     two leaves the tracker to warn, at exit, of a "leaked semaphore" it then fails to unlink
     (two warnings on the stderr of a command that had stopped with its one line).
     """
-    if not hasattr(signal, "pthread_sigmask"):  # Windows
+    with _blocked({signal.SIGINT, signal.SIGTERM}):
         yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def unblock_interrupts() -> None:

@@ -182,6 +182,20 @@ class ClientProcesses:
         """Stop the processes: after their current run, or with ``now`` (an error, Ctrl-C) at once."""
         if self._barrier is None:  # closed already
             return
+        self._stop(now)
+        # the queues' and the barrier's semaphores are released here, with Ctrl-C held (see
+        # `signals_held`: once in CI the resource tracker printed, after the command's one line,
+        # the two warnings of a semaphore unlinked but never unregistered, most likely a finalizer
+        # cut by a re-sent SIGINT; not reproduced in 8 runs here), not whenever the
+        # interrupted frames that hold this object are collected; a queue's feeder thread may
+        # still hold its locks a moment, and releases them in its own thread, where no signal lands
+        with signals_held():
+            self._broken = self._broken or "the processes were closed"
+            self._procs, self._commands, self._results, self._barrier = [], [], None, None
+            gc.collect()
+
+    def _stop(self, now: bool) -> None:
+        """`close`'s stopping: the processes told to stop (or killed), joined, the queues closed."""
         if not now:
             # a process still waiting for one that died stops waiting now. Not with ``now``: the
             # processes are killed below anyway, and the barrier's lock is shared with them: a
@@ -209,17 +223,6 @@ class ClientProcesses:
             # thread otherwise waits, at exit, to push the samples into a pipe nobody reads
             commands.cancel_join_thread()
             commands.close()
-        # the queues' and the barrier's semaphores are released here, with Ctrl-C held (see
-        # `signals_held`: once in CI the resource tracker printed, after the command's one line,
-        # the two warnings of a semaphore unlinked but never unregistered, most likely a finalizer
-        # cut by a re-sent SIGINT; not reproduced in 8 runs here), not whenever the
-        # interrupted frames that hold this object are collected; a queue's feeder thread may
-        # still hold its locks a moment, and releases them in its own thread, where no signal lands
-        p = commands = None  # this frame's last references to a process (its arguments) and a queue
-        with signals_held():
-            self._broken = self._broken or "the processes were closed"
-            self._procs, self._commands, self._results, self._barrier = [], [], None, None
-            gc.collect()
 
     def __enter__(self) -> ClientProcesses:
         return self
