@@ -114,8 +114,18 @@ def test_bucket_messages_and_contention_by_hand():
     # the default constants (k = 1, c = 0) are the formula without them
     plain = Constants(step_s=0.01, batch=32, model_bytes=1e6)
     assert math.isclose(step_seconds("allreduce", 2, plain, LINK), 0.01102)
+    # DDP's bookkeeping o = 0.5 ms: on every allreduce step of two workers or more, on no other strategy's
+    with_o = Constants(step_s=0.01, batch=32, model_bytes=1e6, host_factor=1.2, messages=3, contention_s=2e-3,
+                       overhead_s=5e-4)
+    assert math.isclose(step_seconds("allreduce", 2, with_o, LINK), 0.01556)
+    assert math.isclose(step_seconds("allreduce", 8, with_o, LINK), 0.01667)
+    assert math.isclose(step_seconds("allreduce", 1, with_o, LINK), 0.012)  # one worker runs without DDP
+    assert math.isclose(step_seconds("localsgd", 8, with_o, LINK, period=4), 0.0129725)
+    assert math.isclose(step_seconds("ps", 64, with_o, LINK), 0.012 + 0.016 + 2e-5)
     for bad, match in (({"messages": 0}, "Expected k >= 1 messages"), ({"messages": 1.5}, "Expected k >= 1"),
                        ({"contention_s": -1e-3}, "Expected a contention c >= 0"),
-                       ({"contention_s": float("nan")}, "Expected a contention c >= 0")):
+                       ({"contention_s": float("nan")}, "Expected a contention c >= 0"),
+                       ({"overhead_s": -1e-4}, "Expected DDP's overhead o >= 0"),
+                       ({"overhead_s": float("inf")}, "Expected DDP's overhead o >= 0")):
         with pytest.raises(UsageError, match=match):
             step_seconds("allreduce", 2, Constants(0.01, 32, 1e6, **bad), LINK)

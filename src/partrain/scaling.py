@@ -23,7 +23,9 @@ strategy advisor (``partrain compare``) fits to its measurements.
 What `Constants` adds for a measured job (``partrain compare``): DDP's all-reduce is not one
 message but one per gradient bucket (``k`` messages, each paying the latency), and on a host
 whose cores the workers' compute fills, the reductions' CPU (gloo sums and copies the
-buckets on the same cores) cannot overlap the compute: ``c`` seconds per step, measured.
+buckets on the same cores) cannot overlap the compute: ``c`` seconds per step, measured; and
+DDP's own bookkeeping (autograd hooks, the buckets, averaging them) adds ``o`` seconds to every
+step of two workers or more, measured on one worker without communication.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def predict(strategy: str, n: int, model_bytes: float, compute_s: float, link: L
 
 #: how each strategy's step time at n workers is written, with t1 the one-worker step time
 FORMULAS = {
-    "allreduce": "t(n) = h t1 + c + 2(n-1)/n * S/B + 2(n-1) k a   (k all-reduces a step: DDP's gradient buckets)",
+    "allreduce": "t(n) = h t1 + o + c + 2(n-1)/n * S/B + 2(n-1) k a   (k all-reduces a step: DDP's gradient buckets)",
     "ps": "t(n) = h t1 + 2 n S/(k B) + 2 a,  k = max(1, n // 8) server shards",
     "localsgd": "t(n) = h t1 + (c + 2(n-1)/n * S/B + 2(n-1) a) / H   (one flat all-reduce every H steps)",
     "pipeline": "t(n) = h t1/n * (m + n - 1)/m  (n stages, m micro-batches, one batch in flight)",
@@ -123,8 +125,11 @@ CONTENTION = ("c = what a synchronous step costs beyond its parts when the reduc
               "compute (their CPU, the wait for the slowest worker, evicted caches): every worker's step followed "
               "by the all-reduces of the real bucket layout, at once, minus (the steps at once + the all-reduces "
               "alone); measured here")
+#: what o is (0 where it was not measured)
+DDP_OVERHEAD = ("o = DDP's own work in a step (its autograd hooks, the gradient buckets, averaging them): one "
+                "worker's step wrapped in DDP without communication, minus its plain step; measured here")
 #: how the predictions beyond this machine treat h and c
-BEYOND = ("beyond this machine: one worker per host (h = 1), c = 0 (the reductions run beside the compute: a GPU's "
+BEYOND = ("beyond this machine: one worker per host (h = 1), o as here, c = 0 (the reductions run beside the compute: a GPU's "
           "collectives, or a core left to gloo; on CPU hosts whose compute takes every core add c), "
           "a = 20 us per message, B the link")
 THROUGHPUT = "X(n) = n b / t(n) (pipeline: b / t(n));  efficiency E(n) = X(n) / (n X(1))"
@@ -138,7 +143,8 @@ class Constants:
     measured, or cores to spare); ``messages`` is ``k``, the all-reduces of one allreduce
     step (DDP's gradient buckets); ``contention_s`` is ``c``, the seconds a synchronous step
     loses when the reductions run on the cores the compute uses (0: not measured, or a core
-    to spare)."""
+    to spare); ``overhead_s`` is ``o``, the seconds DDP's own bookkeeping adds to an
+    allreduce step besides communicating (0: not measured)."""
 
     step_s: float
     batch: int
@@ -146,6 +152,7 @@ class Constants:
     host_factor: float = 1.0
     messages: int = 1
     contention_s: float = 0.0
+    overhead_s: float = 0.0
 
 
 def step_seconds(strategy: str, n: int, c: Constants, link: Link, *, period: int = 8,
@@ -158,11 +165,15 @@ def step_seconds(strategy: str, n: int, c: Constants, link: Link, *, period: int
         raise UsageError(f"Expected k >= 1 messages per step. Received: {c.messages!r}")
     if not (c.contention_s >= 0 and math.isfinite(c.contention_s)):
         raise UsageError(f"Expected a contention c >= 0 seconds. Received: {c.contention_s!r}")
+    if not (c.overhead_s >= 0 and math.isfinite(c.overhead_s)):
+        raise UsageError(f"Expected DDP's overhead o >= 0 seconds. Received: {c.overhead_s!r}")
     t1 = c.step_s * c.host_factor
     contention = c.contention_s if n > 1 else 0.0
     if strategy == "allreduce":
-        # k messages: the transfer is the same bytes, the latency is paid per message
-        return t1 + contention + allreduce_seconds(n, c.model_bytes, Link(link.bandwidth,
+        # k messages: the transfer is the same bytes, the latency is paid per message; one worker
+        # runs without DDP (partrain's allreduce skips it), so o only from two on
+        overhead = c.overhead_s if n > 1 else 0.0
+        return t1 + overhead + contention + allreduce_seconds(n, c.model_bytes, Link(link.bandwidth,
                                                                           link.latency_s * c.messages))
     if strategy == "ps":
         return t1 + ps_seconds(n, c.model_bytes, link, shards or max(1, n // 8))

@@ -66,8 +66,8 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
 
     text = format_result(result)
     for needle in ("samples/s", "bytes/sample", "loss/single", f"{expected} *", f"recommended: {expected}",
-                   "predicted scaling", "t(n) = h t1 + c + 2(n-1)/n * S/B + 2(n-1) k a", "512 workers",
-                   "2-worker allreduce predicted", "beyond this machine: one worker per host (h = 1), c = 0"):
+                   "predicted scaling", "t(n) = h t1 + o + c + 2(n-1)/n * S/B + 2(n-1) k a", "512 workers",
+                   "2-worker allreduce predicted", "beyond this machine: one worker per host (h = 1), o as here, c = 0"):
         assert needle in text, needle
 
     saved = json.loads((tmp_path / "compare.json").read_text())
@@ -82,15 +82,18 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
     assert sum(saved["buckets"]) == _parameter_bytes(conv_net(16)) and saved["constants"]["messages"] == len(
         saved["buckets"])
     assert saved["constants"]["contention_s"] >= 0.0 and result.contention_s == saved["constants"]["contention_s"]
-    # beyond this machine, by hand: h = 1, c = 0, k messages of 20 us, ring on 10 Gbit/s
+    # o, DDP's bookkeeping timed against the plain step: clamped at 0
+    o = saved["constants"]["overhead_s"]
+    assert o >= 0.0 and result.ddp_overhead_s == o and result.probe["ddp"] > 0
+    # beyond this machine, by hand: h = 1, o as here, c = 0, k messages of 20 us, ring on 10 Gbit/s
     t1, k, size = saved["constants"]["step_s"], len(saved["buckets"]), saved["model_bytes"]
-    step8 = t1 + 2 * 7 / 8 * size / 1.25e9 + 2 * 7 * k * 20e-6
+    step8 = t1 + o + 2 * 7 / 8 * size / 1.25e9 + 2 * 7 * k * 20e-6
     at8 = next(p for p in saved["predictions"] if (p["strategy"], p["workers"], p["bandwidth"]) == (
         "allreduce", 8, 1.25e9))
     assert at8["samples_per_s"] == pytest.approx(8 * 32 / step8, rel=1e-12)
     # here: the probe's h, c, k and link, by hand
     bw, lat = saved["link"]["bandwidth"], saved["link"]["latency_s"]
-    step2 = saved["constants"]["host_factor"] * t1 + saved["constants"]["contention_s"] + size / bw + 2 * k * lat
+    step2 = saved["constants"]["host_factor"] * t1 + o + saved["constants"]["contention_s"] + size / bw + 2 * k * lat
     assert saved["validation"]["predicted"] == pytest.approx(2 * 32 / step2, rel=1e-12)
     # the host's CPU time that went elsewhere during each window (Linux's /proc): shares of every core's time
     for s in saved["strategies"]:

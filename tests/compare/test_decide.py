@@ -315,3 +315,29 @@ def test_the_model_check_is_not_made_against_a_straggler_and_the_report_says_why
     assert slowed.validation == {} and slowed.predictions  # the predictions beyond this machine stand
     assert ("check of the model here: not made: the injected straggler (worker 1, 3x) slows every step of the "
             "measured allreduce, and the model predicts workers of equal speed") in format_result(slowed)
+
+
+def test_the_bench_checks_the_model_on_the_medians_of_its_runs_by_hand():
+    """``bench compare``'s check of the scaling model: the one-worker step of single's runs (the median
+    of their samples/s) with compare's probed constants, against the median of allreduce's runs."""
+    from partrain.bench.compare import model_check
+    from partrain.compare.options import Straggler
+    from partrain.compare.run import CompareResult, _predict
+
+    def result(straggler=None):
+        r = CompareResult([window("single", "single", 1000.0, workers=1), window("allreduce", "allreduce", 600.0)],
+                          None, 60.0, 50.0, 2, 32, 100_000, straggler)
+        r.link, r.host_factor, r.contention_s, r.ddp_overhead_s = (1e8, 1e-4), 1.25, 2e-3, 1e-3
+        _predict(r, [1.25e9], [8])
+        return r
+
+    runs = {"single": [window("single", "single", x, workers=1) for x in (800.0, 1000.0, 900.0)],
+            "allreduce": [window("allreduce", "allreduce", x) for x in (1300.0, 1100.0, 1200.0)]}
+    predicted, measured = model_check(result(), runs)
+    # t1 = 32 / 900 (single's median); h t1 + o + c + ring (1e-3 + 2e-4) for 2 x 32 samples; measured 1,200
+    assert predicted == pytest.approx(64 / (1.25 * 32 / 900 + 1e-3 + 2e-3 + 1.2e-3), rel=1e-12)
+    assert measured == 1200.0
+    # no check where compare made none (a straggler), or without single's or allreduce's runs
+    for r, given in ((result(Straggler(1, 3.0)), runs), (result(), {"single": runs["single"]}),
+                     (result(), {"allreduce": runs["allreduce"]})):
+        assert all(math.isnan(x) for x in model_check(r, given))

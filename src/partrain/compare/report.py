@@ -8,7 +8,7 @@ import math
 import os
 from typing import Any
 
-from ..scaling import BEYOND, CONTENTION, FORMULAS, HOST_FACTOR, THROUGHPUT
+from ..scaling import BEYOND, CONTENTION, DDP_OVERHEAD, FORMULAS, HOST_FACTOR, THROUGHPUT
 from ..tables import format_table
 from .hostload import spread_warning
 from .measure import Measurement
@@ -102,8 +102,9 @@ def format_result(result: CompareResult) -> str:
                 else "no link probed")
         lines += ["", "predicted scaling (constants from the single window and the host probe: t1 = "
                   f"{c.step_s * 1e3:.2f} ms per step of b = {c.batch}, S = {c.model_bytes / 2**20:.2f} MB in "
-                  f"k = {c.messages} bucket(s); here h = {c.host_factor:.2f}, c = {c.contention_s * 1e3:.2f} ms, "
-                  f"{link})", f"  {HOST_FACTOR}", f"  {CONTENTION}"]
+                  f"k = {c.messages} bucket(s); here h = {c.host_factor:.2f}, o = {c.overhead_s * 1e3:.2f} ms, "
+                  f"c = {c.contention_s * 1e3:.2f} ms, {link})", f"  {HOST_FACTOR}", f"  {DDP_OVERHEAD}",
+                  f"  {CONTENTION}"]
         for name in ("allreduce", "ps", "localsgd"):
             lines.append(f"  {name}: {FORMULAS[name]}")
         lines += [f"  {THROUGHPUT}", f"  {BEYOND}"]
@@ -150,7 +151,8 @@ def to_json(result: CompareResult) -> dict[str, Any]:
                            "noise": rec.noise} if rec else None,
         "strategies": [_measurement_json(m) for m in ranked(result)],
         "constants": vars(result.constants) if result.constants else None,
-        "formulas": {**FORMULAS, "throughput": THROUGHPUT, "h": HOST_FACTOR, "c": CONTENTION, "beyond": BEYOND},
+        "formulas": {**FORMULAS, "throughput": THROUGHPUT, "h": HOST_FACTOR, "o": DDP_OVERHEAD,
+                     "c": CONTENTION, "beyond": BEYOND},
         "buckets": result.buckets, "probe": result.probe,
         "predictions": [vars(p) for p in result.predictions],
         "validation": result.validation or None,

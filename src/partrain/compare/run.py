@@ -16,6 +16,7 @@ strategy whose share cannot pay for that is skipped and says so.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import statistics
 import time
@@ -63,9 +64,11 @@ OPT_IN = frozenset({"ps s=2"})
 SCALE_WORKERS = (8, 64, 512)
 DEFAULT_LINKS = "10Gbit,100Gbit"
 #: about how long the host probe's timed parts run in all (seconds; at most this share of the budget),
-#: and in how many alternating rounds
-HOST_PROBE_S = 1.2
-HOST_PROBE_SHARE = 0.04
+#: and in how many alternating rounds. o and c are differences of steps timed a few milliseconds
+#: apart: in 1.2 s, five probes of the comm scenario in a row gave c from 0.7 to 2.2 ms and o from
+#: 1.5 to 2.2 (a step of 18 ms); in 3.6 s, 0.6 to 1.3 and 1.4 to 2.0
+HOST_PROBE_S = 3.0
+HOST_PROBE_SHARE = 0.05
 PROBE_ROUNDS = 3
 #: start-up of one window (a process group, the model, the data) before the first one measured it
 FIRST_OVERHEAD_S = 0.8
@@ -109,6 +112,7 @@ class CompareResult:
     #: DDP's gradient buckets (bytes each, in the order they are all-reduced): k = len(buckets) messages
     buckets: list[int] = field(default_factory=list)
     contention_s: float = 0.0  # c: a synchronous step's cost beyond its parts on this host's cores
+    ddp_overhead_s: float = 0.0  # o: DDP's bookkeeping in one step, besides communicating
     #: the host probe's medians (seconds): alone, together, small, reduce, synced
     probe: dict[str, float] = field(default_factory=dict)
     constants: Constants | None = None
@@ -247,7 +251,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                            seconds=min(HOST_PROBE_S, HOST_PROBE_SHARE * budget_s))
                 say(f"{_clock(started)} host probe: local link {result.link[0] / 1e6:,.0f} MB/s, latency "
                     f"{result.link[1] * 1e6:.0f} us, {len(result.buckets)} bucket(s); {n} workers at once step "
-                    f"{result.host_factor:.2f}x slower than one (h); c = {result.contention_s * 1e3:.2f} ms")
+                    f"{result.host_factor:.2f}x slower than one (h); o = {result.ddp_overhead_s * 1e3:.2f} ms, "
+                    f"c = {result.contention_s * 1e3:.2f} ms")
             left = budget_s - (time.perf_counter() - started) - finish
             overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
             window = left / (len(chosen) - i) - overhead
@@ -415,8 +420,6 @@ def initial_loss(model: nn.Module, ds: Any, task: Any, limit: int = TEST_SAMPLES
 def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[..., Any], batch_size: int,
                 threads: int, steps: int = 3) -> float:
     """Seconds of one training step here, on a copy of the model: the first guess of a window's step."""
-    import copy
-
     net = copy.deepcopy(model).train()
     opt = optimizer_fn(net.parameters())
     batch = next(iter(_loader(ds, batch_size, task)))
@@ -445,8 +448,6 @@ def _bucket_sizes(model: nn.Module, inputs: Any, target: Any, task: Any, group: 
     as the ``allreduce`` strategy builds it: a communication hook records every bucket it is
     handed (then all-reduces it), and the second backward pass is read (DDP rebuilds its
     buckets after the first)."""
-    import copy
-
     from torch.nn.parallel import DistributedDataParallel
 
     from ..strategies.allreduce import AllReduce
@@ -461,6 +462,15 @@ def _bucket_sizes(model: nn.Module, inputs: Any, target: Any, task: Any, group: 
     return list(seen) if seen else [parameter_bytes(model)]
 
 
+def _averaging_hook(workers, bucket):  # noqa: ANN001, ANN202 - DDP inspects these annotations
+    """A DDP communication hook that does what ``allreduce``'s does to a bucket but communicate."""
+    tensor = bucket.buffer()
+    tensor.div_(workers)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
 def _recording_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP inspects these annotations
     """A DDP communication hook: note the bucket's bytes, then all-reduce it as DDP would."""
     import torch.distributed as dist
@@ -472,16 +482,14 @@ def _recording_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP inspects these
 
 
 def _median_time(fn: Callable[[], Any], steps: int) -> float:
-    times = []
+    times: list[float] = []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        _time_into(times, fn)
     return statistics.median(times)
 
 
 def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[str, Any]:
-    """In each of the workers: the parts of a synchronous step, timed in alternating rounds.
+    """In each of the workers: the parts of a synchronous step, timed in turns (call by call).
 
     - ``alone``: rank 0's training step while the others wait (its model, its first batch,
       the optimizer);
@@ -489,15 +497,30 @@ def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[s
     - ``small``: a 4-byte all-reduce (the latency of 2 (n-1) hops);
     - ``reduce``: the all-reduces of DDP's real bucket layout, one after another;
     - ``synced``: the step, then those all-reduces, in every worker at once: what an
-      ``allreduce`` step does on this host when no core is left for the reductions.
+      ``allreduce`` step does on this host when no core is left for the reductions;
+    - ``ddp``: rank 0's step on its model wrapped in DDP as ``allreduce`` wraps it, on a group
+      of its own process and with a communication hook that only averages the buckets, while
+      the others wait: the step with DDP's bookkeeping and no communication.
     """
+    import datetime
+
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..strategies.allreduce import AllReduce
 
     model, train_ds, _, task = _inspect(job)
     group = strategy.group
     batch = next(iter(_loader(train_ds, job.batch_size, task)))
     inputs, target = task.split(batch)
     sizes = _bucket_sizes(model, inputs, target, task, group)
+    # every process takes part in creating every group; each one's own holds only itself
+    timeout = datetime.timedelta(seconds=strategy.timeout)
+    own = [dist.new_group([r], timeout=timeout) for r in range(dist.get_world_size())][dist.get_rank()]
+    wrapped = DistributedDataParallel(copy.deepcopy(model).train(), process_group=own,
+                                      bucket_cap_mb=AllReduce().bucket_cap_mb, gradient_as_bucket_view=True)
+    wrapped.register_comm_hook(float(dist.get_world_size(group)), _averaging_hook)
+    ddp = _training_step(wrapped, job.optimizer_fn(wrapped.parameters()), task, inputs, target)
     net = model.train()
     step = _training_step(net, job.optimizer_fn(net.parameters()), task, inputs, target)
     buffers = [torch.zeros(max(1, size // 4)) for size in sizes]
@@ -512,19 +535,33 @@ def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[s
         reduce()
 
     synced()  # first-call costs, untimed
-    parts: dict[str, list[float]] = {"alone": [], "together": [], "small": [], "reduce": [], "synced": []}
+    for _ in range(2):
+        ddp()  # DDP rebuilds its buckets after the first step
+    parts: dict[str, list[float]] = {"alone": [], "ddp": [], "together": [], "small": [], "reduce": [],
+                                     "synced": []}
     rank = dist.get_rank(group)
+    # the parts that are compared take turns call by call, not block by block: on a host whose
+    # speed drifts within a second, each difference (o, c) is then taken between neighbours
     for _ in range(rounds):
         dist.barrier(group=group)
         if rank == 0:
-            parts["alone"].append(_median_time(step, steps))
+            for _ in range(steps):
+                _time_into(parts["alone"], step)
+                _time_into(parts["ddp"], ddp)
         dist.barrier(group=group)
-        parts["together"].append(_median_time(step, steps))
-        dist.barrier(group=group)
-        parts["small"].append(_median_time(lambda: dist.all_reduce(small, group=group), steps))
-        parts["reduce"].append(_median_time(reduce, steps))
-        parts["synced"].append(_median_time(synced, steps))
+        for _ in range(steps):
+            _time_into(parts["together"], step)  # every worker at once: the last collective lined them up
+            dist.barrier(group=group)  # lined up again: the others wait for no one's step
+            _time_into(parts["small"], lambda: dist.all_reduce(small, group=group))
+            _time_into(parts["reduce"], reduce)
+            _time_into(parts["synced"], synced)
     return {"sizes": sizes, **{k: statistics.median(v) if v else math.nan for k, v in parts.items()}}
+
+
+def _time_into(times: list[float], fn: Callable[[], Any]) -> None:
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
 
 
 def probe_host(result: CompareResult, job: Job, workers: int, step_guess: float, timeout: float,
@@ -541,17 +578,19 @@ def probe_host(result: CompareResult, job: Job, workers: int, step_guess: float,
       taken as transfer: on a loaded machine the small message's time is mostly scheduling);
     - ``c = synced - together - reduce`` (at least 0): on a host whose cores the workers
       fill, the reductions' CPU, the wait for the slowest worker each step and the caches
-      the all-reduces evict, none of which the parts alone show.
+      the all-reduces evict, none of which the parts alone show;
+    - ``o = ddp - alone`` (at least 0): DDP's bookkeeping in a step, timed in one process
+      against its plain step in the same rounds (a host whose speed drifts moves both).
     """
     from ..launch import launch
 
     n = workers
-    per_part = seconds / PROBE_ROUNDS / 5
-    steps = int(min(20, max(2, per_part / max(step_guess, 1e-6))))
+    per_part = seconds / PROBE_ROUNDS / 6  # six parts of about a step each (synced two, small none)
+    steps = int(min(40, max(2, per_part / max(step_guess, 1e-6))))
     out = launch(_probe_in_worker, job, steps, PROBE_ROUNDS, workers=n, strategy="allreduce", timeout=timeout,
                  threads=threads)
     med = {k: statistics.median(o[k] for o in out) for k in ("together", "small", "reduce", "synced")}
-    med["alone"] = out[0]["alone"]
+    med["alone"], med["ddp"] = out[0]["alone"], out[0]["ddp"]
     sizes = [int(x) for x in out[0]["sizes"]]
     k, total = len(sizes), float(sum(sizes))
     latency = max(med["small"] / (2 * (n - 1)), 1e-7)
@@ -560,6 +599,7 @@ def probe_host(result: CompareResult, job: Job, workers: int, step_guess: float,
     result.host_factor = max(1.0, med["together"] / med["alone"]) if med["alone"] > 0 else 1.0
     result.buckets = sizes
     result.contention_s = max(0.0, med["synced"] - med["together"] - med["reduce"])
+    result.ddp_overhead_s = max(0.0, med["ddp"] - med["alone"])
     result.probe = med
 
 
@@ -585,7 +625,7 @@ def _estimate_step(c: Candidate, n: int, result: CompareResult, guess: float, mo
         link = Link(*result.link)
         messages = Link(link.bandwidth, link.latency_s * max(1, len(result.buckets)))
         if c.strategy == "allreduce":
-            step += allreduce_seconds(n, model_bytes, messages) + result.contention_s
+            step += allreduce_seconds(n, model_bytes, messages) + result.contention_s + result.ddp_overhead_s
         elif c.strategy == "ps":
             step += ps_seconds(n, model_bytes, link, 1)
         elif c.strategy == "localsgd":
@@ -597,15 +637,15 @@ def _predict(result: CompareResult, links: list[float], scale: Sequence[int]) ->
     """Fit the scaling model's constants from the one-worker window and the host probe, check it
     against the measured allreduce window, and predict beyond this machine (see `partrain.scaling`).
 
-    Here: ``h``, ``c``, ``k`` and the link as probed. Beyond this machine (`scaling.BEYOND`):
-    one worker per host, so ``h = 1``; ``c = 0``; the same ``k`` buckets at 20 us each.
+    Here: ``h``, ``o``, ``c``, ``k`` and the link as probed. Beyond this machine (`scaling.BEYOND`):
+    one worker per host, so ``h = 1``; ``o`` as here; ``c = 0``; the same ``k`` buckets at 20 us each.
     """
     single = result.measurement("single")
     if single is None or not single.ok or not single.samples_per_s > 0:
         return
     k = max(1, len(result.buckets))
     here = Constants(result.batch_size / single.samples_per_s, result.batch_size, float(result.model_bytes),
-                     result.host_factor, k, result.contention_s)
+                     result.host_factor, k, result.contention_s, result.ddp_overhead_s)
     result.constants = here
     allreduce = result.measurement("allreduce")
     # with an injected straggler the measured allreduce waits for it at every step, and the model
@@ -615,7 +655,7 @@ def _predict(result: CompareResult, links: list[float], scale: Sequence[int]) ->
         result.validation = {"workers": float(allreduce.workers), "predicted": predicted,
                              "measured": allreduce.samples_per_s,
                              "error": abs(predicted - allreduce.samples_per_s) / allreduce.samples_per_s}
-    beyond = Constants(here.step_s, here.batch, here.model_bytes, 1.0, k, 0.0)
+    beyond = Constants(here.step_s, here.batch, here.model_bytes, 1.0, k, 0.0, here.overhead_s)
     kinds = [("allreduce", {}), ("ps", {}), ("localsgd", {"period": 8})]
     for bandwidth in links:
         link = Link(bandwidth)
