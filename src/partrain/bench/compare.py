@@ -25,9 +25,10 @@ itself: the 2-worker allreduce samples/s predicted from its single window and it
 probe, against its allreduce window (one window each, measured some seconds apart). The
 bench checks it on its runs to the target: the same prediction with the one-worker step of
 single's runs, against allreduce's runs (each the median of the `TARGET_RUNS` runs' steady
-samples/s, in alternating rounds). On a host whose speed drifts (the CI machines' same step
-takes 3 ms in one second and 6 ms in the next, with no other load seen), one window each is
-a measurement of the drift as much as of the model; medians of alternating rounds are not.
+samples/s, in alternating rounds). On a host whose speed drifts (on the project's 2-core
+machine the same step took 3.1 to 6.9 ms from one block of 100 steps to the next, with no
+other load and no CPU stolen), one window each measures the drift as much as the model;
+medians of alternating rounds do not.
 
 Goals (issue 16): compare.regret_max (over scenarios, the recommended strategy's time to
 target over the fastest's, minus 1) <= 0.10; compare.prediction_error (over the scenarios

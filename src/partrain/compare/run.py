@@ -113,7 +113,7 @@ class CompareResult:
     buckets: list[int] = field(default_factory=list)
     contention_s: float = 0.0  # c: a synchronous step's cost beyond its parts on this host's cores
     ddp_overhead_s: float = 0.0  # o: DDP's bookkeeping in one step, besides communicating
-    #: the host probe's medians (seconds): alone, together, small, reduce, synced
+    #: the host probe's medians (seconds): alone, ddp, together, small, reduce, synced
     probe: dict[str, float] = field(default_factory=dict)
     constants: Constants | None = None
     predictions: list[Prediction] = field(default_factory=list)
