@@ -94,6 +94,18 @@ def test_a_parallel_strategy_within_the_noise_of_one_process_gives_way_to_it():
                        "as well with fewer processes: parallelism does not pay measurably here")
     # 8% faster: outside the floor, so hogwild
     assert recommend([single, window("hogwild", "hogwild", 1080.0)]).pick == "hogwild"
+    # one process faster than a tied hogwild: the ratio is said once, in the tie's words
+    rec = recommend([single, window("hogwild", "hogwild", 990.0)])
+    assert rec.pick == "single" and rec.tied == ["hogwild"]
+    assert rec.why == ("tied with hogwild (0.99x its speed, within the windows' noise of 5%); one process reaches "
+                       "the loss sooner than the best parallel strategy: parallelism does not pay here")
+    # and allreduce kept in a tie with a rival under the margin: the same
+    allreduce = window("allreduce", "allreduce", 2000.0, compute=0.9, comm=0.1)
+    rec = recommend([single, allreduce, window("ps sync", "ps", 2060.0, compute=0.9, comm=0.1, staleness=0)])
+    assert rec.pick == "allreduce" and rec.tied == ["ps sync"] and rec.why.count("1.03x") == 1, rec.why
+    assert rec.why == ("tied with ps sync (1.03x its speed, within the windows' noise of 5%); communication and "
+                       "waiting are only 10% of its step, and no other strategy is 10% faster: allreduce keeps the "
+                       "exact gradient of the global batch")
 
 
 def test_skipped_and_failed_windows_say_why_and_nothing_measured_is_no_advice():

@@ -183,14 +183,14 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         if best is None:
             why = "the only strategy that ran"
         elif single.speed >= best.speed:
-            why = (f"one process reaches the loss sooner than the best parallel strategy ({best.label}: "
-                   f"{best.speed / single.speed:.2f}x its speed): parallelism does not pay here")
+            why = (f"one process reaches the loss sooner than the best parallel strategy{_versus(best, single)}: "
+                   "parallelism does not pay here")
         else:
             why = "one process does as well with fewer processes: parallelism does not pay measurably here"
     elif allreduce is not None and best is not None and (
             single is None or allreduce.speed > single.speed) and best.speed < allreduce.speed * (1 + margin):
         pick = allreduce
-        rival = "" if best is allreduce else f" ({best.label}: {best.speed / allreduce.speed:.2f}x its speed)"
+        rival = "" if best is allreduce else _versus(best, allreduce)
         if waiting_share(allreduce) < comm_floor:
             why = (f"communication and waiting are only {waiting_share(allreduce):.0%} of its step, and no other "
                    f"strategy is {margin:.0%} faster{rival}: allreduce keeps the exact gradient of the global batch")
@@ -214,11 +214,18 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
                 pick, second = second, pick
                 why = (f"of the two, {pick.label} is the safer choice: it {RISKS[risk(pick)]}, where "
                        f"{second.label} {RISKS[risk(second)]}")
+            else:
+                why = why.replace(_versus(second, pick), "")  # the tie's own words give the ratio
             tied = [second.label]
             why = (f"tied with {second.label} ({second.speed / pick.speed:.2f}x its speed, within the windows' "
                    f"noise of {noise:.0%}); {why}")
     others = {m.label: _why_not(m, pick, ref, loss_tolerance) for m in measurements if m.label != pick.label}
     return Recommendation(pick.label, why, others, tied, noise)
+
+
+def _versus(m: Measurement, pick: Measurement) -> str:
+    """`` (label: 0.87x its speed)``: ``m``'s speed against the pick's, as the reasons name a rival."""
+    return f" ({m.label}: {m.speed / pick.speed:.2f}x its speed)"
 
 
 #: what a strategy does to the gradient, by `risk` (0: synchronous, the exact gradient)
