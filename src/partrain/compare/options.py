@@ -22,7 +22,9 @@ _SECONDS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 @dataclass(frozen=True)
 class Straggler:
     """Worker ``worker`` (its index among the workers) runs ``slowdown`` times slower: before each
-    training step it sleeps ``slowdown - 1`` times its previous step's forward and backward."""
+    training step it sleeps ``slowdown - 1`` times the whole of its previous step (data, compute,
+    optimizer and communication, its own delay left out), as a slower machine would take
+    (`partrain.compare.probe`)."""
 
     worker: int = 1
     slowdown: float = 2.0
