@@ -128,7 +128,7 @@ CONTENTION = ("c = what a synchronous step costs beyond its parts when the reduc
 #: what o is (0 where it was not measured)
 DDP_OVERHEAD = ("o = DDP's own work in a step (its autograd hooks, the gradient buckets, averaging them): one "
                 "worker's step wrapped in DDP without communication, minus its plain step; measured here")
-#: how the predictions beyond this machine treat h and c
+#: how the predictions beyond this machine treat h, o and c
 BEYOND = ("beyond this machine: one worker per host (h = 1), o as here, c = 0 (the reductions run beside the compute: a GPU's "
           "collectives, or a core left to gloo; on CPU hosts whose compute takes every core add c), "
           "a = 20 us per message, B the link")

@@ -34,8 +34,9 @@ Goals (issue 16): compare.regret_max (over scenarios, the recommended strategy's
 target over the fastest's, minus 1) <= 0.10; compare.prediction_error (over the scenarios
 without a straggler, the largest relative error of the model's 2-worker allreduce samples/s
 from one-worker measurements, the bench's check on the runs) <= 0.20 (compare's own
-one-window checks are printed beside it as ``prediction_error_window``); compare.budget_overrun (over scenarios, compare's wall time over its budget,
-minus 1) <= 0.10. Every run shares one pool of processes, started before the first one.
+one-window checks are printed beside it as ``prediction_error_window``);
+compare.budget_overrun (over scenarios, compare's wall time over its budget, minus 1)
+<= 0.10. Every run shares one pool of processes, started before the first one.
 """
 
 from __future__ import annotations
