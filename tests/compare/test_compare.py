@@ -230,3 +230,41 @@ def test_ps_with_bounded_staleness_runs_only_when_named():
     named, _ = applicable(["single", "ps s=2"], model, 2, 32, None)
     assert [(c.label, c.strategy, c.options) for c in named] == [("single", "single", {}),
                                                                  ("ps s=2", "ps", {"staleness": 2})]
+
+
+def test_the_host_probe_runs_on_the_windows_device_and_its_constants_are_its_parts_by_hand(monkeypatch):
+    """`probe_host` launches its workers on the comparison's device (on a one-GPU workstation compare
+    falls back to the CPU for two workers, and a probe on the GPU would put both ranks on it), and
+    turns the medians of its parts into h, o, c and the link as its docstring writes them (the
+    launch is replaced by one that records its arguments and returns set parts: the arithmetic,
+    not the timing, is under test)."""
+    import importlib
+
+    from partrain.compare.measure import Job
+    from partrain.compare.run import CompareResult, probe_host
+
+    calls = []
+    parts = [{"sizes": [4000, 2000], "alone": 0.010, "ddp": 0.0115, "together": 0.012, "small": 0.0004,
+              "reduce": 0.004, "synced": 0.0175},
+             {"sizes": [4000, 2000], "alone": float("nan"), "ddp": float("nan"), "together": 0.014,
+              "small": 0.0006, "reduce": 0.006, "synced": 0.0195}]
+
+    def fake_launch(fn, *args, **kwargs):
+        calls.append(kwargs)
+        return parts
+
+    # the module (the package's `partrain.launch` is the function)
+    monkeypatch.setattr(importlib.import_module("partrain.launch"), "launch", fake_launch)
+    result = CompareResult([], None, 60.0, 0.0, 2, 32, 6000)
+    probe_host(result, Job(dense_mlp, None, sgd, device="cpu"), 2, 0.01, 30.0, 1, seconds=1.0)
+    assert calls[0]["device"] == "cpu" and calls[0]["workers"] == 2 and calls[0]["strategy"] == "allreduce"
+    # medians over the workers: together 0.013, small 0.0005, reduce 0.005, synced 0.0185; alone and ddp rank 0's
+    assert result.host_factor == pytest.approx(0.013 / 0.010)
+    assert result.ddp_overhead_s == pytest.approx(0.0015)
+    assert result.contention_s == pytest.approx(0.0185 - 0.013 - 0.005)
+    # a = small / (2 (n-1)); transfer = reduce - 2 (n-1) k a with k = 2 buckets, at least half of reduce;
+    # B = 2 (n-1)/n S / transfer over the buckets' 6000 bytes
+    latency = 0.0005 / 2
+    transfer = max(0.005 - 2 * 2 * latency, 0.005 / 2)
+    assert result.link == pytest.approx((6000 / transfer, latency))
+    assert result.buckets == [4000, 2000]

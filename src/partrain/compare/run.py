@@ -443,17 +443,36 @@ def _training_step(net: nn.Module, opt: Any, task: Any, inputs: Any, target: Any
     return step
 
 
+def _ddp(model: nn.Module, group: Any) -> nn.Module:
+    """A copy of ``model`` (on its device) wrapped in DDP over ``group`` as the ``allreduce`` strategy wraps it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..strategies.allreduce import AllReduce
+
+    device = next(model.parameters()).device
+    return DistributedDataParallel(copy.deepcopy(model).train(), process_group=group,
+                                   device_ids=[device] if device.type == "cuda" else None,
+                                   bucket_cap_mb=AllReduce().bucket_cap_mb, gradient_as_bucket_view=True)
+
+
+def _fenced(fn: Callable[[], Any], device: torch.device) -> Callable[[], None]:
+    """``fn``, then a wait for the work it queued on a CUDA ``device``: a clock around it reads
+    the work's time, not the time to queue it."""
+    if device.type != "cuda":
+        return fn
+
+    def fenced() -> None:
+        fn()
+        torch.cuda.synchronize(device)
+    return fenced
+
+
 def _bucket_sizes(model: nn.Module, inputs: Any, target: Any, task: Any, group: Any) -> list[int]:
     """The bytes of each gradient bucket DDP all-reduces for ``model`` in one step, in its order,
     as the ``allreduce`` strategy builds it: a communication hook records every bucket it is
     handed (then all-reduces it), and the second backward pass is read (DDP rebuilds its
     buckets after the first)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ..strategies.allreduce import AllReduce
-
-    ddp = DistributedDataParallel(copy.deepcopy(model).train(), process_group=group,
-                                  bucket_cap_mb=AllReduce().bucket_cap_mb, gradient_as_bucket_view=True)
+    ddp = _ddp(model, group)
     seen: list[int] = []
     ddp.register_comm_hook((seen, group), _recording_hook)
     for _ in range(2):
@@ -505,34 +524,38 @@ def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[s
     import datetime
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    from ..strategies.allreduce import AllReduce
+    from ..train.task import to_device
 
+    device = strategy.device  # the windows' device (`Job.device`): the probe times the same work
     model, train_ds, _, task = _inspect(job)
+    model.to(device)
     group = strategy.group
     batch = next(iter(_loader(train_ds, job.batch_size, task)))
-    inputs, target = task.split(batch)
+    inputs, target = to_device(task.split(batch), device)
     sizes = _bucket_sizes(model, inputs, target, task, group)
     # every process takes part in creating every group; each one's own holds only itself
     timeout = datetime.timedelta(seconds=strategy.timeout)
     own = [dist.new_group([r], timeout=timeout) for r in range(dist.get_world_size())][dist.get_rank()]
-    wrapped = DistributedDataParallel(copy.deepcopy(model).train(), process_group=own,
-                                      bucket_cap_mb=AllReduce().bucket_cap_mb, gradient_as_bucket_view=True)
+    wrapped = _ddp(model, own)
     wrapped.register_comm_hook(float(dist.get_world_size(group)), _averaging_hook)
-    ddp = _training_step(wrapped, job.optimizer_fn(wrapped.parameters()), task, inputs, target)
+    ddp = _fenced(_training_step(wrapped, job.optimizer_fn(wrapped.parameters()), task, inputs, target), device)
     net = model.train()
-    step = _training_step(net, job.optimizer_fn(net.parameters()), task, inputs, target)
-    buffers = [torch.zeros(max(1, size // 4)) for size in sizes]
-    small = torch.zeros(1)
+    step = _fenced(_training_step(net, job.optimizer_fn(net.parameters()), task, inputs, target), device)
+    buffers = [torch.zeros(max(1, size // 4), device=device) for size in sizes]
+    small = torch.zeros(1, device=device)
 
-    def reduce() -> None:
+    def reduce_buckets() -> None:
         for b in buffers:
             dist.all_reduce(b, group=group)
+
+    reduce = _fenced(reduce_buckets, device)
 
     def synced() -> None:
         step()
         reduce()
+
+    all_reduce_small = _fenced(lambda: dist.all_reduce(small, group=group), device)
 
     synced()  # first-call costs, untimed
     for _ in range(2):
@@ -552,7 +575,7 @@ def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[s
         for _ in range(steps):
             _time_into(parts["together"], step)  # every worker at once: the last collective lined them up
             dist.barrier(group=group)  # lined up again: the others wait for no one's step
-            _time_into(parts["small"], lambda: dist.all_reduce(small, group=group))
+            _time_into(parts["small"], all_reduce_small)
             _time_into(parts["reduce"], reduce)
             _time_into(parts["synced"], synced)
     return {"sizes": sizes, **{k: statistics.median(v) if v else math.nan for k, v in parts.items()}}
@@ -588,7 +611,7 @@ def probe_host(result: CompareResult, job: Job, workers: int, step_guess: float,
     per_part = seconds / PROBE_ROUNDS / 6  # six parts of about a step each (synced two, small none)
     steps = int(min(40, max(2, per_part / max(step_guess, 1e-6))))
     out = launch(_probe_in_worker, job, steps, PROBE_ROUNDS, workers=n, strategy="allreduce", timeout=timeout,
-                 threads=threads)
+                 threads=threads, device=job.device)
     med = {k: statistics.median(o[k] for o in out) for k in ("together", "small", "reduce", "synced")}
     med["alone"], med["ddp"] = out[0]["alone"], out[0]["ddp"]
     sizes = [int(x) for x in out[0]["sizes"]]
