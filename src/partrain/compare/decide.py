@@ -178,25 +178,28 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     allreduce = by_label.get("allreduce")
     single = by_label.get("single")
     single_noise = max(window_noise(single), window_noise(best), TIE_FLOOR) if single and best else TIE_FLOOR
+    # a reason that names a rival's speed against the pick's: `why`, the rival's figure, then `tail`
+    rival: Measurement | None = None
+    tail = ""
     if single is not None and (best is None or single.speed * (1 + single_noise) >= best.speed):
         pick = single
         if best is None:
             why = "the only strategy that ran"
         elif single.speed >= best.speed:
-            why = (f"one process reaches the loss sooner than the best parallel strategy{_versus(best, single)}: "
-                   "parallelism does not pay here")
+            why, rival, tail = ("one process reaches the loss sooner than the best parallel strategy", best,
+                                ": parallelism does not pay here")
         else:
             why = "one process does as well with fewer processes: parallelism does not pay measurably here"
     elif allreduce is not None and best is not None and (
             single is None or allreduce.speed > single.speed) and best.speed < allreduce.speed * (1 + margin):
         pick = allreduce
-        rival = "" if best is allreduce else _versus(best, allreduce)
+        rival = None if best is allreduce else best
         if waiting_share(allreduce) < comm_floor:
             why = (f"communication and waiting are only {waiting_share(allreduce):.0%} of its step, and no other "
-                   f"strategy is {margin:.0%} faster{rival}: allreduce keeps the exact gradient of the global batch")
+                   f"strategy is {margin:.0%} faster")
+            tail = ": allreduce keeps the exact gradient of the global batch"
         else:
-            why = (f"no other strategy is {margin:.0%} faster{rival}; allreduce keeps "
-                   "the exact gradient of the global batch")
+            why, tail = f"no other strategy is {margin:.0%} faster", "; allreduce keeps the exact gradient of the global batch"
     elif best is not None:
         pick = best
         why = _why_faster(best, allreduce or ref, straggler)
@@ -212,20 +215,18 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         if abs(second.speed / pick.speed - 1) <= noise:
             if risk(second) < risk(pick):  # the windows cannot tell them apart: the safer of the two
                 pick, second = second, pick
-                why = (f"of the two, {pick.label} is the safer choice: it {RISKS[risk(pick)]}, where "
-                       f"{second.label} {RISKS[risk(second)]}")
-            else:
-                why = why.replace(_versus(second, pick), "")  # the tie's own words give the ratio
+                why, rival, tail = (f"of the two, {pick.label} is the safer choice: it {RISKS[risk(pick)]}, where "
+                                    f"{second.label} {RISKS[risk(second)]}"), None, ""
+            if rival is second:
+                rival = None  # the tie's own words give its speed
             tied = [second.label]
             why = (f"tied with {second.label} ({second.speed / pick.speed:.2f}x its speed, within the windows' "
                    f"noise of {noise:.0%}); {why}")
+    if rival is not None:
+        why += f" ({rival.label}: {rival.speed / pick.speed:.2f}x its speed)"
+    why += tail
     others = {m.label: _why_not(m, pick, ref, loss_tolerance) for m in measurements if m.label != pick.label}
     return Recommendation(pick.label, why, others, tied, noise)
-
-
-def _versus(m: Measurement, pick: Measurement) -> str:
-    """`` (label: 0.87x its speed)``: ``m``'s speed against the pick's, as the reasons name a rival."""
-    return f" ({m.label}: {m.speed / pick.speed:.2f}x its speed)"
 
 
 #: what a strategy does to the gradient, by `risk` (0: synchronous, the exact gradient)
