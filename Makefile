@@ -36,10 +36,12 @@ run: $(VENV)/.base
 	$(VENV)/bin/partrain train
 
 # Two pytest workers: the suite's processes spend much of their time waiting (process start,
-# sockets, other processes' steps), so two at once keep both cores busy.
+# sockets, other processes' steps), so two at once keep both cores busy. Each worker takes a
+# whole module when it gets free (loadscope: a module's fixtures are set up once), slowest
+# modules first (tests/conftest.py's SLOWEST_FIRST), so neither waits on the other at the end.
 TEST_JOBS ?= 2
 test: $(VENV)/.dev
-	$(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --durations=15 tests
+	$(VENV)/bin/python -m pytest -q -n $(TEST_JOBS) --dist loadscope --no-loadscope-reorder --durations=15 tests
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check src tests
