@@ -74,3 +74,34 @@ def test_sampled_actions_follow_the_softmax_and_carry_their_log_probability():
     assert actions.dtype == torch.int64 and actions.shape == (40_000,)
     again, _ = sample_actions(logits, torch.Generator().manual_seed(3))
     assert torch.equal(actions, again)  # the generator decides
+
+
+class _Grid(gymnasium.Env):
+    """Observations of shape (2, 3) (an image-like box): the step count and the action in every cell."""
+
+    observation_space = gymnasium.spaces.Box(-10.0, 10.0, (2, 3), dtype=np.float32)
+    action_space = gymnasium.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros((2, 3), dtype=np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        obs = np.full((2, 3), self.t, dtype=np.float32)
+        obs[1] = int(action)
+        return obs, 1.0, self.t == 3, False, {}
+
+
+def test_observations_of_several_dims_are_flattened_row_by_row():
+    gymnasium.register("PartrainTestGrid-v0", entry_point=_Grid)
+    runner = EnvRunner("PartrainTestGrid-v0", 2, seed=0)
+    segment, finished = runner.rollout(lambda obs: (torch.tensor([0, 1]), torch.zeros(2), 0), 4)
+    t = [0, 1, 2, 0, 1]  # the step count seen at each of the 5 observations: an episode ends after 3 steps
+    want = torch.tensor([[[t[k]] * 3 + [0] * 3, [t[k]] * 3 + [1 if t[k] else 0] * 3] for k in range(5)],
+                        dtype=torch.float32)
+    assert segment["obs"].shape == (5, 2, 6)
+    assert torch.equal(segment["obs"], want)
+    assert torch.equal(runner.obs, want[-1])
+    assert finished == [3.0, 3.0]
