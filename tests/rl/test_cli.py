@@ -3,6 +3,7 @@ an actor without a learner says that it waits, then fails after its reconnect ti
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -22,6 +23,7 @@ BAD = [
     (["serve", "--min-epochs", "2"], "Expected --min-epochs with --algorithm ppo. Received: --algorithm vtrace"),
     (["train", "--lr", "0"], "Expected --lr > 0. Received: --lr 0.0"),
     (["train", "--actors", "0"], "Expected --actors > 0. Received: --actors 0"),
+    (["train", "--actor-nice", "20"], "Expected --actor-nice in 0..19. Received: 20"),
 ]
 
 
@@ -58,3 +60,21 @@ def test_act_without_a_learner_says_it_waits_then_fails_after_the_reconnect_time
     # one line when the outage began (pytest's log capture, or stderr where the CLI's handler took it)
     said = [m for m in [r.getMessage() for r in caplog.records] + err if "no learner answers" in m]
     assert len(said) == 1 and f"a1: no learner answers at {url}" in said[0], said
+
+
+def test_an_actor_partrain_starts_runs_at_a_lower_cpu_priority(tmp_path):
+    """`start_actor` (what `partrain rl train` and the benchmark use) lowers the actor's priority by
+    `ACTOR_NICE` below this process's; ``nice=0`` leaves it at ours."""
+    from partrain.rl.run import ACTOR_NICE, start_actor
+
+    url = f"http://127.0.0.1:{closed_port()}"  # no learner: the actor waits for one, long enough to look
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    procs = [start_actor(url, "CartPole-v1", num_envs=1, mode="local", seed=0, token=None, name=f"a{nice}",
+                         capture=True, nice=nice) for nice in (ACTOR_NICE, 0)]
+    try:
+        seen = [os.getpriority(os.PRIO_PROCESS, p.pid) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate(timeout=30)
+    assert seen == [min(19, ours + ACTOR_NICE), ours]

@@ -55,6 +55,7 @@ import torch
 
 from ..rl.algorithms import PPO
 from ..rl.learner import percentile
+from ..rl.run import ACTOR_NICE
 from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
 
 ENV = "CartPole-v1"
@@ -262,8 +263,9 @@ def run(args: argparse.Namespace) -> Report:
     torch.set_num_threads(1)
     try:
         report.say(f"{ENV}: V-trace actor-critic (partrain) vs SB3 PPO (RL Zoo settings); one torch thread per "
-                   f"process; throughput windows of {size.window:g} s, {rounds} alternating round(s); "
-                   f"{solve_rounds} time-to-{TARGET:g} round(s)")
+                   f"process; partrain's actors at nice +{ACTOR_NICE} (as partrain rl train starts them); throughput "
+                   f"windows of {size.window:g} s, {rounds} alternating round(s); {solve_rounds} time-to-{TARGET:g} "
+                   "round(s)")
         if size.sb3 and not have_sb3:
             report.note("stable-baselines3 is not installed (pip install 'partrain[rl-bench]'): its figures "
                         "and the goals against it are null")

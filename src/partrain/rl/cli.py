@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     train.add_argument("--mode", default="local", choices=("local", "central"),
                        help="how actors get actions: local copies of the policy or central inference")
     train.add_argument("--num-envs", type=int, default=8, help="environments per actor")
+    train.add_argument("--actor-nice", type=int, default=None,
+                       help="how much lower the actors' CPU priority is than the learner's, 0-19 (default "
+                            "10: on shared cores the learner's update, which every actor waits for, comes first)")
     train.set_defaults(func=run_train)
 
     serve = sub.add_parser("serve", help="a learner waiting for actors (prints its URL)",
@@ -193,9 +196,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .run import build_learner, serving, start_actor, stop_actors
+    from .run import ACTOR_NICE, build_learner, serving, start_actor, stop_actors
 
     _positive(args, "actors", "num_envs")
+    nice = ACTOR_NICE if args.actor_nice is None else args.actor_nice
+    if not 0 <= nice <= 19:
+        raise UsageError(f"Expected --actor-nice in 0..19. Received: {nice}")
     learner = build_learner(_config(args))
     procs = []
     code = 1
@@ -205,7 +211,8 @@ def run_train(args: argparse.Namespace) -> int:
                   f"{args.mode}-inference actors", flush=True)
             for i in range(args.actors):
                 procs.append(start_actor(server.url, args.env, num_envs=args.num_envs, mode=args.mode,
-                                         seed=args.seed * 1000 + i + 1, token=args.token, name=f"actor-{i}"))
+                                         seed=args.seed * 1000 + i + 1, token=args.token, name=f"actor-{i}",
+                                         nice=nice))
             code = _train(args, learner, server, "partrain rl train", idle_timeout=60.0)
     finally:
         codes = stop_actors(procs)
