@@ -133,6 +133,8 @@ def start_actor(url: str, env: str, *, num_envs: int, mode: str, seed: int, toke
         env_vars[TOKEN_ENV] = token
     out = subprocess.PIPE if capture else None  # capture: the caller reads it once the actor ended
     proc = subprocess.Popen(cmd, env=env_vars, stdin=subprocess.DEVNULL, stdout=out, stderr=out, text=True)
+    # Popen returns once the child has exec'd, long before its Python starts a thread: every thread
+    # it starts inherits this priority (a preexec_fn would do the same, but is unsafe in a threaded caller)
     if nice and hasattr(os, "setpriority"):
         with contextlib.suppress(OSError):  # gone already, or not allowed here: it runs at our priority
             os.setpriority(os.PRIO_PROCESS, proc.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
