@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import UsageError
 from ..pool import WorkerPool
-from ..scaling import Constants, Link, allreduce_seconds, ps_seconds, samples_per_s
+from ..scaling import Constants, Link, samples_per_s, step_seconds
 from .decide import Recommendation, recommend, set_speeds, simulate_link
 from .measure import (
     FIRST_EPOCHS,
@@ -644,15 +644,12 @@ def _estimate_step(c: Candidate, n: int, result: CompareResult, guess: float, mo
         step = result.batch_size / single.samples_per_s
     if straggler is not None and (c.workers or n) > 1:
         step *= straggler.slowdown  # every worker runs max_steps: the window ends with the slowest
-    if result.link is not None and (c.workers or n) > 1:
-        link = Link(*result.link)
-        messages = Link(link.bandwidth, link.latency_s * max(1, len(result.buckets)))
-        if c.strategy == "allreduce":
-            step += allreduce_seconds(n, model_bytes, messages) + result.contention_s + result.ddp_overhead_s
-        elif c.strategy == "ps":
-            step += ps_seconds(n, model_bytes, link, 1)
-        elif c.strategy == "localsgd":
-            step += (allreduce_seconds(n, model_bytes, link) + result.contention_s) / float(c.options.get("period", 8))
+    if result.link is not None and (c.workers or n) > 1 and c.strategy in ("allreduce", "ps", "localsgd"):
+        # the scaling model's step with h = 1 (the correction learns the rest) and one server shard
+        here = Constants(step, result.batch_size, float(model_bytes), 1.0, max(1, len(result.buckets)),
+                         result.contention_s, result.ddp_overhead_s)
+        step = step_seconds(c.strategy, n, here, Link(*result.link), period=int(c.options.get("period", 8)),
+                            shards=1)
     return step
 
 
