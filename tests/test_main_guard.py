@@ -1,7 +1,7 @@
 """A script that calls `launch` at import time gets one line telling it to add the main guard.
 
-Why this exists: worker processes are started with ``spawn``, so each imports the
-user's script again before running anything. Without ``if __name__ == "__main__":``
+Why this exists: worker processes (spawned, or forked from partrain's fork server)
+each import the user's script again before running anything. Without ``if __name__ == "__main__":``
 the import calls `launch` again, and multiprocessing refused it with a traceback in
 every worker, beneath the launcher's own: three nested tracebacks for a one-line fix.
 Each test runs a script in a fresh interpreter (independent of the suite's pool). The
@@ -35,18 +35,22 @@ def script(tmp_path: Path, body: str, guarded: bool) -> Path:
     return path
 
 
-def run(path: Path) -> subprocess.CompletedProcess:
+def run(path: Path, start_method: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
+    env.pop("PARTRAIN_START_METHOD", None)
+    if start_method:
+        env["PARTRAIN_START_METHOD"] = start_method
     return subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=240,
                           cwd=path.parent)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", sorted(BODY))
-def test_a_script_without_the_main_guard_gets_one_line(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(("how", "start_method"), [("launch", None), ("pool", None), ("launch", "spawn")])
+def test_a_script_without_the_main_guard_gets_one_line(tmp_path: Path, how: str, start_method: str | None) -> None:
+    # the default start method (a fork server on Linux) and spawn: each child exits with its own status
     path = script(tmp_path, BODY[how], guarded=False)
-    proc = run(path)
+    proc = run(path, start_method)
     assert proc.returncode == 1
     assert proc.stdout == ""
     assert proc.stderr.splitlines() == [

@@ -145,6 +145,60 @@ def tune_allocator() -> bool:
 
 # ----- starting and stopping local processes ----------------------------------------------
 
+#: the start method of partrain's local processes, when PARTRAIN_START_METHOD does not name one
+START_METHODS = ("forkserver", "spawn")
+#: what the fork server imports before its first fork (`partrain._forkserver`)
+FORKSERVER_PRELOAD = "partrain._forkserver"
+
+
+def process_context() -> Any:
+    """The `multiprocessing` context every local process partrain starts comes from.
+
+    On Linux, ``forkserver``: the first start launches a server process that imports
+    torch and partrain once (`partrain._forkserver`); each process after that is a
+    fork of it, ready in milliseconds with a fresh, single-threaded state (the server
+    never runs an operator, starts a thread or touches CUDA). Under ``spawn`` every
+    process is a new interpreter importing torch again: seconds of CPU each, which
+    on a small machine the ranks already running pay for. Elsewhere (macOS, Windows)
+    ``spawn``. ``PARTRAIN_START_METHOD=spawn`` (or ``forkserver``) chooses.
+
+    What differs from ``spawn``, and how partrain covers it: a forked process gets
+    the server's environment variables and file descriptors of when the server
+    started, not the caller's of now. So a job carries the caller's environment
+    (`partrain.pool.Job.environ`); multiprocessing itself carries the working
+    directory, ``sys.path`` and ``sys.argv``, and the child imports the caller's
+    main script as under ``spawn`` (the server does not: a script that calls `fit`
+    at import time gets its one line, not a dead server). Output written to file
+    descriptors 1 and 2 goes where the caller's went when the server started.
+    """
+    method = os.environ.get("PARTRAIN_START_METHOD", "").strip().lower()
+    available = multiprocessing.get_all_start_methods()
+    if method:
+        if method not in START_METHODS or method not in available:
+            raise UsageError(f"Expected PARTRAIN_START_METHOD to be one of "
+                             f"{', '.join(m for m in START_METHODS if m in available)}. Received: {method!r}")
+    else:
+        linux = sys.platform.startswith("linux") and "forkserver" in available
+        method = "forkserver" if linux and _forkserver_can_listen() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload([FORKSERVER_PRELOAD])  # not "__main__": see above
+    return ctx
+
+
+#: the longest path of a Unix socket on Linux (``sun_path``, less its terminating NUL)
+_UNIX_PATH_MAX = 107
+
+
+def _forkserver_can_listen() -> bool:
+    """Whether the fork server's socket path fits: it is ``listener-XXXXXXXX`` in multiprocessing's
+    temporary directory (under TMPDIR, fixed for the life of this process), and a long TMPDIR
+    makes binding it fail ("AF_UNIX path too long"); ``spawn`` needs no socket."""
+    from multiprocessing import util
+
+    return len(os.path.join(util.get_temp_dir(), "listener-12345678")) <= _UNIX_PATH_MAX
+
+
 @contextlib.contextmanager
 def starting_processes() -> Iterator[None]:
     """Around ``Process.start()``: the child starts with SIGINT blocked.
@@ -287,7 +341,12 @@ def check_not_bootstrapping() -> None:
     """
     mp_main = sys.modules.get("__mp_main__")
     if getattr(mp_main, "__name__", None) == "__mp_main__" and multiprocessing.parent_process() is None:
-        raise SystemExit(MAIN_GUARD_EXIT)
+        # at once, not SystemExit: a process forked from the fork server turns any SystemExit
+        # in its start-up into status 1 (its `os._exit` in a ``finally``)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(MAIN_GUARD_EXIT)
 
 
 def main_guard_message() -> str:

@@ -1,10 +1,12 @@
 """Processes that run a job's ranks, and the supervisor that watches them.
 
-Every local process a `launch` needs is started with the ``spawn`` method and
-runs *jobs*: one rank of one `launch` each. By default the processes live for
-one job (``launch`` starts them and they exit with it). A `WorkerPool` keeps
-them between jobs, so a notebook or a test module that trains many times pays
-the start-up (a fresh interpreter importing torch, seconds) once:
+Every local process a `launch` needs comes from `partrain._process.process_context`
+(on Linux a fork of a server that imported torch once: ready in milliseconds; else
+``spawn``: a fresh interpreter importing torch, seconds) and runs *jobs*: one rank
+of one `launch` each. By default the processes live for one job (``launch`` starts
+them and they exit with it). A `WorkerPool` keeps them between jobs, so a notebook
+or a test module that trains many times pays the rest of a process's start-up (its
+first process group, the first use of each kernel) once:
 
     with partrain.WorkerPool(2):
         for lr in (0.01, 0.05, 0.1):
@@ -53,12 +55,12 @@ from multiprocessing.util import Finalize
 from typing import Any
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ._process import (
     MAIN_GUARD_EXIT,
     check_not_bootstrapping,
     main_guard_message,
+    process_context,
     run_in_process,
     starting_processes,
     stop_processes,
@@ -91,7 +93,7 @@ class Job:
     device: str | None
     timeout: float
     threads: int | None
-    environ: dict[str, str] | None = None  # for a reused process: the caller's environment now
+    environ: dict[str, str] | None = None  # the caller's environment now (a forked process has the fork server's)
     cwd: str | None = None
 
 
@@ -109,7 +111,7 @@ class WorkerPool:
             raise UsageError(f"Expected a positive number of pool processes. Received: processes={processes!r}")
         self.processes = processes
         self.one_shot = one_shot
-        self._ctx = mp.get_context("spawn")
+        self._ctx = process_context()
         self._slots: list[tuple[Any, Any] | None] = [None] * processes  # (process, its pipe's end here)
         self._jobs = itertools.count(1)
         self._closed = False
@@ -160,8 +162,7 @@ class WorkerPool:
             for local_rank in range(local):
                 rank = first_rank + local_rank
                 job = Job(job_id, fn, args, kwargs, strat, store_spec, rank, local_rank, local, world, backend,
-                          device, timeout, threads, dict(os.environ) if reused else None,
-                          os.getcwd() if reused else None)
+                          device, timeout, threads, dict(os.environ), os.getcwd() if reused else None)
                 procs[rank] = self._slot(local_rank, name=f"partrain-rank{rank}")
                 try:
                     procs[rank][1].send(job)
@@ -275,7 +276,7 @@ def _remove_temporary(directories: list[str]) -> None:
 
 def _run_job(job: Job, conn: Any) -> bool:
     try:
-        if job.environ is not None:  # a reused process sees the caller's environment of now
+        if job.environ is not None:  # a reused or forked process sees the caller's environment of now
             for key in set(os.environ) - set(job.environ):
                 del os.environ[key]
             os.environ.update(job.environ)

@@ -412,8 +412,10 @@ class DiesMidEpoch(nn.Module):
         return self.net(x)
 
 
-@pytest.mark.fresh_processes  # capfd sees the server's warning only in processes started inside the test
-def test_async_survives_a_killed_worker_and_learns_digits(capfd):
+@pytest.mark.fresh_processes  # capfd sees the server's warning only in processes started inside the test,
+def test_async_survives_a_killed_worker_and_learns_digits(capfd, monkeypatch):
+    # and only with ``spawn``: a fork server's children write to the descriptors it started with
+    monkeypatch.setenv("PARTRAIN_START_METHOD", "spawn")
     # ranks: 0 = server, 1 and 2 = workers; worker rank 2 dies at its 10th step of epoch 1
     model_fn = functools.partial(DiesMidEpoch, rank=2, at_call=10)
     opt = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)

@@ -17,14 +17,14 @@ Replica ``i`` calls itself ``partrain-replica-i`` in the server metadata
 attributed to one replica.
 
 ``make_models(device)`` must be picklable (a module-level function or a
-``functools.partial`` of one): replicas are started with the ``spawn`` method
-and build their own models.
+``functools.partial`` of one): replicas are started as every local process of
+partrain is (`partrain._process.process_context`: a fork server, or ``spawn``) and
+build their own models.
 """
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -35,7 +35,13 @@ from typing import Any
 
 import torch
 
-from .._process import starting_processes, stop_processes, unblock_interrupts, watch_parent
+from .._process import (
+    process_context,
+    starting_processes,
+    stop_processes,
+    unblock_interrupts,
+    watch_parent,
+)
 from ..env import available_cores, check_cuda_device
 from ..errors import UsageError, signal_name
 from .protocol import ServedModel
@@ -162,7 +168,7 @@ def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 
 
     reserve = bind_socket(host, port, reuse_port=True, listen=False)  # holds the port; never accepts
     bound = reserve.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     ready = ctx.Queue()
     procs = [ctx.Process(target=_replica_main, name=f"partrain-replica-{i}",
                          args=(make_models, i, host, bound, threads, devices[i], app_options, ready))

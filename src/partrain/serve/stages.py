@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -37,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._process import stop_processes, unblock_interrupts, watch_parent
+from .._process import process_context, stop_processes, unblock_interrupts, watch_parent
 from .._signals import install_in_worker
 from ..errors import UsageError, error_line
 from ..strategies._pipeline_split import chunk_ranges, plan_cuts, sequential_children
@@ -205,7 +204,7 @@ def stage_processes(source: str, stages: int, *, microbatches: int = 4, threads:
         raise UsageError(f"Expected --stages >= 2 to split a model. Received: {stages}")
     cut(module_of(source), stages)  # one line here for a model that cannot be cut, not in every stage
     store_dir = tempfile.mkdtemp(prefix="partrain-stages-")
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     procs = [ctx.Process(target=_stage_main, name=f"partrain-stage-{r}",
                          args=(r, stages, store_dir, source, threads), daemon=True)
              for r in range(1, stages)]

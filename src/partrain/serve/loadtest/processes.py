@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import multiprocessing as mp
 import queue
 import signal
 import threading
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._process import signals_held, starting_processes
+from ..._process import process_context, signals_held, starting_processes
 from ...errors import UsageError, WorkerError
 from .checking import AnswerChecker
 from .config import LoadConfig, parse_target
@@ -117,7 +116,7 @@ class ClientProcesses:
                  checkers: Mapping[str, AnswerChecker] | None = None) -> None:
         if processes < 1:
             raise UsageError(f"Expected at least one client process. Received: {processes}")
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         self.processes = processes
         self._checker_names = set(checkers or {})
         self._barrier = ctx.Barrier(processes, timeout=_BARRIER_TIMEOUT)

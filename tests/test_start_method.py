@@ -1,0 +1,86 @@
+"""How partrain starts its local processes: a fork server on Linux, ``spawn`` on request.
+
+A fork of the server is not a fresh interpreter: it has the server's environment and
+working directory of when the server started. These tests check that a job's ranks
+see the caller's of now under both start methods, that the method is the one asked
+for (a fork server's child is the server's child, not the caller's), and that a bad
+choice is one line.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import os
+import sys
+
+import pytest
+
+import partrain
+from partrain._process import process_context
+from partrain.errors import UsageError
+
+LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is the default on Linux")
+
+
+def where_am_i(strategy):
+    return {"rank": strategy.rank, "parent": os.getppid(), "mark": os.environ.get("PARTRAIN_TEST_MARK"),
+            "gone": os.environ.get("PARTRAIN_TEST_GONE"), "cwd": os.getcwd()}
+
+
+@LINUX
+def test_the_default_is_the_fork_server_on_linux(monkeypatch):
+    monkeypatch.delenv("PARTRAIN_START_METHOD", raising=False)
+    assert process_context().get_start_method() == "forkserver"
+
+
+@pytest.mark.parametrize("method", ["spawn", " Spawn ", "forkserver"])
+def test_partrain_start_method_chooses(monkeypatch, method):
+    if method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork server on this platform")
+    monkeypatch.setenv("PARTRAIN_START_METHOD", method)
+    assert process_context().get_start_method() == method.strip().lower()
+
+
+@pytest.mark.parametrize("method", ["fork", "threads"])
+def test_a_bad_start_method_is_one_line(monkeypatch, method):
+    monkeypatch.setenv("PARTRAIN_START_METHOD", method)
+    with pytest.raises(UsageError) as info:
+        process_context()
+    assert str(info.value).startswith("Expected PARTRAIN_START_METHOD to be one of ")
+    assert str(info.value).endswith(f"Received: {method!r}")
+    assert "\n" not in str(info.value)
+
+
+@LINUX
+def test_a_tmpdir_too_long_for_the_servers_socket_falls_back_to_spawn(monkeypatch):
+    monkeypatch.delenv("PARTRAIN_START_METHOD", raising=False)
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: "/tmp/" + "d" * 90)  # 113 bytes with the socket's name
+    assert process_context().get_start_method() == "spawn"
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: "/tmp/" + "d" * 84)  # 107
+    assert process_context().get_start_method() == "forkserver"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.fresh_processes
+@pytest.mark.parametrize("method", [pytest.param("forkserver", marks=LINUX), "spawn"])
+def test_ranks_see_the_callers_environment_and_directory_of_now(monkeypatch, tmp_path, method):
+    monkeypatch.setenv("PARTRAIN_START_METHOD", method)
+    monkeypatch.setenv("PARTRAIN_TEST_GONE", "before")
+    partrain.launch(where_am_i, workers=2, timeout=60)  # the fork server runs by now (if not before)
+    monkeypatch.setenv("PARTRAIN_TEST_MARK", "after")
+    monkeypatch.delenv("PARTRAIN_TEST_GONE")
+    monkeypatch.chdir(tmp_path)
+    seen = partrain.launch(where_am_i, workers=2, timeout=60)
+    assert [s["rank"] for s in seen] == [0, 1]
+    for s in seen:
+        assert (s["mark"], s["gone"], s["cwd"]) == ("after", None, str(tmp_path))
+        if method == "spawn":
+            assert s["parent"] == os.getpid()
+        else:  # forked by the server, which this process started
+            assert s["parent"] != os.getpid() and _parent_of(s["parent"]) == os.getpid()
+
+
+def _parent_of(pid: int) -> int:
+    """The parent of process ``pid`` (from /proc: the fork server is nobody's `multiprocessing` child)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
