@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -65,18 +67,33 @@ def session_members(sid: int) -> list[int]:
     return found
 
 
-def spawned_children(pid: int) -> list[int]:
-    """Live processes ``pid`` started with multiprocessing's spawn (not its resource tracker)."""
+def _children(pid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             stat = _stat(int(entry))
             if stat is not None and stat[1] == pid and stat[0] != "Z":
-                try:
-                    if b"spawn_main" in Path(f"/proc/{entry}/cmdline").read_bytes():
-                        found.append(int(entry))
-                except OSError:
-                    pass
+                found.append(int(entry))
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def started_children(pid: int) -> list[int]:
+    """Live processes ``pid`` started through multiprocessing (not its resource tracker): spawned
+    ones (its children running ``spawn_main``) and forked ones (the children of its fork server)."""
+    found = []
+    for child in _children(pid):
+        cmdline = _cmdline(child)
+        if b"spawn_main" in cmdline:
+            found.append(child)
+        elif b"multiprocessing.forkserver" in cmdline:
+            found.extend(_children(child))
     return found
 
 
@@ -86,8 +103,9 @@ class Command:
     """``python -m partrain ARGS`` in a new session, its output read by threads (never blocks)."""
 
     def __init__(self, args: list[str], tmp_path: Path, block_sigint: bool = False) -> None:
-        self.tmpdir = tmp_path / "tmp"
-        self.tmpdir.mkdir()
+        # a short TMPDIR: under pytest's longer ones the fork server's socket path does not fit and
+        # the command falls back to spawn (`partrain._process.process_context`); here it runs as users run it
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="sig-"))
         env = {**os.environ, "TMPDIR": str(self.tmpdir), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         # block_sigint: the command inherits a mask that blocks SIGINT, as from a thread that
         # blocked it (Python's resource tracker does while it starts its process)
@@ -162,6 +180,7 @@ class Command:
                 pass
         if self.proc.poll() is None:
             self.proc.wait(10)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 def _signal_masks(pid: int) -> str:
@@ -234,8 +253,10 @@ def test_sigterm_stops_train(tmp_path: Path, how: str) -> None:
             cmd.wait_for(lambda: (out / "checkpoint.pt").exists(), "the first checkpoint")
         else:  # as soon as the workers run their job
             cmd.wait_for(cmd.rendezvous, "the workers to meet")
-        workers = spawned_children(cmd.proc.pid)
+        workers = started_children(cmd.proc.pid)
         assert len(workers) == 2, workers
+        # the default start method: forks of the command's fork server (`process_context`)
+        assert all(b"multiprocessing.forkserver" in _cmdline(_stat(w)[1]) for w in workers), workers
         if how.startswith("SIGTERM"):
             sig = signal.SIGTERM
             os.kill(cmd.proc.pid, sig)  # the launcher alone: it must stop the workers itself
@@ -293,7 +314,7 @@ def test_replicas_stop_with_the_server(tmp_path: Path, sig: signal.Signals) -> N
     cmd = Command(SERVE, tmp_path)
     try:
         cmd.wait_for(lambda: any("serving" in line for line in cmd.out), "the server's announcement")
-        replicas = spawned_children(cmd.proc.pid)
+        replicas = started_children(cmd.proc.pid)
         assert len(replicas) == 2, replicas
         os.kill(cmd.proc.pid, sig)
         code = cmd.finish()
@@ -331,7 +352,7 @@ def test_a_load_test_over_client_processes_stops_with_ctrl_c(tmp_path: Path) -> 
         load = Command(["loadtest", url, "--model", "tiny", "-c", "4", "-d", "600", "--processes", "2"],
                        tmp_path / "load")
         # the clients are running their share once they ignore SIGINT (the first thing they do)
-        load.wait_for(lambda: len(clients := spawned_children(load.proc.pid)) == 2
+        load.wait_for(lambda: len(clients := started_children(load.proc.pid)) == 2
                       and all(_ignores_sigint(pid) for pid in clients), "both client processes")
         os.killpg(load.proc.pid, signal.SIGINT)
         assert load.finish() == 130, load.output()
@@ -350,16 +371,16 @@ LIBRARY_SCRIPT = textwrap.dedent('''
     import partrain
     from partrain.errors import Interrupted
 
-    def work(strategy):
-        if strategy.rank == 0:
-            os.kill(os.getppid(), signal.SIGTERM)  # the launcher is told to stop while we work
+    def work(strategy, launcher):
+        if strategy.rank == 0:  # (the launcher, not os.getppid(): a fork server's child has the server as parent)
+            os.kill(launcher, signal.SIGTERM)  # the launcher is told to stop while we work
         while True:
             strategy.barrier()
 
     def run(pool):
         before = signal.getsignal(signal.SIGTERM)
         try:
-            partrain.launch(work, workers=2, timeout=60, pool=pool)
+            partrain.launch(work, os.getpid(), workers=2, timeout=60, pool=pool)
         except KeyboardInterrupt as exc:
             print("caught", type(exc).__name__, isinstance(exc, Interrupted) and exc.signum)
         print("handler restored", signal.getsignal(signal.SIGTERM) == before)
@@ -378,12 +399,16 @@ def test_library_callers_get_a_keyboard_interrupt_and_no_children(tmp_path: Path
     signal handling is back when `launch` returns. Processes of its own, then a WorkerPool's."""
     script = tmp_path / "script.py"
     script.write_text(LIBRARY_SCRIPT)
-    tmpdir = tmp_path / "tmp"
-    tmpdir.mkdir()
+    tmpdir = Path(tempfile.mkdtemp(prefix="sig-"))  # short: see `Command`
     env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": os.pathsep.join(
         [str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+    try:
+        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240)
+        leftover = [d for d in os.listdir(tmpdir) if d.startswith(("partrain-", "pymp-"))]
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr
+    assert leftover == []  # multiprocessing's directory (the fork server's socket) went at exit too
     assert proc.stdout.splitlines() == [
         "caught Interrupted 15", "handler restored True", "children 0", "temp dirs []",
         "caught Interrupted 15", "handler restored True", "children WorkerPool(processes=2, alive=0)",

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import multiprocessing.util
 import os
+import signal
 import sys
+import time
 
 import pytest
 
 import partrain
 from partrain._process import process_context
-from partrain.errors import UsageError
+from partrain.errors import UsageError, WorkerError
 
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is the default on Linux")
 
@@ -84,3 +86,34 @@ def _parent_of(pid: int) -> int:
     """The parent of process ``pid`` (from /proc: the fork server is nobody's `multiprocessing` child)."""
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def kill_the_fork_server(strategy, directory):
+    with open(os.path.join(directory, f"rank{strategy.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    strategy.barrier()
+    if strategy.rank == 0:
+        os.kill(os.getppid(), signal.SIGKILL)  # the fork server: the parent of a forked rank
+    while True:  # until stopped
+        time.sleep(0.05)
+
+
+@LINUX
+@pytest.mark.timeout(120)
+@pytest.mark.fresh_processes
+def test_a_dead_fork_server_fails_the_job_saying_so_and_its_ranks_are_stopped(monkeypatch, tmp_path):
+    monkeypatch.setenv("PARTRAIN_START_METHOD", "forkserver")
+    with pytest.raises(WorkerError) as info:
+        partrain.launch(kill_the_fork_server, str(tmp_path), workers=2, timeout=60)
+    assert "or the fork server it came from died" in str(info.value)
+    pids = [int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)]
+    assert not [pid for pid in pids if _running(pid)]  # stopped by pid: they were the server's children
+    assert partrain.launch(where_am_i, workers=2, timeout=60)[1]["rank"] == 1  # a new server starts them
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -307,6 +307,7 @@ def stop_processes(procs: Iterable[Any], grace: float = 0.0, kill_after: float =
     running when this was called.
     """
     procs = [p for p in procs if p.pid is not None]  # never started: nothing to stop
+    _stop_orphaned_forks(procs, kill_after)
     running = [p for p in procs if p.exitcode is None]
     deadline = time.monotonic() + grace
     for p in running:
@@ -324,6 +325,41 @@ def stop_processes(procs: Iterable[Any], grace: float = 0.0, kill_after: float =
                 p.kill()
             p.join(timeout=kill_after)
     return running
+
+
+#: the exit code multiprocessing gives a fork server's child once it cannot ask the server for it
+SERVER_GONE_EXIT = 255
+
+
+def forked(proc: Any) -> bool:
+    """Whether ``proc`` (a `multiprocessing` process) came from a fork server."""
+    return getattr(proc, "_start_method", None) == "forkserver"
+
+
+def _stop_orphaned_forks(procs: list[Any], kill_after: float) -> None:
+    """A fork server's children read as exited (`SERVER_GONE_EXIT`) once the server died, and
+    may still run (their own parent was the server): SIGTERM, then SIGKILL, by pid."""
+    lost = [p for p in procs if forked(p) and p.exitcode == SERVER_GONE_EXIT and _pid_alive(p.pid)]
+    for p in lost:
+        with contextlib.suppress(OSError):
+            os.kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + kill_after
+    while lost and time.monotonic() < deadline:  # not our children: nothing to wait on but /proc
+        lost = [p for p in lost if _pid_alive(p.pid)]
+        time.sleep(0.05)
+    for p in lost:
+        with contextlib.suppress(OSError):
+            os.kill(p.pid, signal.SIGKILL)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # the pid was reused by a process of someone else's
+        return False
+    return True
 
 
 def check_not_bootstrapping() -> None:

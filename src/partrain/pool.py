@@ -58,7 +58,9 @@ import torch.distributed as dist
 
 from ._process import (
     MAIN_GUARD_EXIT,
+    SERVER_GONE_EXIT,
     check_not_bootstrapping,
+    forked,
     main_guard_message,
     process_context,
     run_in_process,
@@ -363,7 +365,7 @@ def _supervise(procs: dict[int, tuple[Any, Any]], job_id: int, roles: list[str],
                     failures.append(_Failure(rank, *payload))
             elif proc.sentinel in ready or time.monotonic() - ended.get(rank, math.inf) > _EXIT_GRACE:
                 proc.join(timeout=0.1)
-                failures.append(_Failure(rank, _describe_exit(proc.exitcode), "", died=True,
+                failures.append(_Failure(rank, _describe_exit(proc.exitcode, forked(proc)), "", died=True,
                                          exitcode=proc.exitcode))
         if any(f.exitcode == MAIN_GUARD_EXIT for f in failures):  # every rank fails alike: say why once
             raise MainGuardError(main_guard_message())
@@ -391,9 +393,13 @@ def _supervise(procs: dict[int, tuple[Any, Any]], job_id: int, roles: list[str],
             return values
 
 
-def _describe_exit(code: int | None) -> str:
+def _describe_exit(code: int | None, from_server: bool = False) -> str:
     if code is not None and code < 0:
         return f"died with {signal_name(-code)} (exit code {code})"
     if code is None:
         return "closed its pipe without reporting a result"
+    if code == SERVER_GONE_EXIT and from_server:
+        return (f"exited with code {code} without reporting a result, or the fork server it came from died "
+                f"(multiprocessing reads that as {code} for each of its processes)")
     return f"exited with code {code} without reporting a result"
+

@@ -24,7 +24,7 @@ from torch import nn
 from partrain.cli import main
 from partrain.serve.protocol import HEADER, decode_response, encode_request
 
-from ..test_signals import Command, _alive, no_survivors, spawned_children
+from ..test_signals import Command, _alive, no_survivors, started_children
 
 pytestmark = pytest.mark.timeout(240)
 SPEC = "deep=tests.serve.test_stages:deep_model"
@@ -79,7 +79,7 @@ def _start(tmp_path: Path) -> tuple[Command, str]:
 def test_answers_equal_the_unsplit_model_and_sigterm_stops_the_stage(tmp_path: Path) -> None:
     cmd, url = _start(tmp_path)
     try:
-        stages = spawned_children(cmd.proc.pid)
+        stages = started_children(cmd.proc.pid)
         assert len(stages) == 1, stages  # stage 1; stage 0 is the server
         reference = deep_model().eval()
         g = torch.Generator().manual_seed(1)
@@ -102,7 +102,7 @@ def test_answers_equal_the_unsplit_model_and_sigterm_stops_the_stage(tmp_path: P
 def test_a_dead_stage_is_an_error_naming_the_stages_not_a_hang(tmp_path: Path) -> None:
     cmd, url = _start(tmp_path)
     try:
-        (stage,) = spawned_children(cmd.proc.pid)
+        (stage,) = started_children(cmd.proc.pid)
         os.kill(stage, signal.SIGKILL)
         x = torch.zeros(4, 12, dtype=torch.float64)
         status, error = _infer(url, x)
