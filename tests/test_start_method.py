@@ -21,6 +21,8 @@ import partrain
 from partrain._process import process_context
 from partrain.errors import UsageError, WorkerError
 
+from .test_signals import _alive, _stat
+
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is the default on Linux")
 
 
@@ -79,13 +81,7 @@ def test_ranks_see_the_callers_environment_and_directory_of_now(monkeypatch, tmp
         if method == "spawn":
             assert s["parent"] == os.getpid()
         else:  # forked by the server, which this process started
-            assert s["parent"] != os.getpid() and _parent_of(s["parent"]) == os.getpid()
-
-
-def _parent_of(pid: int) -> int:
-    """The parent of process ``pid`` (from /proc: the fork server is nobody's `multiprocessing` child)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+            assert s["parent"] != os.getpid() and _stat(s["parent"])[1] == os.getpid()
 
 
 def kill_the_fork_server(strategy, directory):
@@ -107,13 +103,6 @@ def test_a_dead_fork_server_fails_the_job_saying_so_and_its_ranks_are_stopped(mo
         partrain.launch(kill_the_fork_server, str(tmp_path), workers=2, timeout=60)
     assert "or the fork server it came from died" in str(info.value)
     pids = [int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)]
-    assert not [pid for pid in pids if _running(pid)]  # stopped by pid: they were the server's children
+    assert not [pid for pid in pids if _alive(pid)]  # stopped by pid: they were the server's children
     assert partrain.launch(where_am_i, workers=2, timeout=60)[1]["rank"] == 1  # a new server starts them
 
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
