@@ -156,8 +156,8 @@ def process_context() -> Any:
 
     On Linux, ``forkserver``: the first start launches a server process that imports
     torch and partrain once (`partrain._forkserver`); each process after that is a
-    fork of it, ready in milliseconds with a fresh, single-threaded state (the server
-    never runs an operator, starts a thread or touches CUDA). Under ``spawn`` every
+    fork of it, ready in milliseconds (the server runs no operator and touches no
+    CUDA: forking after ``import torch`` is what DataLoader workers do). Under ``spawn`` every
     process is a new interpreter importing torch again: seconds of CPU each, which
     on a small machine the ranks already running pay for. Elsewhere (macOS, Windows)
     ``spawn``. ``PARTRAIN_START_METHOD=spawn`` (or ``forkserver``) chooses.

@@ -5,8 +5,8 @@ Three ways in, one function:
 - **Local spawn** (the default): ``launch(fn, workers=N)`` starts the
   processes the strategy needs (N workers, plus e.g. parameter servers), forks
   of a server that imported torch once (`partrain._process.process_context`;
-  ``spawn`` off Linux or with ``PARTRAIN_START_METHOD=spawn``). They meet through a FileStore in a temporary
-  directory: no port to pick, none to collide.
+  ``spawn`` off Linux or with ``PARTRAIN_START_METHOD=spawn``). They meet
+  through a FileStore in a temporary directory: no port to pick, none to collide.
 - **Many machines without torchrun**: give ``master_addr``/``master_port``,
   ``nnodes`` and ``node_rank``; node 0's launcher hosts a TCPStore there and
   every process meets through it.

@@ -402,4 +402,3 @@ def _describe_exit(code: int | None, from_server: bool = False) -> str:
         return (f"exited with code {code} without reporting a result, or the fork server it came from died "
                 f"(multiprocessing reads that as {code} for each of its processes)")
     return f"exited with code {code} without reporting a result"
-
