@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing.util
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -106,3 +107,27 @@ def test_a_dead_fork_server_fails_the_job_saying_so_and_its_ranks_are_stopped(mo
     assert not [pid for pid in pids if _alive(pid)]  # stopped by pid: they were the server's children
     assert partrain.launch(where_am_i, workers=2, timeout=60)[1]["rank"] == 1  # a new server starts them
 
+
+
+PRELOAD_CHECK = """
+import sys
+import torch
+import torch.cuda
+asked = []
+for name in ("is_available", "device_count", "init", "current_device", "get_device_properties"):
+    real = getattr(torch.cuda, name)
+    setattr(torch.cuda, name, lambda *a, _name=name, _real=real, **k: asked.append(_name) or _real(*a, **k))
+import partrain._forkserver
+import torch.utils._triton as triton_utils
+print(asked, torch.cuda.is_initialized(), triton_utils.has_triton.cache_info().misses,
+      "PYTORCH_NVML_BASED_CUDA_CHECK" in __import__("os").environ)
+"""
+
+
+def test_the_fork_servers_imports_ask_for_no_device():
+    # a process forked after CUDA's initialisation cannot use CUDA: the server must never ask
+    # (has_triton() asks torch.cuda.is_available() where triton is installed)
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    proc = subprocess.run([sys.executable, "-c", PRELOAD_CHECK], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[]", "False", "0", "False"]
