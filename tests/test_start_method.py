@@ -131,3 +131,30 @@ def test_the_fork_servers_imports_ask_for_no_device():
     proc = subprocess.run([sys.executable, "-c", PRELOAD_CHECK], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["[]", "False", "0", "False"]
+
+
+EARLY = """
+import os
+from partrain._process import start_server_early
+start_server_early()
+servers = []
+for entry in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+    except OSError:
+        continue
+    if int(stat[1]) == os.getpid() and b"multiprocessing.forkserver" in cmdline:
+        servers.append(entry)
+print(len(servers))
+"""
+
+
+@LINUX
+@pytest.mark.parametrize(("method", "servers"), [("forkserver", "1"), ("spawn", "0")])
+def test_the_server_can_start_before_the_first_process(method, servers):
+    # fit and compare start it first, so that it imports torch while they load data and time a step
+    env = {**os.environ, "PARTRAIN_START_METHOD": method}
+    proc = subprocess.run([sys.executable, "-c", EARLY], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [servers]

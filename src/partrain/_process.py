@@ -186,6 +186,22 @@ def process_context() -> Any:
     return ctx
 
 
+def start_server_early() -> None:
+    """Start the fork server now, where processes come from one (`process_context`).
+
+    For a caller that will start processes after work of its own (loading data, checking
+    the model, timing a step): the server imports torch meanwhile, on another core,
+    instead of after that work, at the first ``Process.start()``. Cheap when the server
+    runs already; a server that cannot start is reported by that first start.
+    """
+    if process_context().get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    with starting_processes(), contextlib.suppress(OSError):
+        forkserver.ensure_running()
+
+
 #: the longest path of a Unix socket on Linux (``sun_path``, less its terminating NUL)
 _UNIX_PATH_MAX = 107
 

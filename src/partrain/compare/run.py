@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .._process import start_server_early
 from ..errors import UsageError
 from ..pool import WorkerPool
 from ..scaling import Constants, Link, samples_per_s, step_seconds
@@ -212,6 +213,8 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
     if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in scale):
         raise UsageError(f"Expected worker counts >= 1 to predict. Received: {list(scale)}")
     device = compare_device(device, n, say)
+    if n > 1:  # the fork server imports torch while this process times a step and checks the model
+        start_server_early()
     per_process = threads or max(1, cores // n)
     job = Job(model_fn, data, optimizer_fn, batch_size=batch_size, loss_fn=loss_fn, seed=seed,
               threads=per_process, timeout=timeout, device=device)

@@ -47,6 +47,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset, TensorDataset
 
+from .._process import start_server_early
 from ..data.bucketing import BucketBatchSampler, lengths_of
 from ..data.generated import Generated, GeneratedSampler
 from ..data.pipeline import Feeder, InlineBatches
@@ -199,6 +200,8 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         history = list(ckpt.get("metrics") or [])
         return RunResult(history=history, out_dir=cfg.out_dir, checkpoint=cfg.resume,
                          model_state=ckpt["model"] if cfg.return_state else None, model_fn=model_fn)
+    if external_launcher() is None and launch_cfg.workers + strat.extra_processes(launch_cfg.workers) > 1:
+        start_server_early()  # it imports torch while this process loads the data and checks the model
     train_ds, test_ds = resolve_data(data)
     if isinstance(test_ds, Generated):
         raise UsageError("Expected a Dataset of samples (or None) to evaluate on. Received: a batch generator "
