@@ -96,7 +96,7 @@ class Job:
     timeout: float
     threads: int | None
     environ: dict[str, str] | None = None  # the caller's environment now (a forked process has the fork server's)
-    cwd: str | None = None
+    cwd: str | None = None  # the caller's working directory now
 
 
 class WorkerPool:
@@ -157,14 +157,13 @@ class WorkerPool:
             raise UsageError(f"Expected a job of at most {self.processes} processes on this pool. "
                              f"Received: {local} (workers plus the strategy's extra processes)")
         job_id = next(self._jobs)
-        reused = not self.one_shot
         procs: dict[int, tuple[Any, Any]] = {}
         ok = False
         try:  # a job that cannot be sent (unpicklable) stops the ranks that already got theirs
             for local_rank in range(local):
                 rank = first_rank + local_rank
                 job = Job(job_id, fn, args, kwargs, strat, store_spec, rank, local_rank, local, world, backend,
-                          device, timeout, threads, dict(os.environ), os.getcwd() if reused else None)
+                          device, timeout, threads, dict(os.environ), os.getcwd())
                 procs[rank] = self._slot(local_rank, name=f"partrain-rank{rank}")
                 try:
                     procs[rank][1].send(job)
