@@ -22,8 +22,9 @@ from partrain.pool import no_pool
 POOL_PROCESSES = 4  # 2 workers + 2 parameter servers: the largest job of the suite
 
 #: The slowest modules, slowest first (seconds of one worker on the 2-core CI host, summed over
-#: the module's tests; `--durations=0`, 28 Nov). `make test` hands whole modules to its two pytest
-#: workers as each gets free (`--dist loadscope`), in collection order; this hook moves these to
+#: the module's tests; `--durations=0`, 28 Nov, before partrain's processes came from a fork
+#: server: most are shorter now, their order roughly the same). `make test` hands whole modules
+#: to its two pytest workers as each gets free (`--dist loadscope`), in collection order; this hook moves these to
 #: the front, so the long ones start at once and the short ones fill in at the end, instead of a
 #: 40-90 s module starting last on one worker while the other idles. A scheduling hint only: any
 #: order runs the same tests.

@@ -96,6 +96,7 @@ LAUNCH_ERRORS = [
     ({"strategy": "single", "workers": 3}, ["--strategy", "single", "--workers", "3"],
      "Expected --workers 1 for strategy 'single'. Received: 3"),
     ({"threads": 0}, ["--threads", "0"], "Expected a positive number of threads. Received: threads=0"),
+    ({"workers": None}, None, "Expected a positive number of workers. Received: workers=None"),  # torchrun's only
     ({"master_addr": "127.0.0.1"}, ["--master-addr", "127.0.0.1"],
      "Expected master_port with master_addr. Received: master_addr='127.0.0.1', master_port=None"),
     ({"timeout": float("nan")}, ["--timeout", "nan"],

@@ -102,7 +102,7 @@ def started_children(pid: int) -> list[int]:
 class Command:
     """``python -m partrain ARGS`` in a new session, its output read by threads (never blocks)."""
 
-    def __init__(self, args: list[str], tmp_path: Path, block_sigint: bool = False) -> None:
+    def __init__(self, args: list[str], block_sigint: bool = False) -> None:
         # a short TMPDIR: under pytest's longer ones the fork server's socket path does not fit and
         # the command falls back to spawn (`partrain._process.process_context`); here it runs as users run it
         self.tmpdir = Path(tempfile.mkdtemp(prefix="sig-"))
@@ -247,7 +247,7 @@ def test_sigterm_stops_train(tmp_path: Path, how: str) -> None:
     out = tmp_path / "run"
     # Ctrl-C: started with SIGINT blocked in the inherited mask, which the command must undo
     # (before it did, the launcher waited on its workers forever with SIGINT pending)
-    cmd = Command(train_args(out), tmp_path, block_sigint=how.startswith("SIGINT"))
+    cmd = Command(train_args(out), block_sigint=how.startswith("SIGINT"))
     try:
         if how.startswith("SIGTERM"):  # mid-training: the workers write files, the case of the orphans
             cmd.wait_for(lambda: (out / "checkpoint.pt").exists(), "the first checkpoint")
@@ -279,7 +279,7 @@ def test_sigterm_stops_train(tmp_path: Path, how: str) -> None:
 def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
     """SIGKILL leaves the launcher no chance to clean up: the workers notice it died and stop."""
     out = tmp_path / "run"
-    cmd = Command(train_args(out), tmp_path)
+    cmd = Command(train_args(out))
     try:
         cmd.wait_for(cmd.rendezvous, "the workers to meet")
         os.kill(cmd.proc.pid, signal.SIGKILL)
@@ -308,10 +308,10 @@ SERVE = ["serve", "tiny=tests.test_signals:tiny_model", "--replicas", "2", "--th
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_replicas_stop_with_the_server(tmp_path: Path, sig: signal.Signals) -> None:
+def test_replicas_stop_with_the_server(sig: signal.Signals) -> None:
     """SIGTERM: a graceful stop (status 0, as for one process) saying what it stopped; SIGKILL of
     the parent: the replicas notice and shut down by themselves."""
-    cmd = Command(SERVE, tmp_path)
+    cmd = Command(SERVE)
     try:
         cmd.wait_for(lambda: any("serving" in line for line in cmd.out), "the server's announcement")
         replicas = started_children(cmd.proc.pid)
@@ -338,19 +338,15 @@ def _ignores_sigint(pid: int) -> bool:
     return bool(ignored >> (signal.SIGINT - 1) & 1)
 
 
-def test_a_load_test_over_client_processes_stops_with_ctrl_c(tmp_path: Path) -> None:
+def test_a_load_test_over_client_processes_stops_with_ctrl_c() -> None:
     """``partrain loadtest --processes 2``: Ctrl-C (SIGINT to the whole group) mid-run stops the
     command and both client processes, with one line and status 130."""
-    (tmp_path / "server").mkdir()
-    (tmp_path / "load").mkdir()
-    server = Command(["serve", "tiny=tests.test_signals:tiny_model", "--threads", "1", "--port", "0"],
-                     tmp_path / "server")
+    server = Command(["serve", "tiny=tests.test_signals:tiny_model", "--threads", "1", "--port", "0"])
     load = None
     try:
         server.wait_for(lambda: any("serving" in line for line in server.out), "the server's announcement")
         url = next(word for line in server.out for word in line.split() if word.startswith("http://"))
-        load = Command(["loadtest", url, "--model", "tiny", "-c", "4", "-d", "600", "--processes", "2"],
-                       tmp_path / "load")
+        load = Command(["loadtest", url, "--model", "tiny", "-c", "4", "-d", "600", "--processes", "2"])
         # the clients are running their share once they ignore SIGINT (the first thing they do)
         load.wait_for(lambda: len(clients := started_children(load.proc.pid)) == 2
                       and all(_ignores_sigint(pid) for pid in clients), "both client processes")

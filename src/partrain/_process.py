@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .env import DistEnv, external_job
 from .errors import UsageError
+from .host_exchange import pid_alive
 from .strategies.base import WORKER, Strategy
 
 #: exit status of a spawned process whose import of the caller's script called `launch` again
@@ -145,7 +146,7 @@ def tune_allocator() -> bool:
 
 # ----- starting and stopping local processes ----------------------------------------------
 
-#: the start method of partrain's local processes, when PARTRAIN_START_METHOD does not name one
+#: the start methods PARTRAIN_START_METHOD may name (where the platform has them)
 START_METHODS = ("forkserver", "spawn")
 #: what the fork server imports before its first fork (`partrain._forkserver`)
 FORKSERVER_PRELOAD = "partrain._forkserver"
@@ -164,9 +165,9 @@ def process_context() -> Any:
 
     What differs from ``spawn``, and how partrain covers it: a forked process gets
     the server's environment variables and file descriptors of when the server
-    started, not the caller's of now. So a job carries the caller's environment
-    (`partrain.pool.Job.environ`); multiprocessing itself carries the working
-    directory, ``sys.path`` and ``sys.argv``, and the child imports the caller's
+    started, not the caller's of now. So a job carries the caller's environment and
+    working directory (`partrain.pool.Job`); multiprocessing itself carries the working
+    directory too, ``sys.path`` and ``sys.argv``, and the child imports the caller's
     main script as under ``spawn`` (the server does not: a script that calls `fit`
     at import time gets its one line, not a dead server). Output written to file
     descriptors 1 and 2 goes where the caller's went when the server started.
@@ -355,27 +356,19 @@ def forked(proc: Any) -> bool:
 def _stop_orphaned_forks(procs: list[Any], kill_after: float) -> None:
     """A fork server's children read as exited (`SERVER_GONE_EXIT`) once the server died, and
     may still run (their own parent was the server): SIGTERM, then SIGKILL, by pid."""
-    lost = [p for p in procs if forked(p) and p.exitcode == SERVER_GONE_EXIT and _pid_alive(p.pid)]
+    lost = [p for p in procs if forked(p) and p.exitcode == SERVER_GONE_EXIT and pid_alive(p.pid)]
     for p in lost:
         with contextlib.suppress(OSError):
             os.kill(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + kill_after
-    while lost and time.monotonic() < deadline:  # not our children: nothing to wait on but /proc
-        lost = [p for p in lost if _pid_alive(p.pid)]
+    while time.monotonic() < deadline:  # not our children: nothing to wait on but /proc
+        lost = [p for p in lost if pid_alive(p.pid)]
+        if not lost:
+            return
         time.sleep(0.05)
     for p in lost:
         with contextlib.suppress(OSError):
             os.kill(p.pid, signal.SIGKILL)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # the pid was reused by a process of someone else's
-        return False
-    return True
 
 
 def check_not_bootstrapping() -> None:

@@ -145,7 +145,7 @@ class HostExchange:
         pids = [int.from_bytes(view[32 + 8 * r : 40 + 8 * r], "little") for r in range(world)]
         # peers whose process this rank can see (same pid namespace): a wait that sleeps checks
         # they are still there, so a rank that died is an error at once rather than at the timeout
-        self._peers = {r: pid for r, pid in enumerate(pids) if r != rank and _alive(pid)}
+        self._peers = {r: pid for r, pid in enumerate(pids) if r != rank and pid_alive(pid)}
         if len(self._peers) != world - 1:
             self._peers = {}
 
@@ -293,7 +293,7 @@ class HostExchange:
 
     def _check_peers(self, got: int, posts: int) -> None:
         for r, pid in self._peers.items():
-            if not _alive(pid):
+            if not pid_alive(pid):
                 raise ExchangeError(
                     f"Expected all {self.world} ranks at the shared-memory exchange (call {self.calls}). "
                     f"Received: {got} of {posts} other rank(s); rank {r}'s process (pid {pid}) has exited")
@@ -326,7 +326,7 @@ def _write_pid(view: mmap.mmap, rank: int) -> None:
     view[32 + 8 * rank : 40 + 8 * rank] = os.getpid().to_bytes(8, "little")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists as this process sees it (a zombie counts as gone)."""
     if pid <= 0:
         return False

@@ -110,7 +110,7 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
     if threads is None:
         threads = max(1, available_cores() // local)
 
-    if world == 1 and master_addr is None:
+    if not starts_processes(workers, strat, nnodes, master_addr):
         # one process: no spawn, no process group
         env = DistEnv(0, 1, 0, 1, pick_device(0, device), backend or default_backend(pick_device(0, device)))
         before = torch.get_num_threads()
@@ -126,6 +126,13 @@ def launch(fn: Callable[..., Any], *args: Any, workers: int, strategy: Strategy 
                           timeout, threads, master_addr, master_port)
     except MainGuardError as exc:  # the caller's script is at fault, not this call: no traceback
         raise SystemExit(str(exc)) from None
+
+
+def starts_processes(workers: int, strat: Strategy, nnodes: int = 1, master_addr: str | None = None) -> bool:
+    """Whether `launch` starts processes for this job: more than one in all, or another node to meet,
+    and no launcher of its own (torchrun, srun, a PyTorchJob, Ray) that started this process."""
+    world = workers * nnodes + strat.extra_processes(workers * nnodes)
+    return external_launcher() is None and (world > 1 or master_addr is not None)
 
 
 def _spawn(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, pool: WorkerPool | None,
@@ -163,8 +170,10 @@ def _spawn(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Strategy, p
 def check_arguments(workers: Any, timeout: Any, threads: Any = None, *, device: str | None = None,
                     backend: str | None = None) -> None:
     """One line for a bad worker count, timeout, thread count, device or backend (before any process starts)."""
-    for name, value in (("workers", workers), ("threads", threads)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+    # workers=None: torchrun's (srun's, Ray's) job decides, and only there
+    for name, value, optional in (("workers", workers, external_launcher() is not None), ("threads", threads, True)):
+        if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int)
+                                                      or value < 1):
             raise UsageError(f"Expected a positive number of {name}. Received: {name}={value!r}")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
             or timeout <= 0:

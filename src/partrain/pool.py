@@ -95,8 +95,10 @@ class Job:
     device: str | None
     timeout: float
     threads: int | None
-    environ: dict[str, str] | None = None  # the caller's environment now (a forked process has the fork server's)
-    cwd: str | None = None  # the caller's working directory now
+    # the caller's environment and working directory now: a reused process has those of an earlier
+    # job, a forked one the fork server's
+    environ: dict[str, str]
+    cwd: str
 
 
 class WorkerPool:
@@ -277,12 +279,10 @@ def _remove_temporary(directories: list[str]) -> None:
 
 def _run_job(job: Job, conn: Any) -> bool:
     try:
-        if job.environ is not None:  # a reused or forked process sees the caller's environment of now
-            for key in set(os.environ) - set(job.environ):
-                del os.environ[key]
-            os.environ.update(job.environ)
-        if job.cwd is not None:
-            os.chdir(job.cwd)
+        for key in set(os.environ) - set(job.environ):
+            del os.environ[key]
+        os.environ.update(job.environ)
+        os.chdir(job.cwd)
         os.environ.update(RANK=str(job.rank), WORLD_SIZE=str(job.world), LOCAL_RANK=str(job.local_rank),
                           LOCAL_WORLD_SIZE=str(job.local))
         dev = pick_device(job.local_rank, job.device)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-from pathlib import Path
 
 import httpx
 import pytest
@@ -68,16 +67,16 @@ def _infer(url: str, x: torch.Tensor) -> tuple[int, torch.Tensor | str]:
     return 200, decode_response(r.content, r.headers.get(HEADER))["output"]
 
 
-def _start(tmp_path: Path) -> tuple[Command, str]:
+def _start() -> tuple[Command, str]:
     cmd = Command(["serve", SPEC, "--stages", "2", "--microbatches", "3", "--threads", "1", "--port", "0",
-                   "--input-dtype", "FP64"], tmp_path)
+                   "--input-dtype", "FP64"])
     cmd.wait_for(lambda: any("serving" in line for line in cmd.out), "the server's announcement")
     url = next(line for line in cmd.out if "serving" in line).split(" at ")[1].split("/v2/")[0]
     return cmd, url
 
 
-def test_answers_equal_the_unsplit_model_and_sigterm_stops_the_stage(tmp_path: Path) -> None:
-    cmd, url = _start(tmp_path)
+def test_answers_equal_the_unsplit_model_and_sigterm_stops_the_stage() -> None:
+    cmd, url = _start()
     try:
         stages = started_children(cmd.proc.pid)
         assert len(stages) == 1, stages  # stage 1; stage 0 is the server
@@ -99,8 +98,8 @@ def test_answers_equal_the_unsplit_model_and_sigterm_stops_the_stage(tmp_path: P
         cmd.close()
 
 
-def test_a_dead_stage_is_an_error_naming_the_stages_not_a_hang(tmp_path: Path) -> None:
-    cmd, url = _start(tmp_path)
+def test_a_dead_stage_is_an_error_naming_the_stages_not_a_hang() -> None:
+    cmd, url = _start()
     try:
         (stage,) = started_children(cmd.proc.pid)
         os.kill(stage, signal.SIGKILL)

@@ -53,7 +53,7 @@ from ..data.generated import Generated, GeneratedSampler
 from ..data.pipeline import Feeder, InlineBatches
 from ..env import available_cores, external_launcher, global_rank_from_environ
 from ..errors import UsageError, first_line
-from ..launch import launch
+from ..launch import launch, starts_processes
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
 from ..strategies.base import Strategy, get_strategy
 from ..strategies.parameter_server import is_ps_state, ps_optimizer_states
@@ -200,7 +200,7 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         history = list(ckpt.get("metrics") or [])
         return RunResult(history=history, out_dir=cfg.out_dir, checkpoint=cfg.resume,
                          model_state=ckpt["model"] if cfg.return_state else None, model_fn=model_fn)
-    if external_launcher() is None and launch_cfg.workers + strat.extra_processes(launch_cfg.workers) > 1:
+    if starts_processes(launch_cfg.workers, strat, launch_cfg.nnodes, launch_cfg.master_addr):
         start_server_early()  # it imports torch while this process loads the data and checks the model
     train_ds, test_ds = resolve_data(data)
     if isinstance(test_ds, Generated):
