@@ -17,6 +17,7 @@ import asyncio
 import copy
 import csv
 import logging
+import math
 import re
 import shutil
 import threading
@@ -28,7 +29,7 @@ from torch import nn
 from partrain.errors import UsageError
 from partrain.serve.batcher import BatcherClosed, Evicted, QueueFull
 from partrain.stream import DuplicateItem, OnlineTrainer, Prediction, TrainerClosed
-from partrain.stream.metrics import COLUMNS
+from partrain.stream.metrics import COLUMNS, LATENCY_BUCKETS, StreamMetrics
 
 from ..waiting import wait_until
 
@@ -548,12 +549,38 @@ def test_metrics_rows_go_to_csv_and_prometheus(tmp_path):
     assert float(rows[0]["latency_p99_ms"]) >= float(rows[0]["latency_p50_ms"]) > 0
 
 
+def test_latency_histogram_counts_each_value_in_its_bucket():
+    """Prometheus buckets are "at most le": a value on a bound counts in that bound's bucket."""
+    assert LATENCY_BUCKETS[:4] == (0.001, 0.002, 0.005, 0.01) and LATENCY_BUCKETS[-1] == 10.0
+    metrics = StreamMetrics()
+    metrics.record_latencies([0.0015, 0.0005, 0.001, 0.002, 30.0, 0.0011, 10.0])  # in no order
+    metrics.record_latencies([])
+    metrics.record_latencies([0.004])
+    expected = [0] * (len(LATENCY_BUCKETS) + 1)
+    expected[0] = 2  # 0.0005, 0.001
+    expected[1] = 3  # 0.0011, 0.0015, 0.002
+    expected[2] = 1  # 0.004
+    expected[len(LATENCY_BUCKETS) - 1] = 1  # 10.0
+    expected[-1] = 1  # 30.0: past the last bound (+Inf)
+    assert metrics.latency_counts == expected
+    assert metrics.latency_sum == pytest.approx(40.0101)
+    # the row's quantiles by the nearest-rank rule: sorted, 0.0005 0.001 0.0011 [0.0015] 0.002 0.004 10 [30]
+    row = metrics.row({}, queue_depth=0)
+    assert row["latency_p50_ms"] == pytest.approx(1.5) and row["latency_p99_ms"] == pytest.approx(30000.0)
+    assert math.isnan(metrics.row({}, queue_depth=0)["latency_p50_ms"])  # an interval without answers
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda t: t.submit([1.0, 2.0]), "Expected an item's x as a Tensor or a tuple of Tensors"),
     (lambda t: t.submit(torch.zeros(6), weight=-1), "Expected an item weight >= 0. Received: weight=-1"),
     (lambda t: t.submit(torch.zeros(6), id=1.5), "Expected an item id as a str or int. Received: float"),
     (lambda t: (t.submit(torch.zeros(6), torch.zeros(2)), t.submit(torch.zeros(6), torch.zeros(3))),
      r"Expected a label of shape \[2\] and dtype torch.float32 like the first one. Received: shape \[3\]"),
+    (lambda t: (t.submit(torch.zeros(6), torch.zeros(2)), t.submit(torch.zeros(6), torch.zeros(2).double())),
+     r"Expected a label of shape \[2\] and dtype torch.float32 like the first one. Received: shape \[2\], "
+     r"dtype torch.float64"),
+    (lambda t: (t.submit(torch.zeros(6), torch.zeros(1)), t.submit(torch.zeros(6), 2.5)),
+     r"Expected a label of shape \[1\] and dtype torch.float32 like the first one. Received: shape \[\], "),
     (lambda t: (t.submit(torch.zeros(6), id="a"), t.submit(torch.zeros(6), id="a")),
      "Item id 'a' was accepted already"),
 ])

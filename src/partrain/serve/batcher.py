@@ -718,7 +718,7 @@ class Batcher:
             # accepted together (per request, this loop runs for every item of a stream)
             self._queue.extend(taken)
             self._queued += len(taken)
-            self._queued_rows += sum(p.rows for p in taken)
+            self._queued_rows += sum([p.rows for p in taken])
             self.stats.submitted += len(taken)
             self.policy.observe_arrivals(now, len(taken))
             self._last_arrival = now
@@ -826,9 +826,10 @@ class Batcher:
             self._loop_waiting = False
 
     async def _run(self, batch: list[Pending]) -> None:
+        rows = 0
         for item in batch:
             item.dispatched = True
-        rows = sum(p.rows for p in batch)
+            rows += item.rows
         self._queued -= len(batch)
         self._queued_rows -= rows
         loop = asyncio.get_running_loop()
@@ -883,9 +884,10 @@ class Batcher:
         if not self.inline:
             raise RuntimeError("Expected answer_now() from run_batch on an inline batcher (the loop's own "
                                "thread). Received: a call on a batcher that runs batches in a worker thread")
+        answered = 0
         for item, result in zip(batch, results):
-            if _settle(item.future, result=result):
-                self.stats.answered += 1
+            answered += _settle(item.future, result=result)
+        self.stats.answered += answered
         if len(results) == len(batch):
             self._answered_early = batch
 

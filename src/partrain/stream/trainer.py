@@ -61,6 +61,7 @@ from .options import MinBatchPolicy, check_overflow, parse_lr_schedule, resolve_
 from .replay import Remembered, ReplayBuffer
 
 log = logging.getLogger("partrain.stream")
+_new = tuple.__new__  # a named tuple made by a C call: `Prediction(...)` runs a Python __new__ per item
 
 
 class Prediction(NamedTuple):
@@ -269,7 +270,11 @@ class OnlineTrainer:
         self._released = False  # the running step's items have left the queue's count (`_release`)
         self._seen: OrderedDict[Hashable, None] = OrderedDict()  # ids accepted (the last dedup_window)
         self._trained_ids: OrderedDict[Hashable, None] = OrderedDict()  # what a checkpoint keeps
-        self._cond = threading.Condition()  # guards accepting, waiting count, ids and stats
+        self._ids_given = False  # an item carried an id (until then, steps remember none)
+        # guards accepting, waiting count, ids and stats; taken as the lock itself (a C call: the
+        # Condition's own `with` is Python code, per item on the producer's thread)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)  # blocked producers wait on it, under `_lock`
         self._waiting = 0  # accepted items not yet taken into a step
         self._closed = False
         self._prometheus: Any = None
@@ -312,15 +317,20 @@ class OnlineTrainer:
         else:
             inputs = self._check_inputs(x)
             key = batch_key(inputs, self.pad, batched=False)
-        target = self._check_target(y)
+        spec = self._target_spec  # a tensor label like the first one: no call, nothing to convert
+        if y.__class__ is Tensor and spec is not None and y.shape == spec[0] and y.dtype == spec[1]:
+            target = y
+        else:
+            target = self._check_target(y)
         if weight != 1.0 or weight.__class__ is not float:
             self._check_weight(weight)
         if id is not None and not isinstance(id, (str, int)):
             raise UsageError(f"Expected an item id as a str or int. Received: {type(id).__name__}")
-        with self._cond:
+        with self._lock:
             if self._closed or id is not None or self._waiting >= self.max_queue:
                 self._admit(id, wait)
                 if id is not None:
+                    self._ids_given = True
                     self._seen[id] = None
                     while len(self._seen) > self.dedup_window:
                         self._seen.popitem(last=False)
@@ -335,7 +345,7 @@ class OnlineTrainer:
         try:
             self._batcher.hand_over(entry)
         except BatcherClosed:
-            with self._cond:
+            with self._lock:
                 self._waiting -= 1
                 self._stats.accepted -= 1
                 self._seen.pop(id, None)
@@ -409,9 +419,9 @@ class OnlineTrainer:
         target = y if isinstance(y, Tensor) else torch.as_tensor(y)
         spec = self._target_spec
         if spec is None:  # the first label sets the contract (set once, under the lock)
-            with self._cond:
+            with self._lock:
                 if self._target_spec is None:
-                    self._target_spec = (tuple(target.shape), target.dtype)
+                    self._target_spec = (target.shape, target.dtype)
                 spec = self._target_spec
         if target.shape != spec[0] or target.dtype != spec[1]:
             shape, dtype = spec
@@ -472,7 +482,7 @@ class OnlineTrainer:
         except BaseException as exc:
             self._release(batch)
             if self._answered is None:  # before the predictions: the error is every item's answer
-                with self._cond:
+                with self._lock:
                     self._stats.failed += len(batch)
                 raise
             if not isinstance(exc, Exception):
@@ -480,7 +490,7 @@ class OnlineTrainer:
             # the batch has its predictions: the error can reach nobody else, so it is said here
             log.error("the update after version %d failed; its %d item(s) were predicted, not trained "
                       "on: %s", self.version, len(batch), error_line(exc))
-            with self._cond:
+            with self._lock:
                 self._stats.steps += 1
                 self._stats.failed_updates += 1
             return self._answered
@@ -496,7 +506,7 @@ class OnlineTrainer:
         work before it (at saturation they delayed each step by ~4 ms of 40)."""
         if not self._released:
             self._released = True
-            with self._cond:
+            with self._lock:
                 self._waiting -= len(batch)
                 self._cond.notify_all()
 
@@ -510,7 +520,7 @@ class OnlineTrainer:
         answering = time.perf_counter() - t0
         now = time.monotonic()
         self.metrics.record_latencies([now - p.enqueued for p in batch])  # enqueued: its hand-over
-        with self._cond:
+        with self._lock:
             self._stats.predicted += len(batch)
         return answering
 
@@ -554,7 +564,7 @@ class OnlineTrainer:
                 split_outputs(shown, batch, stacked, own, padded)  # raises its one-line error
             # a copy (one call, or one transfer off the device): a caller may change its answer in
             # place while the update still runs
-            predictions = [Prediction(row, version) for row in self._delivered(shown.detach(), True).unbind(0)]
+            predictions = [_new(Prediction, (row, version)) for row in self._delivered(shown.detach(), True).unbind(0)]
         else:
             answers = split_outputs(self._delivered(_detached(shown), False), batch, tuple(t[:n] for t in stacked),
                                     own[:len(batch)], padded)
@@ -563,15 +573,16 @@ class OnlineTrainer:
 
         loss_value, lr = math.nan, self._current_lr()
         if update:
-            index = [i for i, p in enumerate(batch) if p.target is not None]
-            index += list(range(len(batch), len(samples)))
             target = torch.stack([p.target for p in labelled] + [r.target for r in replayed]).to(self.device)
             given = [p.weight for p in labelled] + [r.weight for r in replayed]
             # every weight 1 (the common case): the plain mean, without a weights tensor and its ops
-            weights = None if all(w == 1.0 for w in given) else torch.tensor(given, dtype=torch.float64,
-                                                                             device=self.device)
-            # every row labelled (the common case): the output as it is, no gather
-            picked = output if len(index) == len(samples) else _rows_at(output, torch.tensor(index, device=self.device))
+            weights = None if given.count(1.0) == len(given) else torch.tensor(given, dtype=torch.float64,
+                                                                              device=self.device)
+            if len(labelled) == n:  # every row labelled (the common case): the output as it is, no gather
+                picked = output
+            else:
+                index = [i for i, p in enumerate(batch) if p.target is not None] + list(range(n, len(samples)))
+                picked = _rows_at(output, torch.tensor(index, device=self.device))
             loss = weighted_loss(self.loss_fn, picked, target, weights)
             loss_value = float(loss.detach())
             if math.isfinite(loss_value) and (weights is None or float(weights.sum()) > 0):
@@ -594,7 +605,7 @@ class OnlineTrainer:
         seconds = time.perf_counter() - t0 - answering
         self.metrics.record_step(items=len(batch), loss=loss_value, lr=lr, version=self.version,
                                  items_trained=self.items_trained)
-        record = StepRecord(version, tuple(p.item_id for p in batch), len(batch), len(labelled),
+        record = StepRecord(version, tuple([p.item_id for p in batch]), len(batch), len(labelled),
                             n_replayed, loss_value, lr, update, seconds)
         return predictions, record
 
@@ -624,7 +635,7 @@ class OnlineTrainer:
                 self.error = exc
 
     def _count_step(self, batch: list[Pending], labelled: list[Pending], n_replayed: int, updated: bool) -> None:
-        with self._cond:
+        with self._lock:
             st = self._stats
             st.steps += 1
             if updated:
@@ -633,7 +644,7 @@ class OnlineTrainer:
                 st.replayed += n_replayed
             elif labelled:
                 st.skipped_updates += 1
-            if updated:
+            if updated and self._ids_given:  # no item carried an id so far: nothing to remember
                 for p in labelled:
                     if p.item_id is not None:
                         self._trained_ids[p.item_id] = None
@@ -648,7 +659,7 @@ class OnlineTrainer:
     @property
     def stats(self) -> StreamStats:
         """The counts so far (`StreamStats`); ``dropped`` is the batcher's evictions."""
-        with self._cond:
+        with self._lock:
             self._stats.dropped = self._batcher.stats.evicted if hasattr(self, "_batcher") else 0
             return self._stats
 
@@ -659,7 +670,7 @@ class OnlineTrainer:
 
     def count_malformed(self) -> None:
         """A source could not decode a message (it never became an item): counted here with the rest."""
-        with self._cond:
+        with self._lock:
             self._stats.malformed += 1
 
     def counts(self) -> dict[str, int]:
@@ -721,7 +732,7 @@ class OnlineTrainer:
             self._seen[item_id] = None
         if stream.get("target_spec"):
             shape, dtype = stream["target_spec"]
-            self._target_spec = (tuple(shape), getattr(torch, dtype))
+            self._target_spec = (torch.Size(shape), getattr(torch, dtype))
 
     # ---------------------------------------------------------------- metrics endpoint
 
@@ -748,13 +759,13 @@ class OnlineTrainer:
         the metrics rows. Idempotent. Raises the first error a checkpoint or the
         ``on_step`` hook raised during the run (after everything is closed).
         """
-        with self._cond:
+        with self._lock:
             already = self._closed
             self._closed = True
             self._cond.notify_all()
         if not already:
             self._batcher.stop_background(drain=drain, timeout=timeout)
-            with self._cond:  # what is still without an outcome was answered BatcherClosed
+            with self._lock:  # what is still without an outcome was answered BatcherClosed
                 st = self._stats
                 st.dropped = self._batcher.stats.evicted
                 st.abandoned = st.accepted - st.predicted - st.failed - st.dropped
