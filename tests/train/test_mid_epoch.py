@@ -59,9 +59,11 @@ def test_a_run_resumed_from_the_middle_of_an_epoch_equals_an_uninterrupted_one(t
     assert ckpt["within_epoch"]["batch"] == 4 and ckpt["epoch"] == 1
     assert ckpt["within_epoch"]["rng"].shape[0] == 2  # one random state per worker
     monkeypatch.delenv(FAIL_AT)
-    with pytest.raises(UsageError, match=r"^Expected 2 workers to resume a mid-epoch checkpoint \(its random states "
-                                         r"are per worker\)\. Received: 1$"):
-        fit(FailsOnCall, regression64, sgd, out_dir=part, resume="auto", **{**RUN, "workers": 1})
+    with monkeypatch.context() as m:  # refused in the calling process, before any worker starts
+        m.setattr("partrain.train.loop.launch", no_launch)
+        with pytest.raises(UsageError, match=r"^Expected 2 workers to resume a mid-epoch checkpoint \(its random "
+                                             r"states are per worker\)\. Received: 1$"):
+            fit(FailsOnCall, regression64, sgd, out_dir=part, resume="auto", **{**RUN, "workers": 1})
     resumed = fit(FailsOnCall, regression64, sgd, out_dir=part, resume="auto", **RUN)
     assert_states_close(resumed.model_state, full.model_state, atol=0)
     for got, want in zip(resumed.history, full.history, strict=True):

@@ -213,6 +213,9 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
     if ckpt is not None:
         _same_samples_per_epoch(ckpt, cfg.samples_per_epoch)
     if ckpt is not None and ckpt.get("within_epoch"):  # one line here rather than from every worker
+        if launch_cfg.workers is not None and external_launcher() is None:  # else the job's size decides there
+            # only strategies whose workers agree on every step write these (allreduce, single): no extra processes
+            _same_workers(ckpt["within_epoch"], launch_cfg.workers * launch_cfg.nnodes)
         _resume_batch(int(ckpt["within_epoch"]["batch"]), ckpt, cfg.batch_size,
                       bucketed=cfg.bucket is not False and lengths_of(train_ds) is not None)
     with torch.random.fork_rng(devices=[]):
@@ -562,13 +565,18 @@ def restore(strategy: Strategy, parts: _Parts, ckpt: dict[str, Any] | None, quie
     within = ckpt.get("within_epoch")
     if within:  # a mid-epoch checkpoint: every worker's random state and sums, row by worker rank
         rng, sums = within["rng"], within["sums"]
-        if len(rng) != strategy.num_workers:
-            raise UsageError(f"Expected {len(rng)} workers to resume a mid-epoch checkpoint (its random states are "
-                             f"per worker). Received: {strategy.num_workers}")
+        _same_workers(within, strategy.num_workers)
         position.batch = _resume_batch(int(within["batch"]), ckpt, batch_size, bucketed=parts.lengths is not None)
         position.rng = rng[strategy.rank].to(torch.uint8).clone()  # set_rng_state reads a whole storage
         position.sums = sums[strategy.rank]
     return position
+
+
+def _same_workers(within: dict[str, Any], workers: int) -> None:
+    """A mid-epoch checkpoint resumes with its worker count: it holds one random state per worker."""
+    if len(within["rng"]) != workers:
+        raise UsageError(f"Expected {len(within['rng'])} workers to resume a mid-epoch checkpoint (its random states "
+                         f"are per worker). Received: {workers}")
 
 
 def _same_samples_per_epoch(ckpt: dict[str, Any], n: int | None) -> None:
