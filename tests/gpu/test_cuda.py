@@ -160,12 +160,19 @@ def test_compiled_fit_on_the_device_equals_a_hand_written_cpu_loop(data_on_devic
     with the data on the device, or the forward compiled alone. It must be compiled indeed (a
     failing compiler falls back to eager with one line, which would pass unnoticed: the line is
     in the failure message) and train as the CPU loop does."""
+    from torch._dynamo.utils import counters
+
     state, history = mlp_by_hand()
     data = digits64 if data_on_device else digits64_train_only
+    skipped = counters["inductor"]["cudagraph_skips"]
     result = fit(small_mlp64, data, sgd, data_on_device=data_on_device, compile=COMPILE,
                  **{**ONE_PROCESS, "quiet": False})
     said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("partrain:")]
     assert result.final.get("compiled") == ("step" if data_on_device else "forward"), said
+    if ON_CUDA and data_on_device:
+        # the fused step writes its inputs in place (parameters, momentum, sums): marked as fixed
+        # addresses, CUDA graphs take them; unmarked, inductor skips the graphs with a warning
+        assert counters["inductor"]["cudagraph_skips"] == skipped, "the fused step ran without CUDA graphs"
     assert result.final["step"] == FULL_BATCHES
     if data_on_device:
         assert_history_matches(result.history, history)

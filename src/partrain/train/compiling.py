@@ -177,6 +177,7 @@ class FusedStep:
         code = FusedStep._step.__code__
         fn = types.FunctionType(code.replace(co_name=code.co_name), FusedStep._step.__globals__, "fused_step")
         self.compiled = torch.compile(types.MethodType(fn, self), fullgraph=True, dynamic=False, **settings)
+        self._sums: list[torch.Tensor] | None = None
 
     # ----- what the compiled function reads and writes
     def params(self) -> list[list[torch.Tensor]]:
@@ -218,29 +219,49 @@ class FusedStep:
         self.hyper = [{k: v for k, v in group.items() if k not in ("params", "lr")}
                       for group in self.optimizer.param_groups]
 
-    def begin_epoch(self) -> None:
+    def begin_epoch(self, tensors: tuple[torch.Tensor, ...], loss_sum: torch.Tensor,
+                    metric_sums: torch.Tensor) -> list[torch.Tensor]:
         """Take the parameters and the optimizer's state as they are now (after a resume's
-        ``load_state_dict``, which replaces the state tensors), for the epoch's steps."""
+        ``load_state_dict``, which replaces the state tensors), for the epoch's steps. Returns
+        the epoch's sums, starting from ``loss_sum`` and ``metric_sums``: buffers the step keeps
+        from epoch to epoch (`sum_buffers`), which the steps add to."""
         self.set_lrs()
         self.args = (self.params(), self.state(), self.lrs)
+        _static_inputs([*_leaves(self.args), *tensors])
+        sums = self.sum_buffers(loss_sum.device, metric_sums.numel())
+        sums[0].copy_(loss_sum.reshape(1))
+        sums[1].copy_(metric_sums)
+        return sums
+
+    def sum_buffers(self, device: torch.device, n_metrics: int) -> list[torch.Tensor]:
+        """The loss sum (1 element: see `state`) and the metric sums the compiled step adds to,
+        made once: with CUDA graphs an input the step writes must keep its address from call to
+        call (a new one each epoch would record the graphs again each epoch)."""
+        if self._sums is None or self._sums[1].numel() != n_metrics or self._sums[0].device != device:
+            self._sums = [torch.zeros(1, dtype=torch.float64, device=device),
+                          torch.zeros(n_metrics, dtype=torch.float64, device=device)]
+            _static_inputs(self._sums)
+        return self._sums
 
     def __call__(self, tensors: tuple[torch.Tensor, ...], index: torch.Tensor, sums: list[torch.Tensor]) -> None:
-        """One step on the batch ``index``; adds its loss and metric sums to ``sums`` (a
-        1-element loss sum, the metric sums)."""
+        """One step on the batch ``index``; adds its loss and metric sums to ``sums`` (`begin_epoch`'s)."""
         self.compiled(*self.args, tensors, index, sums)
 
-    def trial(self, tensors: tuple[torch.Tensor, ...], sizes: list[int], sums: list[torch.Tensor]) -> None:
-        """Compile for each batch size on copies (parameters, optimizer state, sums): a
-        failure leaves the model and optimizer untouched, and the real steps reuse the code."""
+    def trial(self, tensors: tuple[torch.Tensor, ...], sizes: list[int], n_metrics: int) -> None:
+        """Compile for each batch size on copies (parameters, optimizer state; the sums' buffers,
+        which `begin_epoch` sets before the first real step): a failure leaves the model and
+        optimizer untouched, and the real steps reuse the code."""
         self.set_lrs()
         fresh = [p for g in self.optimizer.param_groups for p in g["params"] if not self.optimizer.state.get(p)]
         params = [[p.clone() for p in g] for g in self.params()]
         state = [[[s.clone() for s in row] for row in g] for g in self.state()]
         for p in fresh:  # the state made for the copies goes: the first real step makes its own
             self.optimizer.state.pop(p, None)
+        sums = self.sum_buffers(tensors[0].device, n_metrics)
+        _static_inputs([*_leaves((params, state, self.lrs)), *tensors])
         for size in sizes:
             index = torch.arange(size, device=tensors[0].device)
-            self.compiled(params, state, self.lrs, tensors, index, [s.clone() for s in sums])
+            self.compiled(params, state, self.lrs, tensors, index, sums)
 
     # ----- the compiled function
     def _loss(self, flat: dict[str, torch.Tensor], inputs: Any, target: Any) -> Any:
@@ -267,6 +288,30 @@ class FusedStep:
                         _sgd(p, g, st, lr, group)
                     else:
                         _adam(p, g, st, lr, group, self.adamw)
+
+
+def _leaves(nested: Any) -> list[torch.Tensor]:
+    """The tensors of nested lists and tuples, in order."""
+    if isinstance(nested, torch.Tensor):
+        return [nested]
+    return [t for part in nested for t in _leaves(part)]
+
+
+def _static_inputs(tensors: list[torch.Tensor]) -> None:
+    """Mark the compiled step's inputs that keep their address (parameters, optimizer state,
+    learning rates, the resident training set, the sums) as such, on CUDA.
+
+    Under CUDA graphs (``reduce-overhead``) inductor copies every other input into the graph's
+    own memory at each replay (the whole training set, each step), and it skips the graphs
+    altogether when the function writes an input in place that is not marked ("skipping
+    cudagraphs due to mutated inputs"): this step writes the parameters, the optimizer's state
+    and the sums. Unguarded: a tensor at a new address (the trial's copies, a resume's new
+    state) records the graphs again instead of compiling again. The CPU has no graphs: nothing
+    to mark. (Adam's step count lives on the CPU, as ``torch.optim`` keeps it: its graphs are
+    skipped still, and its steps run compiled without them.)"""
+    for t in tensors:
+        if t.is_cuda:
+            torch._dynamo.mark_static_address(t, guard=False)
 
 
 def _sgd(p: torch.Tensor, g: torch.Tensor, st: list[torch.Tensor], lr: torch.Tensor, group: dict) -> None:

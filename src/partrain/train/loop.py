@@ -484,11 +484,9 @@ def _fuse(strategy: Strategy, model: nn.Module, optimizer: Optimizer, feeder: Fe
             tensors = feeder.resident().tensors
             n, b = len(tensors[0]), cfg.batch_size
             sizes = [min(n, b)] + ([n % b] if n > b and n % b and not cfg.drop_last else [])
-            sums = [torch.zeros(1, dtype=torch.float64, device=strategy.device),
-                    torch.zeros(len(task.metric_names), dtype=torch.float64, device=strategy.device)]
             device = strategy.device
             with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-                step.trial(tensors, sizes, sums)
+                step.trial(tensors, sizes, len(task.metric_names))
             return step, time.perf_counter() - t_compile
         except Exception as exc:  # any compiler error: the usual path, which says why once
             reason = f"it did not compile: {type(exc).__name__}: {first_line(exc)[:160]}"
@@ -815,12 +813,14 @@ def _fused_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, 
     spans = list(itertools.islice(sampler.spans(), first, None))
     clock = _CheckpointClock(strategy, cfg) if cfg.checkpoint_every or cfg.checkpoint_seconds else None
     scheduled = parts.schedule.kind != "constant" or parts.schedule.warmup_steps > 0
-    sums = [totals.loss_sum.view(1), totals.metric_sums]  # 1 element: see FusedStep.state
     n_batches = len(sampler)
     t_epoch = time.perf_counter()
     bar = _progress(len(spans), epoch, cfg.epochs) if _show_bar(strategy, cfg) else None
     totals.times.start()
-    fused.begin_epoch()
+    # the steps add to the fused step's own buffers (fixed addresses, for CUDA graphs); the
+    # epoch's totals read them until the epoch ends, then keep a copy
+    sums = fused.begin_epoch(tensors, totals.loss_sum, totals.metric_sums)
+    totals.loss_sum, totals.metric_sums = sums[0].view(()), sums[1]
     checked = position.step
     for i, (a, b) in enumerate(spans, start=first):
         if scheduled:
@@ -849,6 +849,7 @@ def _fused_epoch(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, 
                 _check_fused(totals, parts, epoch, checked, position.step)
                 checked = position.step
             save_within_epoch(strategy, parts, cfg, position, epoch, i + 1, totals)
+    totals.loss_sum, totals.metric_sums = totals.loss_sum.clone(), totals.metric_sums.clone()
     if cfg.on_nan == "stop":
         _check_fused(totals, parts, epoch, checked, position.step)
     totals.times.step_done(0.0)
