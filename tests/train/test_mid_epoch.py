@@ -111,3 +111,20 @@ def test_a_mid_epoch_checkpoint_resumed_with_another_batch_size_goes_on_after_th
     assert [row["samples"] for row in resumed.history] == [row["samples"] for row in full.history] == [97, 97]
     assert [row["step"] for row in resumed.history] == [4, 8]
     assert_states_close(resumed.model_state, full.model_state, atol=1e-10)
+
+
+def test_the_worker_count_check_before_launch_counts_a_pipelines_replicas(tmp_path, monkeypatch):
+    """The check before any process starts asks the strategy how many data-parallel workers a job
+    has: a pipeline of 2 stages over 2 processes is 1 (one replica), so it may resume a mid-epoch
+    checkpoint of one worker; over 4 processes it is 2, one line."""
+    part = str(tmp_path / "part")
+    run = dict(batch_size=8, quiet=True, timeout=60, threads=1, epochs=2)
+    fit(regressor64, regression64, sgd, out_dir=part, max_steps=16, checkpoint_every=1, strategy="single",
+        workers=1, **run)
+    assert len(load_checkpoint(os.path.join(part, "checkpoint.pt"))["within_epoch"]["rng"]) == 1
+    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    with pytest.raises(AssertionError, match="a process was started"):  # accepted: on to the launch
+        fit(regressor64, regression64, sgd, out_dir=part, resume="auto", strategy="pipeline", workers=2, **run)
+    with pytest.raises(UsageError, match=r"^Expected 1 workers to resume a mid-epoch checkpoint \(its random "
+                                         r"states are per worker\)\. Received: 2$"):
+        fit(regressor64, regression64, sgd, out_dir=part, resume="auto", strategy="pipeline", workers=4, **run)

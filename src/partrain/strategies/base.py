@@ -79,6 +79,10 @@ class Strategy(ABC):
         """Processes the launcher starts besides ``workers`` (e.g. parameter servers)."""
         return 0
 
+    def data_parallel_workers(self, workers: int) -> int:
+        """`num_workers` of a job of ``workers`` worker processes, known before any starts."""
+        return workers
+
     def roles(self, world_size: int) -> list[str]:
         """The role of each global rank."""
         return [WORKER] * world_size

@@ -129,6 +129,10 @@ class Pipeline(Strategy):
         self._check_world(workers)
         return 0
 
+    def data_parallel_workers(self, workers: int) -> int:
+        """The replicas: every stage of a replica sees the same batches."""
+        return workers // self.stages
+
     def describe_rank(self, rank: int, world_size: int) -> str | None:
         """``stage 1 (rank 1)``; with replicas ``stage 1 of replica 0 (rank 1)``."""
         stage, replica = rank % self.stages, rank // self.stages

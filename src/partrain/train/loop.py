@@ -214,8 +214,7 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         _same_samples_per_epoch(ckpt, cfg.samples_per_epoch)
     if ckpt is not None and ckpt.get("within_epoch"):  # one line here rather than from every worker
         if launch_cfg.workers is not None and external_launcher() is None:  # else the job's size decides there
-            # only strategies whose workers agree on every step write these (allreduce, single): no extra processes
-            _same_workers(ckpt["within_epoch"], launch_cfg.workers * launch_cfg.nnodes)
+            _same_workers(ckpt["within_epoch"], strat.data_parallel_workers(launch_cfg.workers * launch_cfg.nnodes))
         _resume_batch(int(ckpt["within_epoch"]["batch"]), ckpt, cfg.batch_size,
                       bucketed=cfg.bucket is not False and lengths_of(train_ds) is not None)
     with torch.random.fork_rng(devices=[]):
