@@ -58,8 +58,8 @@ import torch
 from torch import nn
 
 from .._process import tune_allocator
+from .._stats import percentile
 from ..stream import OnlineTrainer
-from ..stream.metrics import percentile
 from ..stream.trainer import SWITCH_INTERVAL
 from .harness import (
     Report,

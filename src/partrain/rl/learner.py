@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._stats import percentile as quantile
 from ..errors import UsageError
 from ..train.checkpoint import load_checkpoint, save_checkpoint
 from ..train.optim import keep_run_settings
@@ -82,12 +83,8 @@ class LearnerStats:
 
 
 def percentile(values: list[int] | list[float], q: float) -> float:
-    """The ``q``-th percentile (nearest rank) of ``values``; nan when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
-    return float(ordered[rank])
+    """The ``q``-th percentile (0..100, nearest rank) of ``values``; nan when empty."""
+    return quantile(values, q / 100)
 
 
 class Learner:

@@ -20,7 +20,7 @@ from array import array
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
+from .._stats import quantiles
 
 COLUMNS = ("time_s", "version", "items_trained", "items_per_s", "steps", "mean_batch", "max_batch",
            "queue_depth", "loss", "lr", "latency_p50_ms", "latency_p99_ms", "accepted", "dropped",
@@ -29,23 +29,6 @@ COLUMNS = ("time_s", "version", "items_trained", "items_per_s", "steps", "mean_b
 STEP_COUNTS = {"steps": "all", "updates": "updated", "skipped_updates": "skipped_non_finite",
                "failed_updates": "failed_after_answer"}
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by the nearest-rank rule; NaN for no values."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def quantiles(values: array, qs: tuple[float, ...]) -> list[float]:
-    """`percentile` of a flat buffer of doubles for each of ``qs``, by selection (no sort); NaN if empty."""
-    n = len(values)
-    if n == 0:
-        return [math.nan] * len(qs)
-    flat = torch.frombuffer(values, dtype=torch.float64)  # no copy
-    return [float(flat.kthvalue(min(n, max(1, math.ceil(q * n)))).values) for q in qs]
 
 
 class StreamMetrics:

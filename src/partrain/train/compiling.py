@@ -227,7 +227,7 @@ class FusedStep:
         from epoch to epoch (`sum_buffers`), which the steps add to."""
         self.set_lrs()
         self.args = (self.params(), self.state(), self.lrs)
-        _static_inputs([*_leaves(self.args), *tensors])
+        _static_inputs([self.args, tensors])
         sums = self.sum_buffers(loss_sum.device, metric_sums.numel())
         sums[0].copy_(loss_sum.reshape(1))
         sums[1].copy_(metric_sums)
@@ -258,7 +258,7 @@ class FusedStep:
         for p in fresh:  # the state made for the copies goes: the first real step makes its own
             self.optimizer.state.pop(p, None)
         sums = self.sum_buffers(tensors[0].device, n_metrics)
-        _static_inputs([*_leaves((params, state, self.lrs)), *tensors])
+        _static_inputs([params, state, self.lrs, tensors])
         for size in sizes:
             index = torch.arange(size, device=tensors[0].device)
             self.compiled(params, state, self.lrs, tensors, index, sums)
@@ -290,15 +290,8 @@ class FusedStep:
                         _adam(p, g, st, lr, group, self.adamw)
 
 
-def _leaves(nested: Any) -> list[torch.Tensor]:
-    """The tensors of nested lists and tuples, in order."""
-    if isinstance(nested, torch.Tensor):
-        return [nested]
-    return [t for part in nested for t in _leaves(part)]
-
-
-def _static_inputs(tensors: list[torch.Tensor]) -> None:
-    """Mark the compiled step's inputs that keep their address (parameters, optimizer state,
+def _static_inputs(tensors: Any) -> None:
+    """Mark the compiled step's inputs (nested lists and tuples of them) that keep their address (parameters, optimizer state,
     learning rates, the resident training set, the sums) as such, on CUDA.
 
     Under CUDA graphs (``reduce-overhead``) inductor copies every other input into the graph's
@@ -309,9 +302,9 @@ def _static_inputs(tensors: list[torch.Tensor]) -> None:
     state) records the graphs again instead of compiling again. The CPU has no graphs: nothing
     to mark. (Adam's step count lives on the CPU, as ``torch.optim`` keeps it: its graphs are
     skipped still, and its steps run compiled without them.)"""
-    for t in tensors:
-        if t.is_cuda:
-            torch._dynamo.mark_static_address(t, guard=False)
+    from .._tree import map_tensors
+
+    map_tensors(tensors, lambda t: torch._dynamo.mark_static_address(t, guard=False) if t.is_cuda else None)
 
 
 def _sgd(p: torch.Tensor, g: torch.Tensor, st: list[torch.Tensor], lr: torch.Tensor, group: dict) -> None:
