@@ -342,3 +342,28 @@ def test_short_epochs_walk_through_the_data_on_every_feeding_path(tmp_path):
         with pytest.raises(UsageError, match=r"^Expected a positive number of training samples per epoch\. "
                                              r"Received: samples_per_epoch=0$"):
             fit(regressor64, regression64, sgd, **dict(ONE, workers=2, samples_per_epoch=0))
+
+
+def test_the_fused_step_marks_every_input_it_writes_or_reads_whole_as_fixed_on_cuda(monkeypatch):
+    """CUDA graphs take a compiled step that writes its inputs in place only when those inputs are
+    marked as living at fixed addresses (else inductor skips the graphs: "mutated inputs"), and copy
+    every unmarked input into the graph at each replay. `FusedStep.begin_epoch` must mark the
+    parameters, the optimizer's state, the learning rates, the resident training set and the sums;
+    here on the CPU with every tensor taken for a CUDA one (the marking is all that runs)."""
+    from partrain.train import compiling
+    from partrain.train.task import Task
+
+    marked: list[int] = []
+    monkeypatch.setattr(torch._dynamo, "mark_static_address",
+                        lambda t, guard=True: marked.append(t.data_ptr()) if not guard else pytest.fail("guarded"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    model = regressor64()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = compiling.FusedStep(model, optimizer, Task("mse"), {"backend": "eager"})
+    data = (torch.zeros(10, 6, dtype=torch.float64), torch.zeros(10, dtype=torch.float64))
+    sums = step.begin_epoch(data, torch.tensor(1.5, dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64))
+    momentum = [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]
+    expected = [*model.parameters(), *momentum, *step.lrs, *data, *sums]
+    assert set(marked) >= {t.data_ptr() for t in expected}
+    assert sums[0].tolist() == [1.5] and sums[1].tolist() == [2.0]  # the epoch's starting sums
+    assert step.begin_epoch(data, torch.tensor(0.0, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)) is sums
