@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._stats import percentile as quantile
+from .. import _stats
 from ..errors import UsageError
 from ..train.checkpoint import load_checkpoint, save_checkpoint
 from ..train.optim import keep_run_settings
@@ -84,7 +84,7 @@ class LearnerStats:
 
 def percentile(values: list[int] | list[float], q: float) -> float:
     """The ``q``-th percentile (0..100, nearest rank) of ``values``; nan when empty."""
-    return quantile(values, q / 100)
+    return _stats.percentile(values, q / 100)
 
 
 class Learner:
