@@ -353,3 +353,95 @@ def test_the_bench_checks_the_model_on_the_medians_of_its_runs_by_hand():
     for r, given in ((result(Straggler(1, 3.0)), runs), (result(), {"single": runs["single"]}),
                      (result(), {"allreduce": runs["allreduce"]})):
         assert all(math.isnan(x) for x in model_check(r, given))
+
+
+def _timed(label, strategy, rate, curve, seconds, workers=2, **options):
+    m = window(label, strategy, rate, curve=curve, workers=workers, **options)
+    m.curve_s = list(seconds)
+    return m
+
+
+def _first_round():
+    """allreduce reaches the first round's target (1.25, the median of the lows 1.2, 1.25, 1.3) at
+    5 + 5 * 0.25 / 0.3 = 9.17 s, local SGD at 8 s; one process never does."""
+    allreduce = _timed("allreduce", "allreduce", 100.0, ((0.0, 2.0), (500.0, 1.5), (1000.0, 1.2)), (0.0, 5.0, 10.0))
+    local = _timed("localsgd H=8", "localsgd", 125.0, ((0.0, 2.0), (500.0, 1.4), (1000.0, 1.25)), (0.0, 4.0, 8.0),
+                   period=8)
+    single = _timed("single", "single", 60.0, ((0.0, 2.0), (500.0, 1.6), (1000.0, 1.3)), (0.0, 8.0, 16.0), workers=1)
+    return allreduce, local, single
+
+
+def test_the_run_off_races_the_first_rounds_pick_and_those_within_half_of_the_fastest():
+    from partrain.compare.decide import contenders
+
+    allreduce, local, single = _first_round()
+    # local SGD: 1/8 per s; allreduce 1/9.17, within 50% of it; one process never reached the target
+    assert [m.label for m in contenders([allreduce, local, single])] == ["localsgd H=8", "allreduce"]
+    assert contenders([allreduce, local, single], band=0.1) == []  # 1.09x apart: a clear leader races no one
+    assert [m.label for m in contenders([allreduce, local, single], most=1)] == []
+    # the first round's pick races even when it is not the fastest: allreduce, kept by the 10% margin
+    # over ps sync (1/8.6 per s), then ps sync, then local SGD, cut at three
+    ps = _timed("ps sync", "ps", 120.0, ((0.0, 2.0), (500.0, 1.45), (1000.0, 1.25)), (0.0, 4.3, 8.6), staleness=0)
+    faster = _timed("allreduce", "allreduce", 100.0, ((0.0, 2.0), (500.0, 1.5), (1000.0, 1.2)), (0.0, 4.6, 9.2))
+    assert recommend([faster, local, single, ps]).pick == "allreduce"
+    assert [m.label for m in contenders([faster, local, single, ps], most=2)] == ["allreduce", "localsgd H=8"]
+    # no target (nothing learned 10% below the untrained loss): no run-off
+    flat = [_timed(m.label, m.strategy, m.samples_per_s, ((0.0, 2.0), (1000.0, 1.9)), (0.0, 5.0), m.workers)
+            for m in (allreduce, local)]
+    assert contenders(flat) == []
+
+
+def test_the_run_off_decides_between_its_longer_windows_alone():
+    allreduce, local, single = _first_round()
+    assert recommend([allreduce, local, single]).pick == "localsgd H=8"
+    # the run-off: twice as long; local SGD levels off at 1.1, allreduce goes on to 0.9. The target is
+    # the upper median of the two lows, 1.1: allreduce at 10 + 5 * 0.1 / 0.2 = 12.5 s, local SGD at 16 s
+    allreduce.runoff = [_timed("allreduce", "allreduce", 100.0, ((0.0, 2.0), (500.0, 1.5), (1000.0, 1.2),
+                                                                 (1500.0, 1.0), (2000.0, 0.9)),
+                               (0.0, 5.0, 10.0, 15.0, 20.0))]
+    local.runoff = [_timed("localsgd H=8", "localsgd", 125.0, ((0.0, 2.0), (500.0, 1.4), (1000.0, 1.25),
+                                                               (1500.0, 1.15), (2000.0, 1.1)),
+                           (0.0, 4.0, 8.0, 12.0, 16.0), period=8)]
+    rec = recommend([allreduce, local, single])
+    assert rec.pick == "allreduce"
+    assert allreduce.runoff[0].time_to_loss == pytest.approx(12.5) and local.runoff[0].time_to_loss == 16.0
+    assert rec.why.startswith("won the run-off between allreduce, localsgd H=8: communication and waiting are only")
+    # at 2000 samples local SGD's loss is 1.1 / 0.9 = 22% above allreduce's
+    assert rec.others["localsgd H=8"] == ("0.78x the pick's speed: its loss at equal samples is 22% above "
+                                          "allreduce's (stale or local updates cost convergence)")
+    assert rec.others["single"] == "not in the run-off (never reached the target loss in its window)"
+    # the first round's figures stay what the first round measured
+    assert local.time_to_loss == 8.0
+
+
+def test_the_run_off_gives_its_leaders_equal_time_in_whole_epochs(monkeypatch):
+    """`run_off` by hand: 20 s left, a 1 s start-up per window; local SGD at 125 samples/s and allreduce at
+    100 in epochs of 100 samples race int(0.85 * (20 / 2 - 1) * rate / 100) epochs each."""
+    import time
+
+    from partrain.compare import run as run_module
+    from partrain.compare.measure import Candidate
+
+    allreduce, local, single = _first_round()
+    asked = []
+
+    def fake_measure(job, cand, workers, epoch_samples, epochs, straggler, initial):
+        asked.append((cand.label, epoch_samples, epochs))
+        return _timed(cand.label, cand.strategy, 100.0, ((0.0, 2.0), (100.0 * epochs, 1.0)), (0.0, float(epochs)))
+
+    monkeypatch.setattr(run_module, "measure", fake_measure)
+    planned = {"allreduce": (Candidate("allreduce", "allreduce"), 2),
+               "localsgd H=8": (Candidate("localsgd H=8", "localsgd", {"period": 8}), 2)}
+    clock = iter([100.0, 100.0])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    said = []
+    run_module.run_off([allreduce, local, single], planned, None, 2, 100, 120.0, 1.0, None, 2.0, None, said.append)
+    assert asked == [("localsgd H=8", 100, int(0.85 * 9 * 125 / 100)), ("allreduce", 100, int(0.85 * 9))]
+    assert len(allreduce.runoff) == len(local.runoff) == 1 and not single.runoff
+    assert said[0] == "run-off: localsgd H=8, allreduce, ~9.0 s each"
+    # too little time left for a window longer than each one's first: no run-off, and it says so
+    asked.clear()
+    clock = iter([100.0])
+    run_module.run_off([allreduce, local, single], {k: (c, 9) for k, (c, _) in planned.items()}, None, 2, 100,
+                       120.0, 1.0, None, 2.0, None, said.append)
+    assert asked == [] and said[-1] == "no run-off: the time left pays for no leader's window longer than its first"

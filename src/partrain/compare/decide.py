@@ -42,6 +42,14 @@ barely under the untrained one are noise), the samples/s under the what-if link.
    communication, in the windows and in the 5-second runs alike).
 4. Otherwise the fastest remaining strategy.
 
+**The run-off** (`contenders`, run by `partrain.compare.run`): a short window favours the
+strategies that are fast at the start (hogwild's unsynchronised updates, a shallow target)
+over those that go on learning. So, when the comparison has room for it, the strategies
+within `RUNOFF_BAND` of the fastest (at most `RUNOFF_MOST`) train once more, each for the
+same longer time, and the rule above decides between them alone, at the target their
+longer windows set; the others keep the first round's reason, prefixed "not in the run-off".
+This is successive halving (Jamieson and Talwalkar, 2016) with one halving.
+
 **Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
 the first left out: 1.4826 x their median absolute deviation over their median, over the
 square root of their number, see `window_noise`). When the runner-up's
@@ -70,6 +78,10 @@ LOSS_LIMIT = 0.25
 MIN_PROGRESS = 0.10
 #: the smallest relative difference in speed that is not called a tie
 TIE_FLOOR = 0.05
+#: the run-off takes the strategies whose speed lies within this share of the fastest's ...
+RUNOFF_BAND = 0.5
+#: ... at most this many (the run-off's time is split among them: fewer race longer)
+RUNOFF_MOST = 3
 
 
 @dataclass
@@ -162,7 +174,54 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
 
     ``straggler``: a worker was slowed on purpose, so a synchronous strategy's waiting is
     the straggler's doing (the reasons say so), not the network's.
+
+    When two or more strategies carry a run-off window (``Measurement.runoff``), the rule
+    decides between those windows alone; every other strategy keeps the first round's line.
     """
+    rule = dict(straggler=straggler, comm_floor=comm_floor, margin=margin, loss_tolerance=loss_tolerance)
+    first = _recommend(measurements, **rule)
+    finals = [m.runoff[-1] for m in measurements if m.ok and m.runoff and m.runoff[-1].ok]
+    if first is None or len(finals) < 2:
+        return first
+    final = _recommend(finals, **rule)
+    assert final is not None  # the finals are measured windows
+    final.why = f"won the run-off between {', '.join(m.label for m in finals)}: {final.why}"
+    raced = {m.label for m in finals}
+    others = {}
+    for m in measurements:
+        if m.label == final.pick:
+            continue
+        if m.label in raced or not m.ok:  # a skipped or failed window keeps its reason as it is
+            others[m.label] = final.others.get(m.label) or first.others[m.label]
+        else:
+            others[m.label] = f"not in the run-off ({first.others[m.label]})"
+    final.others = others
+    return final
+
+
+def contenders(measurements: list[Measurement], band: float = RUNOFF_BAND,
+               most: int = RUNOFF_MOST) -> list[Measurement]:
+    """The strategies a run-off races: the first round's pick, then, fastest first, those the rule
+    could recommend (one process, and the parallel strategies that do not learn far worse per
+    sample, `converges_worse`) whose speed to the target loss lies within ``band`` of the fastest's,
+    at most ``most`` in all; none when fewer than two (a clear leader) or when the windows set no
+    target loss."""
+    first = _recommend(measurements, straggler=False, comm_floor=COMM_FLOOR, margin=MARGIN,
+                       loss_tolerance=LOSS_TOLERANCE)
+    ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
+    ref = compare_losses(ok)
+    target = set_speeds(ok)
+    if first is None or target != target:  # no target: the windows did not learn enough to time a loss
+        return []
+    able = sorted((m for m in ok if 0 < m.speed < math.inf and not converges_worse(m, ref)),
+                  key=lambda m: m.speed, reverse=True)
+    pick = next(m for m in ok if m.label == first.pick)
+    close = ([pick] + [m for m in able if m is not pick and m.speed * (1 + band) >= able[0].speed])[:most]
+    return close if len(close) >= 2 else []
+
+
+def _recommend(measurements: list[Measurement], *, straggler: bool, comm_floor: float, margin: float,
+               loss_tolerance: float) -> Recommendation | None:
     ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
     if not ok:
         return None

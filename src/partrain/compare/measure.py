@@ -95,6 +95,10 @@ class Measurement:
     time_to_loss: float = math.nan
     #: what the rule ranks by: 1 / time_to_loss (or the effective samples/s without loss curves)
     speed: float = math.nan
+    #: the run-off's windows of the same strategy (`partrain.compare.run`): each timed to the same target
+    runoff: list[Measurement] = field(default_factory=list)
+    #: each window's training seconds to the target (this one first, then the run-off's; NaN: not reached)
+    times_to_loss: list[float] = field(default_factory=list)
     #: shares of the host's CPU time during the window that went elsewhere (`partrain.compare.hostload`):
     #: stolen by the hypervisor, and used by processes outside this one's tree; NaN without /proc
     host_steal: float = math.nan

@@ -87,6 +87,16 @@ def format_result(result: CompareResult) -> str:
     lines.append(f"{ranked_by}; data/compute/comm: shares of a worker's step; loss/X: test loss at equal samples "
                  "over X's; host load: the host's CPU time that went elsewhere during the window (stolen by a "
                  "hypervisor or used by other processes); * recommended")
+    finals = [m for m in result.measurements if m.ok and m.runoff and m.runoff[-1].ok]
+    if finals:
+        lines += ["", f"run-off between the first round's leaders, each trained once more for an equal time: "
+                  f"s to target: training seconds to test loss {result.runoff_target:.4g} (the median of their "
+                  "lowest), what the recommendation follows"]
+        rows = [[m.label, len(w.curve) - 1, w.window_s, float(round(w.effective_samples_per_s)), w.time_to_loss,
+                 min(v for _, v in w.curve), m.time_to_loss] for m in finals for w in m.runoff[-1:]]
+        rows.sort(key=lambda r: (r[4] != r[4], r[4]))
+        lines.append(format_table(["strategy", "epochs", "window s", "samples/s", "s to target", "lowest loss",
+                                   "first round s"], rows))
     rec = result.recommendation
     if rec is not None:
         lines += ["", f"recommended: {rec.pick} - {rec.why}"]
@@ -142,7 +152,7 @@ def to_json(result: CompareResult) -> dict[str, Any]:
     rec = result.recommendation
     return clean({
         "budget_s": result.budget_s, "elapsed_s": result.elapsed_s, "workers": result.workers,
-        "target_loss": result.target_loss,
+        "target_loss": result.target_loss, "runoff_target": result.runoff_target,
         "batch_size": result.batch_size, "model_bytes": result.model_bytes,
         "straggler": result.straggler.text() if result.straggler else None,
         "bandwidth": result.bandwidth,
@@ -168,13 +178,17 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
                                       "time_to_loss", "speed", "peak_rss_mb", "host_steal", "host_other")}
     out["options"] = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in m.options.items()}
     out["curve"] = [list(p) for p in m.curve]
+    out["curve_s"] = list(m.curve_s)
+    # the run-off's windows of this strategy: figures of the same kind, timed to the run-off's target
+    out["runoff"] = [{k: v for k, v in _measurement_json(w).items() if k not in ("label", "strategy", "options")}
+                     for w in m.runoff]
     return out
 
 
 CSV_FIELDS = ("label", "strategy", "workers", "status", "reason", "steps", "samples", "samples_per_s",
               "effective_samples_per_s", "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
               "bytes_per_sample", "loss_ratio", "loss_vs_single", "peak_rss_mb", "time_to_loss", "speed",
-              "host_steal", "host_other")
+              "host_steal", "host_other", "runoff_time_to_loss")
 
 
 def write_outputs(result: CompareResult, out_dir: str) -> dict[str, str]:
@@ -189,7 +203,8 @@ def write_outputs(result: CompareResult, out_dir: str) -> dict[str, str]:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
         w.writeheader()
         for m in ranked(result):
-            w.writerow({k: getattr(m, k) for k in CSV_FIELDS})
+            w.writerow({k: getattr(m, k) for k in CSV_FIELDS[:-1]} |
+                       {"runoff_time_to_loss": m.runoff[-1].time_to_loss if m.runoff else ""})
     os.replace(paths["csv"] + ".tmp", paths["csv"])
     plot(result, paths["png"], target)
     return paths

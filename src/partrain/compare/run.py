@@ -11,6 +11,12 @@ link). Its window is then as many whole epochs (of the same size for every strat
 the rest of its share pays for, at least `MIN_EPOCHS` and that many steps: the warm-up steps are left out of the throughput, so every
 measured step is past the first collective, DDP's buckets and the allocator's growth. A
 strategy whose share cannot pay for that is skipped and says so.
+
+With three strategies or more and a budget of at least `RUNOFF_MIN_BUDGET_S`, `RUNOFF_SHARE`
+of the windows' time is kept for a run-off (see `partrain.compare.decide`): the leaders of
+the first round (`contenders`) train once more, each for the same share of what is left,
+in whole epochs, and at least as many as its first window ran (else the slowest leader
+leaves the run-off, and with fewer than two there is none).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from .._process import start_server_early
 from ..errors import UsageError
 from ..pool import WorkerPool
 from ..scaling import Constants, Link, samples_per_s, step_seconds
-from .decide import Recommendation, recommend, set_speeds, simulate_link
+from .decide import Recommendation, contenders, recommend, set_speeds, simulate_link
 from .measure import (
     FIRST_EPOCHS,
     MIN_EPOCHS,
@@ -82,6 +88,14 @@ PIPELINE_FACTOR = 2.0
 #: kept back from the windows for the end: the decision, and the files (a chart) when asked for
 FINISH_S = 0.3
 FILES_S = 1.5
+#: the share of the windows' time kept for the run-off between the leaders ...
+RUNOFF_SHARE = 0.35
+#: ... when the budget is at least this long (shorter, the first round's windows would be too short
+#: to tell anything) and at least this many strategies run (fewer: the first round is the race)
+RUNOFF_MIN_BUDGET_S = 30.0
+RUNOFF_MIN_STRATEGIES = 3
+#: the share of a run-off window's time its plan fills: the leaders' steps are measured by then
+RUNOFF_SAFETY = 0.85
 
 
 @dataclass
@@ -125,6 +139,8 @@ class CompareResult:
     target_loss: float = math.nan
     #: seconds of the budget spent before the first window: starting the processes, each importing torch
     startup_s: float = 0.0
+    #: the test loss the run-off times its leaders to (NaN: no run-off)
+    runoff_target: float = math.nan
 
     @property
     def budget_overrun(self) -> float:
@@ -241,6 +257,10 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
         finish = FINISH_S + (FILES_S if out_dir else 0.0)
         learned: dict[str, float] = {}  # label -> measured step over estimated step
         epoch_samples = 0  # set by the first window: the same epoch for every strategy
+        planned_epochs: dict[str, tuple[Candidate, int]] = {}  # label -> what its (full) window ran
+        reserve = 0.0  # seconds kept for the run-off
+        if len(chosen) >= RUNOFF_MIN_STRATEGIES and budget_s >= RUNOFF_MIN_BUDGET_S:
+            reserve = RUNOFF_SHARE * (budget_s - (time.perf_counter() - started) - finish)
         for i, cand in enumerate(chosen):
             workers_c = cand.workers or n
             global_batch = batch_size * workers_c
@@ -256,7 +276,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                     f"{result.link[1] * 1e6:.0f} us, {len(result.buckets)} bucket(s); {n} workers at once step "
                     f"{result.host_factor:.2f}x slower than one (h); o = {result.ddp_overhead_s * 1e3:.2f} ms, "
                     f"c = {result.contention_s * 1e3:.2f} ms")
-            left = budget_s - (time.perf_counter() - started) - finish
+            left = budget_s - (time.perf_counter() - started) - finish - reserve
             overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
             window = left / (len(chosen) - i) - overhead
             base = _estimate_step(cand, n, result, step_guess, model_bytes, strag)
@@ -300,6 +320,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
             m = measure(job, cand, n, epoch_samples, epochs, strag, initial)
             measurements.append(m)
             if m.ok:
+                planned_epochs[cand.label] = (cand, epochs)
                 overheads.append(max(0.0, m.wall_s - m.window_s))
                 if m.steps:
                     learned[cand.label] = m.window_s / m.steps / base
@@ -307,15 +328,53 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                     f"({m.window_s:.1f} s window, {m.wall_s:.1f} s in all)")
             else:
                 say(f"{_clock(started)} {cand.label}: {m.status}: {m.reason}")
-    for m in measurements:
-        simulate_link(m, bw)
+        for m in measurements:
+            simulate_link(m, bw)
+        if reserve > 0:
+            deadline = started + budget_s - finish
+            overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
+            run_off(measurements, planned_epochs, job, n, epoch_samples, deadline, overhead, strag, initial, bw,
+                    lambda text: say(f"{_clock(started)} {text}"))
     result.recommendation = recommend(measurements, straggler=strag is not None)
     result.target_loss = set_speeds([m for m in measurements if m.ok])
+    finals = [m.runoff[-1] for m in measurements if m.ok and m.runoff and m.runoff[-1].ok]
+    if len(finals) >= 2:
+        result.runoff_target = set_speeds(finals)
     _predict(result, link_speeds, scale)
     if out_dir:
         result.files = write_outputs(result, out_dir)
     result.elapsed_s = time.perf_counter() - started
     return result
+
+
+def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate, int]], job: Job, workers: int,
+            epoch_samples: int, deadline: float, overhead: float, straggler: Straggler | None, initial: float,
+            bandwidth: float | None, say: Callable[[str], None]) -> None:
+    """Train the first round's leaders (`contenders`) once more, each for an equal share of the time left
+    before ``deadline`` (whole epochs of ``epoch_samples``, at least as many as its first window ran),
+    into each one's ``Measurement.runoff``."""
+    finalists = [m for m in contenders(measurements) if m.label in planned]
+    epochs: dict[str, int] = {}
+    while len(finalists) >= 2:
+        share = (deadline - time.perf_counter()) / len(finalists) - overhead
+        epochs = {m.label: int(RUNOFF_SAFETY * share * m.samples_per_s / epoch_samples) for m in finalists}
+        if all(epochs[m.label] >= planned[m.label][1] for m in finalists):
+            break
+        finalists.pop()  # the last (the slowest but the first round's pick): the others race longer
+    if len(finalists) < 2:
+        say("no run-off: the time left pays for no leader's window longer than its first")
+        return
+    say(f"run-off: {', '.join(m.label for m in finalists)}, ~{share:.1f} s each")
+    for m in finalists:
+        cand = planned[m.label][0]
+        window = measure(job, cand, workers, epoch_samples, epochs[m.label], straggler, initial)
+        if window.ok:
+            simulate_link(window, bandwidth)
+            m.runoff.append(window)
+            say(f"run-off: {m.label}: {epochs[m.label]} epochs, {window.samples_per_s:,.0f} samples/s "
+                f"({window.window_s:.1f} s window), lowest test loss {min(v for _, v in window.curve):.4g}")
+        else:
+            say(f"run-off: {m.label}: {window.status}: {window.reason}")
 
 
 #: what the windows import in the workers: imported once, up front, by every process (seconds each
