@@ -358,6 +358,7 @@ def test_the_bench_checks_the_model_on_the_medians_of_its_runs_by_hand():
 def _timed(label, strategy, rate, curve, seconds, workers=2, **options):
     m = window(label, strategy, rate, curve=curve, workers=workers, **options)
     m.curve_s = list(seconds)
+    m.window_s = seconds[-1]
     return m
 
 
@@ -371,14 +372,20 @@ def _first_round():
     return allreduce, local, single
 
 
-def test_the_run_off_races_the_first_rounds_pick_and_those_within_half_of_the_fastest():
+def test_the_run_off_races_the_first_rounds_pick_and_the_fastest_others():
     from partrain.compare.decide import contenders
 
     allreduce, local, single = _first_round()
-    # local SGD: 1/8 per s; allreduce 1/9.17, within 50% of it; one process never reached the target
+    # local SGD: 1/8 per s, the pick; allreduce 1/9.17; one process never reached the target: it cannot race
     assert [m.label for m in contenders([allreduce, local, single])] == ["localsgd H=8", "allreduce"]
-    assert contenders([allreduce, local, single], band=0.1) == []  # 1.09x apart: a clear leader races no one
     assert [m.label for m in contenders([allreduce, local, single], most=1)] == []
+    # however far ahead the pick (hogwild here, 1 / 2 s), the fastest others race it
+    hog = _timed("hogwild", "hogwild", 300.0, ((0.0, 2.0), (500.0, 1.2), (1000.0, 1.1)), (0.0, 2.0, 4.0))
+    assert [m.label for m in contenders([allreduce, local, single, hog])] == ["hogwild", "localsgd H=8", "allreduce"]
+    # one that learns far worse per sample than allreduce does not race (hogwild at 1000 samples: 2.0 / 1.2)
+    hog.curve = [(0.0, 2.0), (500.0, 1.4), (1000.0, 2.0), (1500.0, 1.25)]
+    hog.curve_s = [0.0, 1.0, 2.0, 3.0]
+    assert [m.label for m in contenders([allreduce, local, single, hog])] == ["localsgd H=8", "allreduce"]
     # the first round's pick races even when it is not the fastest: allreduce, kept by the 10% margin
     # over ps sync (1/8.6 per s), then ps sync, then local SGD, cut at three
     ps = _timed("ps sync", "ps", 120.0, ((0.0, 2.0), (500.0, 1.45), (1000.0, 1.25)), (0.0, 4.3, 8.6), staleness=0)
@@ -407,9 +414,14 @@ def test_the_run_off_decides_between_its_longer_windows_alone():
     assert allreduce.runoff[0].time_to_loss == pytest.approx(12.5) and local.runoff[0].time_to_loss == 16.0
     assert rec.why.startswith("won the run-off between allreduce, localsgd H=8: communication and waiting are only")
     # at 2000 samples local SGD's loss is 1.1 / 0.9 = 22% above allreduce's
-    assert rec.others["localsgd H=8"] == ("0.78x the pick's speed: its loss at equal samples is 22% above "
-                                          "allreduce's (stale or local updates cost convergence)")
-    assert rec.others["single"] == "not in the run-off (never reached the target loss in its window)"
+    assert rec.others["localsgd H=8"] == ("in the run-off, 0.78x the pick's speed: its loss at equal samples is 22% "
+                                          "above allreduce's (stale or local updates cost convergence)")
+    assert rec.others["single"] == "not in the run-off: in the first round, never reached the target loss in its window"
+    # one strategy out of the race that had a speed: its first-round line names the first round's pick
+    ps = _timed("ps sync", "ps", 60.0, ((0.0, 2.0), (500.0, 1.7), (1000.0, 1.2)), (0.0, 9.0, 18.0), staleness=0)
+    rec = recommend([allreduce, local, single, ps])
+    # (1.25 at 9 + 9 * 0.45 / 0.5 = 17.1 s against local SGD's 8 s: 0.47x, outside the race's half)
+    assert rec.others["ps sync"].startswith("not in the run-off: in the first round, 0.47x localsgd H=8's speed: ")
     # the first round's figures stay what the first round measured
     assert local.time_to_loss == 8.0
 
@@ -445,3 +457,43 @@ def test_the_run_off_gives_its_leaders_equal_time_in_whole_epochs(monkeypatch):
     run_module.run_off([allreduce, local, single], {k: (c, 9) for k, (c, _) in planned.items()}, None, 2, 100,
                        120.0, 1.0, None, 2.0, None, said.append)
     assert asked == [] and said[-1] == "no run-off: the time left pays for no leader's window longer than its first"
+
+
+def test_the_run_off_is_shown_in_its_own_table_and_in_the_json_csv_and_png(tmp_path):
+    import csv
+    import json
+
+    from partrain.compare.decide import set_speeds
+    from partrain.compare.report import format_result, write_outputs
+    from partrain.compare.run import CompareResult
+
+    allreduce, local, single = _first_round()
+    allreduce.runoff = [_timed("allreduce", "allreduce", 100.0, ((0.0, 2.0), (1000.0, 1.2), (2000.0, 0.9)),
+                               (0.0, 10.0, 20.0))]
+    local.runoff = [_timed("localsgd H=8", "localsgd", 125.0, ((0.0, 2.0), (1000.0, 1.25), (2000.0, 1.1)),
+                           (0.0, 8.0, 16.0), period=8)]
+    result = CompareResult([allreduce, local, single], None, 60.0, 55.0, 2, 32, 1000)
+    result.recommendation = recommend(result.measurements)
+    result.target_loss = set_speeds(result.measurements)
+    result.runoff_target = set_speeds([allreduce.runoff[0], local.runoff[0]])
+    # the run-off's target: the upper median of 0.9 and 1.1; allreduce reaches it at 10 + 10 * 0.1 / 0.3 s
+    assert result.runoff_target == 1.1 and allreduce.runoff[0].time_to_loss == pytest.approx(10 + 10 / 3)
+    text = format_result(result)
+    assert ("run-off between the first round's leaders, each trained once more for an equal time: s to target: "
+            "training seconds to test loss 1.1 (the median of their lowest)") in text
+    race = text.split("run-off between")[1].splitlines()
+    assert race[1].split()[:3] == ["strategy", "epochs", "window"]
+    assert race[3].split() == ["allreduce", "2", "20", "100", "13.3", "0.9", "9.17"]
+    assert race[4].split() == ["localsgd", "H=8", "2", "16", "125", "16", "1.1", "8"]
+    assert "recommended: allreduce - won the run-off between allreduce, localsgd H=8" in text
+    assert "  single: not in the run-off: in the first round, never reached the target loss in its window" in text
+
+    paths = write_outputs(result, str(tmp_path))
+    saved = json.loads(open(paths["json"]).read())
+    assert saved["runoff_target"] == 1.1
+    by_label = {s["label"]: s for s in saved["strategies"]}
+    assert by_label["allreduce"]["runoff"][0]["time_to_loss"] == pytest.approx(10 + 10 / 3)
+    assert by_label["allreduce"]["runoff"][0]["curve_s"] == [0.0, 10.0, 20.0] and by_label["single"]["runoff"] == []
+    rows = {r["label"]: r for r in csv.DictReader(open(paths["csv"]))}
+    assert float(rows["localsgd H=8"]["runoff_time_to_loss"]) == 16.0 and rows["single"]["runoff_time_to_loss"] == ""
+    assert open(paths["png"], "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"

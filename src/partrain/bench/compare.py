@@ -11,8 +11,9 @@ enough that the loss falls over several epochs), 2 workers of one thread each:
 - ``split``: a deep MLP of eight layers, a model a pipeline can cut.
 
 In each: ``partrain.compare`` with its default budget (60 s; quick 10 s) recommends a
-strategy; then every strategy it measured trains `TARGET_RUNS` times for the same wall
-time (5 s; quick 1.5 s) with per-epoch evaluations, in alternating rounds (each strategy
+strategy (with 60 s, after a run-off between the leaders of its first round); then every
+strategy it measured trains `TARGET_RUNS` times for the same wall time (5 s; quick 1.5 s)
+with per-epoch evaluations, in alternating rounds (each strategy
 once per round), every strategy on epochs of the same samples (`target_epochs`). The target
 loss is the median, over the strategies that learned (at least 10% below the untrained loss,
 as in compare's windows), of each one's median lowest test loss. A strategy's time to target
@@ -325,7 +326,8 @@ def run(args: argparse.Namespace) -> Report:
             overruns.append(result.budget_overrun)
             tied = ", ".join(result.recommendation.tied) if result.recommendation and result.recommendation.tied \
                 else "-"
-            rows.append([scenario.name, pick or "-", tied, fastest or "-", target,
+            raced = ", ".join(m.label for m in result.measurements if m.runoff) or "-"
+            rows.append([scenario.name, pick or "-", raced, tied, fastest or "-", target,
                          reached.get(pick, math.nan) if pick else math.nan,
                          reached[fastest] if fastest else math.nan, regret, error, window_error,
                          result.elapsed_s])
@@ -334,13 +336,14 @@ def run(args: argparse.Namespace) -> Report:
                 report.figure(key, t)
                 report.figure(f"{key}.runs", Spread.of(each_run[label]))
             report.figure(f"{scenario.name}.recommended", pick or "")
+            report.figure(f"{scenario.name}.runoff", raced)
             report.figure(f"{scenario.name}.fastest", fastest or "")
             report.figure(f"{scenario.name}.regret", regret)
             report.figure(f"{scenario.name}.prediction_error", error)
             report.figure(f"{scenario.name}.prediction_error_window", window_error)
             report.figure(f"{scenario.name}.compare_seconds", result.elapsed_s)
-    report.table(["scenario", "recommended", "tied with (compare)", "fastest to target", "target loss", "s (recommended)",
-                  "s (fastest)", "regret", "2-worker prediction error (runs)", "(compare's window)", "compare s"], rows,
+    report.table(["scenario", "recommended", "run-off (compare)", "tied with (compare)", "fastest to target",
+                  "target loss", "s (recommended)", "s (fastest)", "regret", "2-worker prediction error (runs)", "(compare's window)", "compare s"], rows,
                  title=f"time to the target loss (training seconds, median of {rounds} runs per strategy); "
                        "the target is the median of the lowest losses of the strategies that learned")
     report.goal("compare.regret_max", _worst(regrets), "<=", 0.10,

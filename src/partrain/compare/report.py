@@ -226,8 +226,19 @@ def plot(result: CompareResult, path: str, target: float) -> None:
     axes[0].set(title="samples/s (recommended in green)", xlabel="samples/s")
     axes[0].invert_yaxis()
     times = [m.time_to_loss for m in ok]
-    axes[1].barh(labels, [t if t == t else 0 for t in times], color=colors)
-    axes[1].set(title=f"seconds to test loss {target:.3g}", xlabel="seconds of training")
+    raced = [m.runoff[-1].time_to_loss if m.runoff else math.nan for m in ok]
+    if any(t == t for t in raced):  # the run-off's times beside the first round's, each to its own target
+        y = list(range(len(ok)))
+        axes[1].barh([i - 0.2 for i in y], [t if t == t else 0 for t in times], height=0.4, color=colors,
+                     label=f"first round, to {target:.3g}")
+        axes[1].barh([i + 0.2 for i in y], [t if t == t else 0 for t in raced], height=0.4, color="tab:orange",
+                     label=f"run-off, to {result.runoff_target:.3g}")
+        axes[1].set_yticks(y, labels)
+        axes[1].legend(fontsize=7)
+        axes[1].set(title="seconds to the target loss", xlabel="seconds of training")
+    else:
+        axes[1].barh(labels, [t if t == t else 0 for t in times], color=colors)
+        axes[1].set(title=f"seconds to test loss {target:.3g}", xlabel="seconds of training")
     axes[1].invert_yaxis()
     for key in dict.fromkeys((p.strategy, p.bandwidth) for p in result.predictions):
         pts = sorted((p.workers, p.efficiency) for p in result.predictions if (p.strategy, p.bandwidth) == key)

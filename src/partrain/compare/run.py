@@ -16,7 +16,8 @@ With three strategies or more and a budget of at least `RUNOFF_MIN_BUDGET_S`, `R
 of the windows' time is kept for a run-off (see `partrain.compare.decide`): the leaders of
 the first round (`contenders`) train once more, each for the same share of what is left,
 in whole epochs, and at least as many as its first window ran (else the slowest leader
-leaves the run-off, and with fewer than two there is none).
+leaves the run-off, and with fewer than two there is none). A first-round window too short
+for its minimum borrows what it lacks from that reserve.
 """
 
 from __future__ import annotations
@@ -302,6 +303,14 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                 epoch_samples = max(1, round(planned / FIRST_EPOCHS / unit)) * unit
             epochs = int(planned // epoch_samples)
             steps = epochs * epoch_samples // global_batch
+            if (epochs < MIN_EPOCHS or steps < WARMUP_STEPS + MIN_MEASURED_STEPS) and reserve > 0 and step > 0:
+                # a first-round window too short for its minimum borrows from the run-off's time: a
+                # strategy measured comes before a race between some of them
+                least = max(MIN_EPOCHS, math.ceil((WARMUP_STEPS + MIN_MEASURED_STEPS) * global_batch / epoch_samples))
+                extra = max(0.0, least * epoch_samples / global_batch * step / SAFETY - max(window, 0.0))
+                if extra <= reserve:
+                    reserve -= extra
+                    epochs, steps = least, least * epoch_samples // global_batch
             if epochs < MIN_EPOCHS or steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
                 need_steps = max(MIN_EPOCHS * epoch_samples / global_batch, WARMUP_STEPS + MIN_MEASURED_STEPS)
                 need = need_steps * step / SAFETY
@@ -354,6 +363,9 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
     before ``deadline`` (whole epochs of ``epoch_samples``, at least as many as its first window ran),
     into each one's ``Measurement.runoff``."""
     finalists = [m for m in contenders(measurements) if m.label in planned]
+    if len(finalists) < 2:
+        say("no run-off: fewer than two strategies reached the target loss among those the rule could recommend")
+        return
     epochs: dict[str, int] = {}
     while len(finalists) >= 2:
         share = (deadline - time.perf_counter()) / len(finalists) - overhead
