@@ -217,7 +217,7 @@ def times_to_target(runs: dict[str, list[Any]]) -> tuple[float, dict[str, float]
     the strategies that learned), each strategy's median time to it over its runs (a run that never
     reached it counts as infinitely long; NaN when most runs never did), and every run's time to it
     (NaN: never), in run order."""
-    from ..compare.decide import common_target, time_to_reach
+    from ..compare.decide import common_target, median_time, time_to_reach
 
     lows = [statistics.median(min(v for _, v in r.curve) for r in rs) for rs in runs.values()]
     start = max((r.curve[0][1] for rs in runs.values() for r in rs if r.curve), default=math.nan)
@@ -225,8 +225,7 @@ def times_to_target(runs: dict[str, list[Any]]) -> tuple[float, dict[str, float]
     times, each_run = {}, {}
     for label, rs in runs.items():
         each_run[label] = [time_to_reach(r.curve_s, [v for _, v in r.curve], target) for r in rs]
-        mid = statistics.median(sorted(t if t == t else math.inf for t in each_run[label]))
-        times[label] = mid if math.isfinite(mid) else math.nan
+        times[label] = median_time(each_run[label])
     return target, times, each_run
 
 

@@ -42,18 +42,21 @@ barely under the untrained one are noise), the samples/s under the what-if link.
    communication, in the windows and in the 5-second runs alike).
 4. Otherwise the fastest remaining strategy.
 
-**The run-off** (`contenders`, run by `partrain.compare.run`): a short window favours the
-strategies that are fast at the start (hogwild's unsynchronised updates, a shallow target)
-over those that go on learning. So, when the comparison has room for it, the first round's
-pick and the fastest others it could recommend (`RUNOFF_MOST` in all) train once more, each
-for the same longer time, and the rule above decides between them alone, at the target
-their longer windows set; the others keep the first round's reason, prefixed "not in the
-run-off".
-This is successive halving (Jamieson and Talwalkar, 2016) with one halving.
+**The run-off** (`contenders`, run by `partrain.compare.run`): one window is one sample
+of a strategy's time to the target, and the samples spread: a shared host's speed drifts
+between windows, and an asynchronous strategy's loss at equal samples differs from run to
+run (``partrain bench compare``'s compute scenario: hogwild reached the windows' target
+first, then missed a shallower one in all three of its 5-second runs, ending at 0.59 to
+0.80 where the target was 0.58). So, when the comparison has room for it, the first
+round's pick and the fastest others it could recommend (`RUNOFF_MOST` in all) repeat their
+first windows, in alternating rounds, and each one's time to the same target is the median
+of its windows (a window that never reached it counts as endless). Their spread is also
+the noise the ties below are judged by.
 
 **Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
 the first left out: 1.4826 x their median absolute deviation over their median, over the
-square root of their number, see `window_noise`). When the runner-up's
+square root of their number, see `window_noise`); a strategy repeated in the run-off takes
+the larger of that and the spread of its windows' times (`speed_noise`). When the runner-up's
 speed is within the larger of the two windows' noise (at least `TIE_FLOOR`) of the pick's,
 the recommendation says the two are tied instead of naming one as faster, and recommends
 the safer of the two (`risk`: synchronous, then local updates, then stale gradients, then
@@ -79,7 +82,7 @@ LOSS_LIMIT = 0.25
 MIN_PROGRESS = 0.10
 #: the smallest relative difference in speed that is not called a tie
 TIE_FLOOR = 0.05
-#: the strategies the run-off races (its time is split among them: fewer race longer)
+#: the strategies the run-off repeats
 RUNOFF_MOST = 3
 
 
@@ -173,61 +176,7 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
 
     ``straggler``: a worker was slowed on purpose, so a synchronous strategy's waiting is
     the straggler's doing (the reasons say so), not the network's.
-
-    When two or more strategies carry a run-off window (``Measurement.runoff``), the rule
-    decides between those windows alone; every other strategy keeps the first round's line.
     """
-    rule = dict(straggler=straggler, comm_floor=comm_floor, margin=margin, loss_tolerance=loss_tolerance)
-    first = _recommend(measurements, **rule)
-    finals = [m.runoff[-1] for m in measurements if m.ok and m.runoff and m.runoff[-1].ok]
-    if first is None or len(finals) < 2:
-        return first
-    final = _recommend(finals, **rule)
-    assert final is not None  # the finals are measured windows
-    final.why = f"won the run-off between {', '.join(m.label for m in finals)}: {final.why}"
-    raced = {m.label for m in finals}
-    others = {}
-    for m in measurements:
-        if m.label == final.pick:
-            continue
-        if not m.ok:  # a skipped or failed window keeps its reason as it is
-            others[m.label] = first.others[m.label]
-        elif m.label in raced:
-            others[m.label] = f"in the run-off, {final.others[m.label]}"
-        elif m.label == first.pick:
-            others[m.label] = "not in the run-off: the first round's pick"
-        else:
-            line = first.others[m.label].replace("the pick's", f"{first.pick}'s", 1)
-            others[m.label] = f"not in the run-off: in the first round, {line}"
-    final.others = others
-    return final
-
-
-def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list[Measurement]:
-    """The strategies a run-off races: the first round's pick, then the fastest of those the rule
-    could recommend (one process, and the parallel strategies that reached the target and do not
-    learn far worse per sample, `converges_worse`), ``most`` in all; none when fewer than two can
-    race, or when the windows set no target loss.
-
-    No strategy is let off the race for a large lead: in ``partrain bench compare``'s split
-    scenario hogwild reached the first round's target in 0.56x DiLoCo's time, then reached the
-    5-second runs' target in 2 of 3 runs, later than DiLoCo in all 3."""
-    first = _recommend(measurements, straggler=False, comm_floor=COMM_FLOOR, margin=MARGIN,
-                       loss_tolerance=LOSS_TOLERANCE)
-    ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
-    ref = compare_losses(ok)
-    target = set_speeds(ok)
-    if first is None or target != target:  # no target: the windows did not learn enough to time a loss
-        return []
-    able = sorted((m for m in ok if 0 < m.speed < math.inf and not converges_worse(m, ref)),
-                  key=lambda m: m.speed, reverse=True)
-    pick = next(m for m in ok if m.label == first.pick)
-    close = ([pick] + [m for m in able if m is not pick])[:most]
-    return close if len(close) >= 2 else []
-
-
-def _recommend(measurements: list[Measurement], *, straggler: bool, comm_floor: float, margin: float,
-               loss_tolerance: float) -> Recommendation | None:
     ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
     if not ok:
         return None
@@ -242,7 +191,7 @@ def _recommend(measurements: list[Measurement], *, straggler: bool, comm_floor: 
     best = max(parallel, key=lambda m: m.speed) if parallel else None
     allreduce = by_label.get("allreduce")
     single = by_label.get("single")
-    single_noise = max(window_noise(single), window_noise(best), TIE_FLOOR) if single and best else TIE_FLOOR
+    single_noise = max(speed_noise(single), speed_noise(best), TIE_FLOOR) if single and best else TIE_FLOOR
     # a reason that names a rival's speed against the pick's: `why`, the rival's figure, then `tail`
     rival: Measurement | None = None
     tail = ""
@@ -267,9 +216,13 @@ def _recommend(measurements: list[Measurement], *, straggler: bool, comm_floor: 
             why, tail = f"no other strategy is {margin:.0%} faster", "; allreduce keeps the exact gradient of the global batch"
     elif best is not None:
         pick = best
-        # against allreduce or the reference; without either (a run-off between others), the runner-up
-        runner_up = max((m for m in parallel if m is not best), key=lambda m: m.speed, default=None)
-        why = _why_faster(best, allreduce or ref or runner_up, straggler)
+        # against allreduce or the reference; without either (a run-off between others), or when it never
+        # reached the target (but for a straggler's, whose waiting is the reason), against the runner-up
+        base = allreduce or ref
+        runner_up = max((m for m in ok if m is not best and m.speed > 0), key=lambda m: m.speed, default=None)
+        if runner_up is not None and (base is None or not (base.speed > 0 or straggler)):
+            base = runner_up
+        why = _why_faster(best, base, straggler)
     else:
         pick = ok[0]
         why = "the only strategy that ran"
@@ -278,7 +231,7 @@ def _recommend(measurements: list[Measurement], *, straggler: bool, comm_floor: 
                     key=lambda m: m.speed, reverse=True)
     if rivals and pick.speed > 0 and math.isfinite(pick.speed):
         second = rivals[0]
-        noise = max(window_noise(pick), window_noise(second), TIE_FLOOR)
+        noise = max(speed_noise(pick), speed_noise(second), TIE_FLOOR)
         if abs(second.speed / pick.speed - 1) <= noise:
             if risk(second) < risk(pick):  # the windows cannot tell them apart: the safer of the two
                 pick, second = second, pick
@@ -294,6 +247,28 @@ def _recommend(measurements: list[Measurement], *, straggler: bool, comm_floor: 
     why += tail
     others = {m.label: _why_not(m, pick, ref, loss_tolerance) for m in measurements if m.label != pick.label}
     return Recommendation(pick.label, why, others, tied, noise)
+
+
+def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list[Measurement]:
+    """The strategies a run-off races: the first round's pick, then the fastest of those the rule
+    could recommend (one process, and the parallel strategies that reached the target and do not
+    learn far worse per sample, `converges_worse`), ``most`` in all; none when fewer than two can
+    race, or when the windows set no target loss.
+
+    No strategy is let off the race for a large lead: in ``partrain bench compare``'s split
+    scenario hogwild reached the first round's target in 0.56x DiLoCo's time, then reached the
+    5-second runs' target in 2 of 3 runs, later than DiLoCo in all 3."""
+    first = recommend(measurements)
+    ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
+    ref = compare_losses(ok)
+    target = set_speeds(ok)
+    if first is None or target != target:  # no target: the windows did not learn enough to time a loss
+        return []
+    able = sorted((m for m in ok if 0 < m.speed < math.inf and not converges_worse(m, ref)),
+                  key=lambda m: m.speed, reverse=True)
+    pick = next(m for m in ok if m.label == first.pick)
+    close = ([pick] + [m for m in able if m is not pick])[:most]
+    return close if len(close) >= 2 else []
 
 
 #: what a strategy does to the gradient, by `risk` (0: synchronous, the exact gradient)
@@ -333,20 +308,41 @@ def window_noise(m: Measurement) -> float:
 
 
 def set_speeds(ok: list[Measurement]) -> float:
-    """Set each measurement's ``time_to_loss`` and ``speed`` (see the module docstring); return the
-    target loss (NaN when the windows have no loss curves)."""
+    """Set each measurement's ``times_to_loss`` (its window's, then its run-off windows'),
+    ``time_to_loss`` (their median) and ``speed`` (see the module docstring); return the
+    target loss (NaN when the windows have no loss curves). The target is set by the first
+    windows alone: the run-off re-times its strategies to the same loss."""
     lows = [min(v for _, v in m.curve) for m in ok if m.curve and m.curve_s]
     start = max((m.curve[0][1] for m in ok if m.curve), default=math.nan)
     target = common_target(lows, start) if len(lows) == len(ok) else math.nan
     for m in ok:
         slowdown = m.samples_per_s / m.effective_samples_per_s if m.effective_samples_per_s > 0 else math.nan
-        m.time_to_loss = time_to_reach(m.curve_s, [v for _, v in m.curve], target) * slowdown
+        m.times_to_loss = [time_to_reach(w.curve_s, [v for _, v in w.curve], target) * slowdown
+                           for w in (m, *m.runoff)]
+        m.time_to_loss = median_time(m.times_to_loss)
         if target != target:
             m.speed = m.effective_samples_per_s
         else:
             m.speed = 1 / m.time_to_loss if m.time_to_loss > 0 else (0.0 if m.time_to_loss != m.time_to_loss
                                                                      else math.inf)
     return target
+
+
+def median_time(times: list[float]) -> float:
+    """The median of times to a target where NaN (never reached) counts as endless; NaN if that is the median."""
+    mid = statistics.median(t if t == t else math.inf for t in times) if times else math.nan
+    return mid if math.isfinite(mid) else math.nan
+
+
+def speed_noise(m: Measurement) -> float:
+    """The relative noise of a strategy's time to the target: its window's (`window_noise`), or, when
+    the run-off repeated it, the larger of that and the spread of its windows' times (their
+    sample standard deviation over the square root of their number, over their median); a
+    repeat that never reached the target leaves the spread to the others."""
+    times = [t for t in m.times_to_loss if t == t]
+    spread = statistics.stdev(times) / math.sqrt(len(times)) / statistics.median(times) \
+        if len(times) >= 2 and statistics.median(times) > 0 else 0.0
+    return max(window_noise(m), spread)
 
 
 def common_target(lows: list[float], start: float) -> float:

@@ -43,6 +43,12 @@ def _pct(v: float) -> str:
     return "-" if v != v else f"{v:.0%}"
 
 
+def _spread(times: list[float]) -> float:
+    """(largest - smallest) / median of the times that reached the target; NaN for fewer than two."""
+    done = sorted(t for t in times if t == t)
+    return (done[-1] - done[0]) / done[len(done) // 2] if len(done) >= 2 else math.nan
+
+
 def table_rows(result: CompareResult) -> list[list[Any]]:
     rows: list[list[Any]] = []
     pick = result.recommendation.pick if result.recommendation else None
@@ -87,16 +93,13 @@ def format_result(result: CompareResult) -> str:
     lines.append(f"{ranked_by}; data/compute/comm: shares of a worker's step; loss/X: test loss at equal samples "
                  "over X's; host load: the host's CPU time that went elsewhere during the window (stolen by a "
                  "hypervisor or used by other processes); * recommended")
-    finals = [m for m in result.measurements if m.ok and m.runoff and m.runoff[-1].ok]
-    if finals:
-        lines += ["", f"run-off between the first round's leaders, each trained once more for an equal time: "
-                  f"s to target: training seconds to test loss {result.runoff_target:.4g} (the median of their "
-                  "lowest), what the recommendation follows"]
-        rows = [[m.label, len(w.curve) - 1, w.window_s, float(round(w.effective_samples_per_s)), w.time_to_loss,
-                 min(v for _, v in w.curve), m.time_to_loss] for m in finals for w in m.runoff[-1:]]
-        rows.sort(key=lambda r: (r[4] != r[4], r[4]))
-        lines.append(format_table(["strategy", "epochs", "window s", "samples/s", "s to target", "lowest loss",
-                                   "first round s"], rows))
+    raced = [m for m in ranked(result) if m.ok and m.runoff]
+    if raced:
+        lines += ["", "run-off: the first round's leaders repeated their windows in alternating rounds; each one's "
+                  "s to target is the median of its windows' (- never reached)"]
+        lines.append(format_table(["strategy", "windows", "s to target, each", "median", "spread"], [
+            [m.label, len(m.times_to_loss), ", ".join("-" if t != t else f"{t:.3g}" for t in m.times_to_loss),
+             m.time_to_loss, _pct(_spread(m.times_to_loss))] for m in raced]))
     rec = result.recommendation
     if rec is not None:
         lines += ["", f"recommended: {rec.pick} - {rec.why}"]
@@ -152,7 +155,7 @@ def to_json(result: CompareResult) -> dict[str, Any]:
     rec = result.recommendation
     return clean({
         "budget_s": result.budget_s, "elapsed_s": result.elapsed_s, "workers": result.workers,
-        "target_loss": result.target_loss, "runoff_target": result.runoff_target,
+        "target_loss": result.target_loss,
         "batch_size": result.batch_size, "model_bytes": result.model_bytes,
         "straggler": result.straggler.text() if result.straggler else None,
         "bandwidth": result.bandwidth,
@@ -179,8 +182,10 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
     out["options"] = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in m.options.items()}
     out["curve"] = [list(p) for p in m.curve]
     out["curve_s"] = list(m.curve_s)
-    # the run-off's windows of this strategy: figures of the same kind, timed to the run-off's target
-    out["runoff"] = [{k: v for k, v in _measurement_json(w).items() if k not in ("label", "strategy", "options")}
+    # each window's time to the target: the first, then the run-off's repeats (their figures below)
+    out["times_to_loss"] = list(m.times_to_loss)
+    out["runoff"] = [{k: v for k, v in _measurement_json(w).items()
+                      if k not in ("label", "strategy", "options", "runoff", "times_to_loss", "time_to_loss", "speed")}
                      for w in m.runoff]
     return out
 
@@ -188,7 +193,7 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
 CSV_FIELDS = ("label", "strategy", "workers", "status", "reason", "steps", "samples", "samples_per_s",
               "effective_samples_per_s", "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
               "bytes_per_sample", "loss_ratio", "loss_vs_single", "peak_rss_mb", "time_to_loss", "speed",
-              "host_steal", "host_other", "runoff_time_to_loss")
+              "host_steal", "host_other", "times_to_loss")
 
 
 def write_outputs(result: CompareResult, out_dir: str) -> dict[str, str]:
@@ -204,7 +209,7 @@ def write_outputs(result: CompareResult, out_dir: str) -> dict[str, str]:
         w.writeheader()
         for m in ranked(result):
             w.writerow({k: getattr(m, k) for k in CSV_FIELDS[:-1]} |
-                       {"runoff_time_to_loss": m.runoff[-1].time_to_loss if m.runoff else ""})
+                       {"times_to_loss": ";".join(f"{t:.6g}" for t in m.times_to_loss)})
     os.replace(paths["csv"] + ".tmp", paths["csv"])
     plot(result, paths["png"], target)
     return paths
@@ -226,19 +231,14 @@ def plot(result: CompareResult, path: str, target: float) -> None:
     axes[0].set(title="samples/s (recommended in green)", xlabel="samples/s")
     axes[0].invert_yaxis()
     times = [m.time_to_loss for m in ok]
-    raced = [m.runoff[-1].time_to_loss if m.runoff else math.nan for m in ok]
-    if any(t == t for t in raced):  # the run-off's times beside the first round's, each to its own target
-        y = list(range(len(ok)))
-        axes[1].barh([i - 0.2 for i in y], [t if t == t else 0 for t in times], height=0.4, color=colors,
-                     label=f"first round, to {target:.3g}")
-        axes[1].barh([i + 0.2 for i in y], [t if t == t else 0 for t in raced], height=0.4, color="tab:orange",
-                     label=f"run-off, to {result.runoff_target:.3g}")
-        axes[1].set_yticks(y, labels)
+    axes[1].barh(labels, [t if t == t else 0 for t in times], color=colors)
+    # the run-off's repeats: every window's own time, a dot on its strategy's bar of their median
+    dots = [(t, i) for i, m in enumerate(ok) if m.runoff for t in m.times_to_loss if t == t]
+    if dots:
+        axes[1].scatter([t for t, _ in dots], [i for _, i in dots], color="black", s=12, zorder=3,
+                        label="each window (run-off)")
         axes[1].legend(fontsize=7)
-        axes[1].set(title="seconds to the target loss", xlabel="seconds of training")
-    else:
-        axes[1].barh(labels, [t if t == t else 0 for t in times], color=colors)
-        axes[1].set(title=f"seconds to test loss {target:.3g}", xlabel="seconds of training")
+    axes[1].set(title=f"seconds to test loss {target:.3g}", xlabel="seconds of training")
     axes[1].invert_yaxis()
     for key in dict.fromkeys((p.strategy, p.bandwidth) for p in result.predictions):
         pts = sorted((p.workers, p.efficiency) for p in result.predictions if (p.strategy, p.bandwidth) == key)

@@ -14,10 +14,8 @@ strategy whose share cannot pay for that is skipped and says so.
 
 With three strategies or more and a budget of at least `RUNOFF_MIN_BUDGET_S`, `RUNOFF_SHARE`
 of the windows' time is kept for a run-off (see `partrain.compare.decide`): the leaders of
-the first round (`contenders`) train once more, each for the same share of what is left,
-in whole epochs, and at least as many as its first window ran (else the slowest leader
-leaves the run-off, and with fewer than two there is none). A first-round window too short
-for its minimum borrows what it lacks from that reserve.
+the first round (`contenders`) repeat their first windows in alternating rounds (`run_off`).
+A first-round window too short for its minimum borrows what it lacks from that reserve.
 """
 
 from __future__ import annotations
@@ -89,14 +87,14 @@ PIPELINE_FACTOR = 2.0
 #: kept back from the windows for the end: the decision, and the files (a chart) when asked for
 FINISH_S = 0.3
 FILES_S = 1.5
-#: the share of the windows' time kept for the run-off between the leaders ...
-RUNOFF_SHARE = 0.35
+#: the share of the windows' time kept for the run-off between the leaders (`run_off`) ...
+RUNOFF_SHARE = 0.3
 #: ... when the budget is at least this long (shorter, the first round's windows would be too short
 #: to tell anything) and at least this many strategies run (fewer: the first round is the race)
 RUNOFF_MIN_BUDGET_S = 30.0
 RUNOFF_MIN_STRATEGIES = 3
-#: the share of a run-off window's time its plan fills: the leaders' steps are measured by then
-RUNOFF_SAFETY = 0.85
+#: the most rounds of the run-off (each repeats every leader's first window once)
+RUNOFF_ROUNDS = 2
 
 
 @dataclass
@@ -140,8 +138,6 @@ class CompareResult:
     target_loss: float = math.nan
     #: seconds of the budget spent before the first window: starting the processes, each importing torch
     startup_s: float = 0.0
-    #: the test loss the run-off times its leaders to (NaN: no run-off)
-    runoff_target: float = math.nan
 
     @property
     def budget_overrun(self) -> float:
@@ -340,15 +336,10 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
         for m in measurements:
             simulate_link(m, bw)
         if reserve > 0:
-            deadline = started + budget_s - finish
-            overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
-            run_off(measurements, planned_epochs, job, n, epoch_samples, deadline, overhead, strag, initial, bw,
-                    lambda text: say(f"{_clock(started)} {text}"))
+            run_off(measurements, planned_epochs, job, n, epoch_samples, started + budget_s - finish, strag, initial,
+                    bw, lambda text: say(f"{_clock(started)} {text}"))
     result.recommendation = recommend(measurements, straggler=strag is not None)
     result.target_loss = set_speeds([m for m in measurements if m.ok])
-    finals = [m.runoff[-1] for m in measurements if m.ok and m.runoff and m.runoff[-1].ok]
-    if len(finals) >= 2:
-        result.runoff_target = set_speeds(finals)
     _predict(result, link_speeds, scale)
     if out_dir:
         result.files = write_outputs(result, out_dir)
@@ -357,36 +348,36 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
 
 
 def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate, int]], job: Job, workers: int,
-            epoch_samples: int, deadline: float, overhead: float, straggler: Straggler | None, initial: float,
+            epoch_samples: int, deadline: float, straggler: Straggler | None, initial: float,
             bandwidth: float | None, say: Callable[[str], None]) -> None:
-    """Train the first round's leaders (`contenders`) once more, each for an equal share of the time left
-    before ``deadline`` (whole epochs of ``epoch_samples``, at least as many as its first window ran),
-    into each one's ``Measurement.runoff``."""
+    """Repeat the first windows of the first round's leaders (`contenders`) in alternating rounds
+    (the order reversed each round), as many full rounds as the time left before ``deadline``
+    pays for (a round costs what their first windows took, start-up and evaluations included),
+    at most `RUNOFF_ROUNDS`, into each one's ``Measurement.runoff``. When not even one round fits,
+    the slowest leader leaves first."""
     finalists = [m for m in contenders(measurements) if m.label in planned]
     if len(finalists) < 2:
         say("no run-off: fewer than two strategies reached the target loss among those the rule could recommend")
         return
-    epochs: dict[str, int] = {}
-    while len(finalists) >= 2:
-        share = (deadline - time.perf_counter()) / len(finalists) - overhead
-        epochs = {m.label: int(RUNOFF_SAFETY * share * m.samples_per_s / epoch_samples) for m in finalists}
-        if all(epochs[m.label] >= planned[m.label][1] for m in finalists):
-            break
-        finalists.pop()  # the last (the slowest but the first round's pick): the others race longer
+    while len(finalists) >= 2 and sum(m.wall_s for m in finalists) > deadline - time.perf_counter():
+        finalists.pop()  # the last (the slowest but the first round's pick)
     if len(finalists) < 2:
-        say("no run-off: the time left pays for no leader's window longer than its first")
+        say("no run-off: the time left pays for no round of the leaders' windows")
         return
-    say(f"run-off: {', '.join(m.label for m in finalists)}, ~{share:.1f} s each")
-    for m in finalists:
-        cand = planned[m.label][0]
-        window = measure(job, cand, workers, epoch_samples, epochs[m.label], straggler, initial)
-        if window.ok:
-            simulate_link(window, bandwidth)
-            m.runoff.append(window)
-            say(f"run-off: {m.label}: {epochs[m.label]} epochs, {window.samples_per_s:,.0f} samples/s "
-                f"({window.window_s:.1f} s window), lowest test loss {min(v for _, v in window.curve):.4g}")
-        else:
-            say(f"run-off: {m.label}: {window.status}: {window.reason}")
+    say(f"run-off: {', '.join(m.label for m in finalists)}, their first windows again, in alternating rounds")
+    for r in range(RUNOFF_ROUNDS):
+        if r and sum(m.wall_s for m in finalists) > deadline - time.perf_counter():
+            break
+        for m in finalists if r % 2 == 0 else finalists[::-1]:
+            cand, epochs = planned[m.label]
+            window = measure(job, cand, workers, epoch_samples, epochs, straggler, initial)
+            if window.ok:
+                simulate_link(window, bandwidth)
+                m.runoff.append(window)
+                say(f"run-off round {r + 1}: {m.label}: {window.samples_per_s:,.0f} samples/s "
+                    f"({window.window_s:.1f} s window), lowest test loss {min(v for _, v in window.curve):.4g}")
+            else:
+                say(f"run-off round {r + 1}: {m.label}: {window.status}: {window.reason}")
 
 
 #: what the windows import in the workers: imported once, up front, by every process (seconds each
