@@ -525,3 +525,18 @@ def test_the_run_off_is_shown_in_its_own_table_and_in_the_json_csv_and_png(tmp_p
     rows = {r["label"]: r for r in csv.DictReader(open(paths["csv"]))}
     assert rows["localsgd H=8"]["times_to_loss"] == "8;nan;8.8" and rows["single"]["times_to_loss"] == "nan"
     assert open(paths["png"], "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_window_is_planned_longer_than_the_first_by_hand():
+    from partrain.compare.run import plan_window
+
+    # the first: 75% of a 10 s share at 10 ms a step of 64 samples: 48,000 samples, six epochs of 8,000
+    assert plan_window(10.0, 0.01, 64, 0, 64) == (8000, 6, 7.5)
+    # a later window with twice the share is capped at the first's 7.5 s: 3 epochs at 20 ms a step
+    assert plan_window(20.0, 0.02, 64, 8000, 64, 7.5) == (8000, 3, 7.5)
+    # a slow one whose minimum (2 epochs, 25 s at 100 ms a step) the cap leaves no room for gets it when its
+    # share pays (75% of 40 s), and nothing when it does not (75% of 20 s)
+    assert plan_window(40.0, 0.1, 64, 8000, 64, 7.5) == (8000, 2, 25.0)
+    assert plan_window(20.0, 0.1, 64, 8000, 64, 7.5)[1] == 0
+    # a share below the cap: the share decides (1 epoch: the caller skips a window under the minimum)
+    assert plan_window(4.0, 0.02, 64, 8000, 64, 7.5) == (8000, 1, 2.5)

@@ -12,10 +12,16 @@ the rest of its share pays for, at least `MIN_EPOCHS` and that many steps: the w
 measured step is past the first collective, DDP's buckets and the allocator's growth. A
 strategy whose share cannot pay for that is skipped and says so.
 
-With three strategies or more and a budget of at least `RUNOFF_MIN_BUDGET_S`, `RUNOFF_SHARE`
-of the windows' time is kept for a run-off (see `partrain.compare.decide`): the leaders of
-the first round (`contenders`) repeat their first windows in alternating rounds (`run_off`).
-A first-round window too short for its minimum borrows what it lacks from that reserve.
+No window is planned longer than the first: every strategy's window then covers about the
+same training time, as the runs of ``partrain bench compare`` do, and the common target
+(the median of the windows' lowest losses) does not deepen with the windows that happened
+to come last (before, each window's share of what was left grew with the time the earlier
+windows left unspent: in the comm scenario the windows grew from 2.3 s to 5.1 s in the
+order they ran).
+
+With three strategies or more and a budget of at least `RUNOFF_MIN_BUDGET_S`, the time the
+first round leaves goes to a run-off (see `partrain.compare.decide`): the leaders of the
+first round (`contenders`) repeat their first windows in alternating rounds (`run_off`).
 """
 
 from __future__ import annotations
@@ -87,10 +93,9 @@ PIPELINE_FACTOR = 2.0
 #: kept back from the windows for the end: the decision, and the files (a chart) when asked for
 FINISH_S = 0.3
 FILES_S = 1.5
-#: the share of the windows' time kept for the run-off between the leaders (`run_off`) ...
-RUNOFF_SHARE = 0.3
-#: ... when the budget is at least this long (shorter, the first round's windows would be too short
-#: to tell anything) and at least this many strategies run (fewer: the first round is the race)
+#: a run-off between the leaders (`run_off`) when the budget is at least this long (shorter, the
+#: windows are too short to tell anything) and at least this many strategies run (fewer: the first
+#: round is the race)
 RUNOFF_MIN_BUDGET_S = 30.0
 RUNOFF_MIN_STRATEGIES = 3
 #: the most rounds of the run-off (each repeats every leader's first window once)
@@ -255,9 +260,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
         learned: dict[str, float] = {}  # label -> measured step over estimated step
         epoch_samples = 0  # set by the first window: the same epoch for every strategy
         planned_epochs: dict[str, tuple[Candidate, int]] = {}  # label -> what its (full) window ran
-        reserve = 0.0  # seconds kept for the run-off
-        if len(chosen) >= RUNOFF_MIN_STRATEGIES and budget_s >= RUNOFF_MIN_BUDGET_S:
-            reserve = RUNOFF_SHARE * (budget_s - (time.perf_counter() - started) - finish)
+        longest = math.inf  # the training seconds the first window was planned for: no window plans more
         for i, cand in enumerate(chosen):
             workers_c = cand.workers or n
             global_batch = batch_size * workers_c
@@ -273,7 +276,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                     f"{result.link[1] * 1e6:.0f} us, {len(result.buckets)} bucket(s); {n} workers at once step "
                     f"{result.host_factor:.2f}x slower than one (h); o = {result.ddp_overhead_s * 1e3:.2f} ms, "
                     f"c = {result.contention_s * 1e3:.2f} ms")
-            left = budget_s - (time.perf_counter() - started) - finish - reserve
+            left = budget_s - (time.perf_counter() - started) - finish
             overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
             window = left / (len(chosen) - i) - overhead
             base = _estimate_step(cand, n, result, step_guess, model_bytes, strag)
@@ -291,22 +294,11 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                 overheads.append(max(0.0, calib.wall_s - calib.window_s))
                 window -= calib.wall_s
             step = base * _correction(cand, n, learned)
-            # samples; planned short of the share: a window longer than estimated eats the next ones' time
-            planned = SAFETY * window / step * global_batch if step > 0 and window > 0 else 0.0
-            if not epoch_samples:
-                # a multiple of every global batch (1 and n workers): each epoch is whole steps
-                unit = batch_size * n
-                epoch_samples = max(1, round(planned / FIRST_EPOCHS / unit)) * unit
-            epochs = int(planned // epoch_samples)
+            epoch_samples, epochs, train_s = plan_window(window, step, global_batch, epoch_samples,
+                                                         batch_size * n, longest)
+            if longest == math.inf and epochs:
+                longest = train_s
             steps = epochs * epoch_samples // global_batch
-            if (epochs < MIN_EPOCHS or steps < WARMUP_STEPS + MIN_MEASURED_STEPS) and reserve > 0 and step > 0:
-                # a first-round window too short for its minimum borrows from the run-off's time: a
-                # strategy measured comes before a race between some of them
-                least = max(MIN_EPOCHS, math.ceil((WARMUP_STEPS + MIN_MEASURED_STEPS) * global_batch / epoch_samples))
-                extra = max(0.0, least * epoch_samples / global_batch * step / SAFETY - max(window, 0.0))
-                if extra <= reserve:
-                    reserve -= extra
-                    epochs, steps = least, least * epoch_samples // global_batch
             if epochs < MIN_EPOCHS or steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
                 need_steps = max(MIN_EPOCHS * epoch_samples / global_batch, WARMUP_STEPS + MIN_MEASURED_STEPS)
                 need = need_steps * step / SAFETY
@@ -335,7 +327,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                 say(f"{_clock(started)} {cand.label}: {m.status}: {m.reason}")
         for m in measurements:
             simulate_link(m, bw)
-        if reserve > 0:
+        if len(chosen) >= RUNOFF_MIN_STRATEGIES and budget_s >= RUNOFF_MIN_BUDGET_S:
             run_off(measurements, planned_epochs, job, n, epoch_samples, started + budget_s - finish, strag, initial,
                     bw, lambda text: say(f"{_clock(started)} {text}"))
     result.recommendation = recommend(measurements, straggler=strag is not None)
@@ -345,6 +337,29 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
         result.files = write_outputs(result, out_dir)
     result.elapsed_s = time.perf_counter() - started
     return result
+
+
+def plan_window(window_s: float, step_s: float, global_batch: int, epoch_samples: int, unit: int,
+                longest_s: float = math.inf) -> tuple[int, int, float]:
+    """The plan of one window: ``(epoch_samples, epochs, training seconds)``.
+
+    The window trains for `SAFETY` of its share ``window_s`` (a window longer than estimated
+    eats the next ones' time), at most ``longest_s`` (the first window's plan), in whole epochs
+    at ``step_s`` per step of ``global_batch``. The first window (``epoch_samples`` 0) sets the
+    epoch: `FIRST_EPOCHS` of its plan, a multiple of ``unit`` (every global batch: each epoch is
+    whole steps). When the cap, not the share, leaves no room for the minimum (`MIN_EPOCHS`,
+    and the warm-up and measured steps), the minimum is planned if the share pays for it. Zero
+    epochs: not even the cap pays for one."""
+    train_s = min(SAFETY * window_s, longest_s)
+    planned = train_s / step_s * global_batch if step_s > 0 and window_s > 0 else 0.0
+    if not epoch_samples:
+        epoch_samples = max(1, round(planned / FIRST_EPOCHS / unit)) * unit
+    epochs = int(planned // epoch_samples)
+    least = max(MIN_EPOCHS, math.ceil((WARMUP_STEPS + MIN_MEASURED_STEPS) * global_batch / epoch_samples))
+    if epochs < least and train_s < SAFETY * window_s and least * epoch_samples / global_batch * step_s <= \
+            SAFETY * window_s:
+        epochs = least
+    return epoch_samples, epochs, epochs * epoch_samples / global_batch * step_s
 
 
 def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate, int]], job: Job, workers: int,
