@@ -218,6 +218,29 @@ def test_bench_times_to_target_are_medians_over_runs_by_hand():
     assert all(math.isnan(t) for t in each["c"])
 
 
+def test_bench_regret_by_hand_at_a_given_target():
+    from types import SimpleNamespace
+
+    from partrain.bench.compare import regret_of, times_to_target
+
+    def run(losses, seconds):
+        return SimpleNamespace(curve=[(i * 100.0, v) for i, v in enumerate(losses)], curve_s=seconds,
+                               window_s=seconds[-1])
+
+    runs = {"a": [run([2.0, 1.0, 0.8], [0, 1.0, 2.0])] * 3, "b": [run([2.0, 1.2, 0.9], [0, 1.0, 2.0])] * 3}
+    # compare's target 1.0: a at 1 s, b at 1 + (1.2 - 1.0) / (1.2 - 0.9) = 1.667 s
+    target, times, _ = times_to_target(runs, 1.0)
+    assert target == 1.0 and times["a"] == 1.0 and math.isclose(times["b"], 1 + 0.2 / 0.3)
+    assert regret_of("a", times, runs) == ("a", 0.0)
+    fastest, regret = regret_of("b", times, runs)
+    assert fastest == "a" and math.isclose(regret, 0.2 / 0.3)
+    # a target b never reaches: its whole run (2 s) bounds its time from below
+    _, times, _ = times_to_target(runs, 0.85)
+    fastest, regret = regret_of("b", times, runs)
+    assert math.isnan(times["b"]) and fastest == "a" and math.isclose(regret, 2.0 / (1 + 0.15 / 0.2) - 1)
+    assert regret_of(None, times, runs)[1] != regret_of(None, times, runs)[1]  # no pick: NaN
+
+
 def test_a_reference_that_never_reached_the_target_is_said_so():
     from partrain.compare.decide import _why_faster
 

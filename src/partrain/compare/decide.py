@@ -250,12 +250,12 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
 
 
 def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list[Measurement]:
-    """The strategies a run-off races: the first round's pick, then the fastest of those the rule
+    """The strategies a run-off repeats: the first round's pick, then the fastest of those the rule
     could recommend (one process, and the parallel strategies that reached the target and do not
-    learn far worse per sample, `converges_worse`), ``most`` in all; none when fewer than two can
-    race, or when the windows set no target loss.
+    learn far worse per sample, `converges_worse`), ``most`` in all; none when fewer than two
+    qualify, or when the windows set no target loss.
 
-    No strategy is let off the race for a large lead: in ``partrain bench compare``'s split
+    No runner-up is let off for the pick's large lead: in ``partrain bench compare``'s split
     scenario hogwild reached the first round's target in 0.56x DiLoCo's time, then reached the
     5-second runs' target in 2 of 3 runs, later than DiLoCo in all 3."""
     first = recommend(measurements)
