@@ -218,6 +218,17 @@ def test_bench_times_to_target_are_medians_over_runs_by_hand():
     assert all(math.isnan(t) for t in each["c"])
 
 
+def test_one_process_against_parallel_strategies_that_never_reached_the_target_says_so():
+    single = _timed("single", "single", 60.0, ((0.0, 2.0), (1000.0, 1.2)), (0.0, 8.0), workers=1)
+    allreduce = _timed("allreduce", "allreduce", 100.0, ((0.0, 2.0), (1000.0, 1.5)), (0.0, 5.0))
+    hog = _timed("hogwild", "hogwild", 160.0, ((0.0, 2.0), (1000.0, 1.2)), (0.0, 4.0))
+    hog.runoff = [_timed("hogwild", "hogwild", 160.0, ((0.0, 2.0), (1000.0, 1.4)), (0.0, 4.0))]  # missed it once
+    rec = recommend([single, allreduce, hog])
+    assert rec.pick == "single" and hog.speed == 0.0
+    assert rec.why == ("no parallel strategy reached the target loss (in most of its windows): parallelism does "
+                       "not pay here")
+
+
 def test_bench_regret_by_hand_at_a_given_target():
     from types import SimpleNamespace
 

@@ -436,6 +436,23 @@ def test_an_update_that_fails_after_the_answers_is_counted_and_logged(caplog):
     assert len(lines) == 2 and "predicted, not trained on" in lines[0]
 
 
+@pytest.mark.parametrize("loss", ["mse", "l1", "huber", "bce_logits"])
+def test_a_label_of_another_shape_than_the_output_fails_the_update_in_one_line(loss, caplog):
+    # torch would broadcast a label of [1] against an output of [2] (with a warning) into a loss of
+    # another meaning: the update fails instead, says why, and nothing is trained on
+    model = mlp64()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss)
+    with caplog.at_level("ERROR", logger="partrain.stream"):
+        prediction = trainer.predict(torch.zeros(6, dtype=torch.float64), torch.zeros(1, dtype=torch.float64))
+        stats = trainer.close()
+    assert prediction.version == 0 and stats.trained == 0 and stats.failed_updates == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    lines = [r.getMessage() for r in caplog.records if "Expected labels" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(
+        f"Expected labels of the model's output shape [2] for the {loss!r} loss. Received: shape [1]")
+
+
 def test_a_non_finite_loss_skips_the_update():
     model = mlp64()
     before = copy.deepcopy(model.state_dict())

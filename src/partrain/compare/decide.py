@@ -199,6 +199,8 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         pick = single
         if best is None:
             why = "the only strategy that ran"
+        elif best.speed == 0 < single.speed:
+            why = "no parallel strategy reached the target loss (in most of its windows): parallelism does not pay here"
         elif single.speed >= best.speed:
             why, rival, tail = ("one process reaches the loss sooner than the best parallel strategy", best,
                                 ": parallelism does not pay here")

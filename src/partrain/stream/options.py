@@ -20,13 +20,25 @@ from ..serve.batcher import Policy
 
 # --------------------------------------------------------------------------- loss
 
+def _elementwise(name: str, fn: Callable[..., Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+    """``fn(out, y, reduction="none")`` on labels of the output's own shape: torch would broadcast a
+    label of another shape ([1] against an output of [2]) into a loss of the wrong meaning, with a
+    warning, so a mismatch is one line instead (the update fails; the items keep their predictions)."""
+    def loss(out: Tensor, y: Tensor) -> Tensor:
+        if out.shape != y.shape:
+            raise UsageError(f"Expected labels of the model's output shape {list(out.shape[1:])} for the "
+                             f"{name!r} loss. Received: shape {list(y.shape[1:])}")
+        return fn(out, y.to(out.dtype), reduction="none")
+    return loss
+
+
 #: built-in losses by name: per-element functions, reduced per row by `per_row_loss`
 LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "mse": lambda out, y: F.mse_loss(out, y.to(out.dtype), reduction="none"),
-    "l1": lambda out, y: F.l1_loss(out, y.to(out.dtype), reduction="none"),
-    "huber": lambda out, y: F.huber_loss(out, y.to(out.dtype), reduction="none"),
+    "mse": _elementwise("mse", F.mse_loss),
+    "l1": _elementwise("l1", F.l1_loss),
+    "huber": _elementwise("huber", F.huber_loss),
     "cross_entropy": lambda out, y: F.cross_entropy(out, y, reduction="none"),
-    "bce_logits": lambda out, y: F.binary_cross_entropy_with_logits(out, y.to(out.dtype), reduction="none"),
+    "bce_logits": _elementwise("bce_logits", F.binary_cross_entropy_with_logits),
 }
 
 
