@@ -306,17 +306,22 @@ def test_bench_runs_to_target_share_one_epoch_by_hand():
     first samples of the training set): the slower ones run fewer such epochs in the same time."""
     from partrain.bench.compare import target_epochs
 
-    single = window("single", "single", 1600.0, workers=1)
-    allreduce = window("allreduce", "allreduce", 2400.0)
-    slow = window("ps async", "ps", 100.0, staleness=math.inf)
+    single = window("single", "single", 1600.0, workers=1, curve=())
+    allreduce = window("allreduce", "allreduce", 2400.0, curve=())
+    slow = window("ps async", "ps", 100.0, staleness=math.inf, curve=())
     skipped = Measurement("pipeline", "pipeline", {}, 2, status="skipped", reason="over budget")
     epoch, epochs = target_epochs([single, allreduce, slow, skipped], batch_size=32, train_s=5.0)
-    # the fastest, 2,400 samples/s for 5 s, in 8 epochs: 1,500 samples, rounded to whole global batches of 64
+    # windows without loss curves: the fastest, 2,400 samples/s for 5 s, in 8 epochs: 1,500 samples, rounded to whole global batches of 64
     assert epoch == 1472 == 23 * 64
     # 5 s of each one's samples/s in such epochs: 8,000 / 1,472 = 5.4; 12,000 / 1,472 = 8.2; ps async's 500
     # samples would be no epoch at all: the fewest steps (16 of 64 samples) need 1
     assert epochs == {"single": 5, "allreduce": 8, "ps async": 1}
     assert target_epochs([skipped], 32, 5.0) == (0, {})
+    # windows with loss curves: compare's own epoch (their first evaluation), 1,024 samples here
+    for m in (single, allreduce, slow):
+        m.curve = [(0.0, 2.3), (1024.0, 1.5), (2048.0, 1.2)]
+    epoch, epochs = target_epochs([single, allreduce, slow, skipped], batch_size=32, train_s=5.0)
+    assert epoch == 1024 and epochs == {"single": 8, "allreduce": 12, "ps async": 1}
 
 
 def test_the_target_is_the_median_of_the_strategies_that_learned_by_hand():
