@@ -448,9 +448,26 @@ def test_a_label_of_another_shape_than_the_output_fails_the_update_in_one_line(l
         stats = trainer.close()
     assert prediction.version == 0 and stats.trained == 0 and stats.failed_updates == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    lines = [r.getMessage() for r in caplog.records if "Expected labels" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "Expected a model output" in r.getMessage()]
     assert len(lines) == 1 and lines[0].endswith(
-        f"Expected labels of the model's output shape [2] for the {loss!r} loss. Received: shape [1]")
+        "Expected a model output shaped like the target (1, 1). Received: output (1, 2)")
+
+
+def test_scalar_labels_train_a_one_output_model_as_fit_takes_them():
+    # an output of [rows, 1] against scalar labels: the rows' own losses (fit's rule), not a
+    # broadcast [rows, rows] matrix; one step of SGD on (out - y)^2 by hand, in float64
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1).double()
+    reference = copy.deepcopy(model)
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse")
+    x = torch.randn(6, dtype=torch.float64)
+    trainer.predict(x, 2.5)
+    stats = trainer.close()
+    assert stats.trained == 1 and stats.failed_updates == 0
+    out = reference(x[None])[0, 0]
+    grad_w, grad_b = 2 * (out - 2.5) * x, 2 * (out - 2.5)
+    assert torch.allclose(model.weight[0], reference.weight[0] - 0.1 * grad_w.detach())
+    assert torch.allclose(model.bias[0], reference.bias[0] - 0.1 * grad_b.detach())
 
 
 def test_a_non_finite_loss_skips_the_update():

@@ -17,28 +17,29 @@ from torch import Tensor
 
 from ..errors import UsageError
 from ..serve.batcher import Policy
+from ..train.task import match_target
 
 # --------------------------------------------------------------------------- loss
 
-def _elementwise(name: str, fn: Callable[..., Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
-    """``fn(out, y, reduction="none")`` on labels of the output's own shape: torch would broadcast a
-    label of another shape ([1] against an output of [2]) into a loss of the wrong meaning, with a
-    warning, so a mismatch is one line instead (the update fails; the items keep their predictions)."""
+def _elementwise(fn: Callable[..., Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
+    """``fn(out, y, reduction="none")`` on labels shaped like the output, as `fit`'s losses take them
+    (`partrain.train.task.match_target`: an output of [rows, 1] against scalar labels is reshaped).
+    torch would broadcast a label of another size ([1] against an output of [2]) into a loss of
+    another meaning, with a warning; here that is one line (the update fails, the items keep their
+    predictions)."""
     def loss(out: Tensor, y: Tensor) -> Tensor:
-        if out.shape != y.shape:
-            raise UsageError(f"Expected labels of the model's output shape {list(out.shape[1:])} for the "
-                             f"{name!r} loss. Received: shape {list(y.shape[1:])}")
-        return fn(out, y.to(out.dtype), reduction="none")
+        out, y = match_target(out, y)
+        return fn(out, y, reduction="none")
     return loss
 
 
 #: built-in losses by name: per-element functions, reduced per row by `per_row_loss`
 LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "mse": _elementwise("mse", F.mse_loss),
-    "l1": _elementwise("l1", F.l1_loss),
-    "huber": _elementwise("huber", F.huber_loss),
+    "mse": _elementwise(F.mse_loss),
+    "l1": _elementwise(F.l1_loss),
+    "huber": _elementwise(F.huber_loss),
     "cross_entropy": lambda out, y: F.cross_entropy(out, y, reduction="none"),
-    "bce_logits": _elementwise("bce_logits", F.binary_cross_entropy_with_logits),
+    "bce_logits": _elementwise(F.binary_cross_entropy_with_logits),
 }
 
 

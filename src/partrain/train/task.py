@@ -134,7 +134,7 @@ def primary(output: Any) -> torch.Tensor:
 
 
 # ----- losses ----------------------------------------------------------------------------
-def _match(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def match_target(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and float target of equal shape for an elementwise loss ((N, 1) vs (N,) is fine)."""
     target = target.to(out.dtype if out.is_floating_point() else torch.float32)
     if out.shape != target.shape:
@@ -147,7 +147,7 @@ def _match(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch
 
 def _elementwise(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        out, target = _match(out, target)
+        out, target = match_target(out, target)
         return fn(out, target, reduction="none")
     return loss
 
@@ -222,18 +222,18 @@ def accuracy(output: Any, target: torch.Tensor) -> torch.Tensor:
     if not target.is_floating_point() and out.dim() == target.dim() + 1:
         hit = (out.argmax(1) == target).to(torch.float64)
     else:
-        out, target = _match(out, target)
+        out, target = match_target(out, target)
         hit = ((out > 0) == (target > 0.5)).to(torch.float64)
     return hit.flatten(1).mean(1) if hit.dim() > 1 else hit
 
 
 def squared_error(output: Any, target: torch.Tensor) -> torch.Tensor:
-    out, target = _match(primary(output), target)
+    out, target = match_target(primary(output), target)
     return (out - target).pow(2)
 
 
 def absolute_error(output: Any, target: torch.Tensor) -> torch.Tensor:
-    out, target = _match(primary(output), target)
+    out, target = match_target(primary(output), target)
     return (out - target).abs()
 
 
