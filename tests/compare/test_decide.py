@@ -504,8 +504,7 @@ def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(mon
                "localsgd H=8": (Candidate("localsgd H=8", "localsgd", {"period": 8}), 3)}
     said = []
     run_module.run_off([allreduce, local, single], planned, None, 2, 100, 120.0, None, 2.0, None, said.append)
-    assert asked == [("localsgd H=8", 100, 3), ("allreduce", 100, 2)] * 1 + [("allreduce", 100, 2),
-                                                                           ("localsgd H=8", 100, 3)]
+    assert asked == [("localsgd H=8", 100, 3), ("allreduce", 100, 2), ("allreduce", 100, 2), ("localsgd H=8", 100, 3)]
     assert len(allreduce.runoff) == len(local.runoff) == 2 and not single.runoff
     assert said[0] == "run-off: localsgd H=8, allreduce, their first windows again, in alternating rounds"
     for left, rounds in ((12.0, 1), (8.0, 0)):

@@ -323,7 +323,6 @@ def run(args: argparse.Namespace) -> Report:
                             f"runs: its regret {regret:.3g} is a lower bound")
             regrets.append(regret)
             its_regrets.append(its_regret)
-            reached = {k: t for k, t in times.items() if t == t}
             window_error = result.validation.get("error", math.nan)
             predicted, measured = model_check(result, runs)
             error = abs(predicted - measured) / measured if measured > 0 else math.nan
@@ -339,8 +338,8 @@ def run(args: argparse.Namespace) -> Report:
                 else "-"
             raced = ", ".join(m.label for m in result.measurements if m.runoff) or "-"
             rows.append([scenario.name, pick or "-", raced, tied, fastest or "-", target,
-                         reached.get(pick, math.nan) if pick else math.nan,
-                         reached[fastest] if fastest else math.nan, regret, its_fastest or "-", its_target,
+                         times.get(pick, math.nan) if pick else math.nan,
+                         times[fastest] if fastest else math.nan, regret, its_fastest or "-", its_target,
                          its_regret, error, window_error, result.elapsed_s])
             for label, t in times.items():
                 key = f"{scenario.name}.time_to_target.{label.replace(' ', '_')}"

@@ -342,8 +342,8 @@ def speed_noise(m: Measurement) -> float:
     sample standard deviation over the square root of their number, over their median); a
     repeat that never reached the target leaves the spread to the others."""
     times = [t for t in m.times_to_loss if t == t]
-    spread = statistics.stdev(times) / math.sqrt(len(times)) / statistics.median(times) \
-        if len(times) >= 2 and statistics.median(times) > 0 else 0.0
+    mid = statistics.median(times) if len(times) >= 2 else 0.0
+    spread = statistics.stdev(times) / math.sqrt(len(times)) / mid if mid > 0 else 0.0
     return max(window_noise(m), spread)
 
 

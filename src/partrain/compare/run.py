@@ -374,14 +374,17 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
     if len(finalists) < 2:
         say("no run-off: fewer than two strategies reached the target loss among those the rule could recommend")
         return
-    while len(finalists) >= 2 and sum(m.wall_s for m in finalists) > deadline - time.perf_counter():
+    def round_fits() -> bool:
+        return sum(m.wall_s for m in finalists) <= deadline - time.perf_counter()
+
+    while len(finalists) >= 2 and not round_fits():
         finalists.pop()  # the last (the slowest but the first round's pick)
     if len(finalists) < 2:
         say("no run-off: the time left pays for no round of the leaders' windows")
         return
     say(f"run-off: {', '.join(m.label for m in finalists)}, their first windows again, in alternating rounds")
     for r in range(RUNOFF_ROUNDS):
-        if r and sum(m.wall_s for m in finalists) > deadline - time.perf_counter():
+        if r and not round_fits():
             break
         for m in finalists if r % 2 == 0 else finalists[::-1]:
             cand, epochs = planned[m.label]

@@ -12,35 +12,22 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import UsageError
 from ..serve.batcher import Policy
-from ..train.task import match_target
+from ..train.task import NAMED_LOSSES
 
 # --------------------------------------------------------------------------- loss
 
-def _elementwise(fn: Callable[..., Tensor]) -> Callable[[Tensor, Tensor], Tensor]:
-    """``fn(out, y, reduction="none")`` on labels shaped like the output, as `fit`'s losses take them
-    (`partrain.train.task.match_target`: an output of [rows, 1] against scalar labels is reshaped).
-    torch would broadcast a label of another size ([1] against an output of [2]) into a loss of
-    another meaning, with a warning; here that is one line (the update fails, the items keep their
-    predictions)."""
-    def loss(out: Tensor, y: Tensor) -> Tensor:
-        out, y = match_target(out, y)
-        return fn(out, y, reduction="none")
-    return loss
-
-
-#: built-in losses by name: per-element functions, reduced per row by `per_row_loss`
+#: built-in losses by name: per-element functions, reduced per row by `per_row_loss`. They are
+#: `fit`'s (`partrain.train.task.NAMED_LOSSES`): labels shaped like the output (an output of
+#: [rows, 1] against scalar labels is reshaped); torch would broadcast a label of another size ([1]
+#: against an output of [2]) into a loss of another meaning, with a warning, where these say so in
+#: one line (the update fails, the items keep their predictions)
 LOSSES: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "mse": _elementwise(F.mse_loss),
-    "l1": _elementwise(F.l1_loss),
-    "huber": _elementwise(F.huber_loss),
-    "cross_entropy": lambda out, y: F.cross_entropy(out, y, reduction="none"),
-    "bce_logits": _elementwise(F.binary_cross_entropy_with_logits),
-}
+    name: NAMED_LOSSES[name] for name in ("mse", "l1", "huber", "cross_entropy")} | {
+    "bce_logits": NAMED_LOSSES["bce"]}
 
 
 def resolve_loss(loss_fn: str | Callable[[Any, Tensor], Tensor]) -> Callable[[Any, Tensor], Tensor]:

@@ -134,7 +134,7 @@ def primary(output: Any) -> torch.Tensor:
 
 
 # ----- losses ----------------------------------------------------------------------------
-def match_target(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _match(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and float target of equal shape for an elementwise loss ((N, 1) vs (N,) is fine)."""
     target = target.to(out.dtype if out.is_floating_point() else torch.float32)
     if out.shape != target.shape:
@@ -147,7 +147,7 @@ def match_target(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor,
 
 def _elementwise(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        out, target = match_target(out, target)
+        out, target = _match(out, target)
         return fn(out, target, reduction="none")
     return loss
 
@@ -170,7 +170,9 @@ def check_labels(output: Any, targets: torch.Tensor) -> None:
                          f"Received labels from {low} to {high}")
 
 
-_NAMED: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+#: the built-in losses by name, one value per element (elementwise ones on targets shaped like the
+#: output, `_match`); the streaming trainer's built-in losses are these too
+NAMED_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cross_entropy": _classification(F.cross_entropy),
     "nll": _classification(F.nll_loss),
     "bce": _elementwise(F.binary_cross_entropy_with_logits),
@@ -222,18 +224,18 @@ def accuracy(output: Any, target: torch.Tensor) -> torch.Tensor:
     if not target.is_floating_point() and out.dim() == target.dim() + 1:
         hit = (out.argmax(1) == target).to(torch.float64)
     else:
-        out, target = match_target(out, target)
+        out, target = _match(out, target)
         hit = ((out > 0) == (target > 0.5)).to(torch.float64)
     return hit.flatten(1).mean(1) if hit.dim() > 1 else hit
 
 
 def squared_error(output: Any, target: torch.Tensor) -> torch.Tensor:
-    out, target = match_target(primary(output), target)
+    out, target = _match(primary(output), target)
     return (out - target).pow(2)
 
 
 def absolute_error(output: Any, target: torch.Tensor) -> torch.Tensor:
-    out, target = match_target(primary(output), target)
+    out, target = _match(primary(output), target)
     return (out - target).abs()
 
 
@@ -343,7 +345,7 @@ class Task:
             if self.loss_fn == "auto":
                 raise RuntimeError("Task.resolve() must run before the loss is computed")
             out = primary(output)
-            values = _NAMED[self.loss_fn](out.float() if self.precision == "bf16" else out, target)
+            values = NAMED_LOSSES[self.loss_fn](out.float() if self.precision == "bf16" else out, target)
         else:
             values = self.loss_fn(_float_output(output) if self.precision == "bf16" else output, target)
         return per_sample(values, n)
