@@ -548,6 +548,34 @@ def test_a_lead_the_windows_cannot_tell_from_their_noise_keeps_allreduce():
     assert recommend([allreduce, local, single]).pick == "localsgd H=8"
 
 
+def test_a_tie_within_wide_noise_is_flagged_in_the_report_and_the_json(tmp_path):
+    import json
+
+    from partrain.compare.report import format_result, write_outputs
+    from partrain.compare.run import CompareResult
+
+    allreduce, local, single = _first_round()
+    # local SGD's repeat took 11 s (8 and 11: median 9.5, noise 2.12 / sqrt(2) / 9.5 = 16%): allreduce's 9.17 s is
+    # inside it, a tie kept by allreduce, and the windows cannot say which is faster
+    local.runoff = [_timed("localsgd H=8", "localsgd", 125.0, ((0.0, 2.0), (500.0, 1.4), (1000.0, 1.25)),
+                           (0.0, 5.5, 11.0), period=8)]
+    result = CompareResult([allreduce, local, single], None, 60.0, 55.0, 2, 32, 1000)
+    result.recommendation = recommend(result.measurements)
+    assert result.recommendation.pick == "allreduce" and result.recommendation.tied == ["localsgd H=8"]
+    assert result.recommendation.noise == pytest.approx(3 / math.sqrt(2) / math.sqrt(2) / 9.5)
+    caution = ("caution: allreduce and localsgd H=8 are tied within the windows' noise of 16% (a strategy's repeated "
+               "windows took that much longer or shorter: the host's speed drifted), so which is faster these windows "
+               "cannot tell: a larger --budget gives longer windows and more run-off rounds")
+    assert caution in format_result(result).splitlines()
+    saved = json.loads(open(write_outputs(result, str(tmp_path))["json"]).read())
+    assert saved["unsure_warning"] == caution.removeprefix("caution: ")
+    # a repeat at 10 s (8 and 10: noise 11%): still a tie, said in the recommendation's words, not flagged
+    local.runoff[0].curve_s = [0.0, 5.0, 10.0]
+    result.recommendation = recommend(result.measurements)
+    assert result.recommendation.tied == ["localsgd H=8"] and result.recommendation.noise == pytest.approx(1 / 9)
+    assert "caution: allreduce and" not in format_result(result)
+
+
 def test_the_run_off_is_shown_in_its_own_table_and_in_the_json_csv_and_png(tmp_path):
     import csv
     import json

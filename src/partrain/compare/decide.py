@@ -260,6 +260,23 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     return Recommendation(pick.label, why, others, tied, noise)
 
 
+#: a tie decided within windows' noise at least this large is flagged as unsure (`unsure_warning`)
+UNSURE_NOISE = 0.15
+
+
+def unsure_warning(rec: Recommendation | None) -> str | None:
+    """One line when the recommendation is a tie the windows' noise (`Recommendation.noise`) leaves
+    wide open, at least `UNSURE_NOISE`, else None. The windows' times spread that much when the
+    host's speed drifts between them: in ``partrain bench compare``'s split scenario one process's two
+    windows ran the same work at 7,853 and 5,345 samples/s minutes apart, its noise came to 20%,
+    and hogwild's 1.14x lead fell inside it; the 5-second runs put hogwild 1.36x ahead."""
+    if rec is None or not rec.tied or not rec.noise >= UNSURE_NOISE:
+        return None
+    return (f"{rec.pick} and {', '.join(rec.tied)} are tied within the windows' noise of {rec.noise:.0%} (a strategy's "
+            "repeated windows took that much longer or shorter: the host's speed drifted), so which is faster these "
+            "windows cannot tell: a larger --budget gives longer windows and more run-off rounds")
+
+
 def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list[Measurement]:
     """The strategies a run-off repeats: the first round's pick, then the fastest of those the rule
     could recommend (one process, and the parallel strategies that reached the target and do not

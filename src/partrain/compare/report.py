@@ -10,6 +10,7 @@ from typing import Any
 
 from ..scaling import BEYOND, CONTENTION, DDP_OVERHEAD, FORMULAS, HOST_FACTOR, THROUGHPUT
 from ..tables import format_table
+from .decide import unsure_warning
 from .hostload import spread_warning
 from .measure import Measurement
 from .options import bandwidth_text
@@ -106,9 +107,9 @@ def format_result(result: CompareResult) -> str:
         for label, why in rec.others.items():
             if not why.startswith(("skipped", "failed")):  # those are listed under the table
                 lines.append(f"  {label}: {why}")
-    warning = spread_warning(result.measurements)
-    if warning:
-        lines.append(f"caution: {warning}")
+    for warning in (unsure_warning(rec), spread_warning(result.measurements)):
+        if warning:
+            lines.append(f"caution: {warning}")
     if result.constants is not None:
         c = result.constants
         link = (f"B = {result.link[0] / 1e6:,.0f} MB/s, a = {result.link[1] * 1e6:.0f} us" if result.link
@@ -170,6 +171,7 @@ def to_json(result: CompareResult) -> dict[str, Any]:
         "predictions": [vars(p) for p in result.predictions],
         "validation": result.validation or None,
         "host_load_warning": spread_warning(result.measurements),
+        "unsure_warning": unsure_warning(rec),
     })
 
 
