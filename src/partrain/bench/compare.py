@@ -43,13 +43,14 @@ medians of alternating rounds do not.
 
 Goals (issue 16): compare.regret_max (over scenarios, the recommended strategy's time to
 target over the fastest's, minus 1) <= 0.10 (``regret_max_compare_target`` beside it);
-compare.prediction_error (over the scenarios without a straggler, the largest relative error of the model's 2-worker allreduce samples/s
-from one-worker measurements, the bench's check on the runs) <= 0.20 (compare's own
-one-window checks are printed beside it as ``prediction_error_window``);
+compare.prediction_error (over the scenarios without a straggler, the largest relative
+error of the model's 2-worker allreduce samples/s from one-worker measurements, the bench's
+check on the runs) <= 0.20 (compare's own one-window checks are printed beside it as
+``prediction_error_window``);
 compare.budget_overrun (over scenarios, compare's wall time over its budget, minus 1)
 <= 0.10. Beside each regret, the runs' noise (`regret_noise`: the relative standard errors of
 the two medians, combined), and ``regret_max_noise`` beside the goal: a regret over 0.10 by
-less than it is within what five runs a strategy can tell apart. Every run shares one pool of
+less than it is within what the runs can tell apart. Every run shares one pool of
 processes, started before the first one.
 """
 
@@ -376,8 +377,8 @@ def run(args: argparse.Namespace) -> Report:
     report.goal("compare.regret_max", _worst(regrets), "<=", 0.10,
                 "recommended / fastest time to target - 1, worst scenario")
     report.figure("compare.regret_max_compare_target", _worst(its_regrets))
-    worst = [n for r, n in zip(regrets, noises) if r == r and r == _worst(regrets)]
-    report.figure("compare.regret_max_noise", worst[0] if worst else None)
+    top = _worst(regrets)
+    report.figure("compare.regret_max_noise", next((n for r, n in zip(regrets, noises) if r == top), None))
     report.goal("compare.prediction_error", _worst(errors), "<=", 0.20,
                 "2-worker samples/s predicted from 1 worker vs measured (runs), worst scenario without straggler")
     report.figure("compare.prediction_error_window", _worst(window_errors))

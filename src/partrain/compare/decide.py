@@ -198,8 +198,6 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     single = by_label.get("single")
     single_noise = max(speed_noise(single), speed_noise(best), TIE_FLOOR) if single and best else TIE_FLOOR
     allreduce_noise = max(speed_noise(allreduce), speed_noise(best)) if allreduce and best else 0.0
-    lead = f"{margin:.0%} faster" + (f" beyond the windows' noise of {allreduce_noise:.0%}" if allreduce_noise >= 0.005
-                                     else "")
     # a reason that names a rival's speed against the pick's: `why`, the rival's figure, then `tail`
     rival: Measurement | None = None
     tail = ""
@@ -219,6 +217,8 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
             best.speed <= allreduce.speed * (1 + margin + allreduce_noise):
         pick = allreduce
         rival = None if best is allreduce else best
+        lead = f"{margin:.0%} faster" + (f" beyond the windows' noise of {allreduce_noise:.0%}"
+                                         if allreduce_noise >= 0.005 else "")
         if waiting_share(allreduce) < comm_floor:
             why = (f"communication and waiting are only {waiting_share(allreduce):.0%} of its step, and no other "
                    f"strategy is {lead}")
