@@ -15,9 +15,9 @@ strategy (after a run-off between the leaders of its first round when the time l
 for one); then every strategy it measured trains `TARGET_RUNS` times for the same wall time
 (5 s; quick 1.5 s) with per-epoch evaluations, in alternating rounds (each strategy once
 per round), every strategy on compare's own epochs (the same evaluation points as its
-windows, `target_epochs`). The target loss
-is the median, over the strategies that learned (at least 10% below the untrained loss, as
-in compare's windows), of each one's median lowest test loss. A strategy's time to target
+windows, `target_epochs`). The target loss is the median, over the strategies that learned
+(at least 10% below the untrained loss, as in compare's windows), of each one's median
+lowest test loss. A strategy's time to target
 is the median over its runs of the training time (evaluations left out) until its test loss
 first reaches it, interpolated within the epoch (a run that never reaches it counts as the
 longest).

@@ -20,7 +20,7 @@ from ..train.task import NAMED_LOSSES
 
 # --------------------------------------------------------------------------- loss
 
-#: built-in losses by name: per-element functions, reduced per row by `per_row_loss`. They are
+#: built-in losses by name: per-element functions, reduced per row by `weighted_loss`. They are
 #: `fit`'s (`partrain.train.task.NAMED_LOSSES`): labels shaped like the output (an output of
 #: [rows, 1] against scalar labels is reshaped); torch would broadcast a label of another size ([1]
 #: against an output of [2]) into a loss of another meaning, with a warning, where these say so in
@@ -35,7 +35,7 @@ def resolve_loss(loss_fn: str | Callable[[Any, Tensor], Tensor]) -> Callable[[An
 
     A callable may return one loss per row (shape ``[rows]`` or ``[rows, ...]``,
     e.g. a torch loss with ``reduction="none"``) or a scalar; only per-row losses
-    can honour per-item weights (see `per_row_loss`).
+    can honour per-item weights (see `weighted_loss`).
     """
     if isinstance(loss_fn, str):
         try:
