@@ -638,3 +638,58 @@ def test_no_window_is_planned_longer_than_the_first_by_hand():
     assert plan_window(20.0, 0.1, 64, 8000, 64, 7.5)[1] == 0
     # a share below the cap: the share decides (1 epoch: the caller skips a window under the minimum)
     assert plan_window(4.0, 0.02, 64, 8000, 64, 7.5) == (8000, 1, 2.5)
+
+
+def _curved(label, strategy, losses, workers=2, per_epoch=200.0):
+    """A window of one epoch a second (``per_epoch`` samples each) with these test losses."""
+    m = window(label, strategy, per_epoch, workers=workers, curve=[(i * per_epoch, v) for i, v in enumerate(losses)])
+    m.curve_s = [float(i) for i in range(len(losses))]
+    return m
+
+
+def test_one_process_that_catches_up_at_the_deepest_loss_both_reached_is_picked():
+    from partrain.compare.decide import depth_warning, set_speeds
+
+    # the target: the upper median of the lows .38, .40, .6, .6 (start 1.0) = 0.6, where DiLoCo leads
+    # (0.89 s against one process's 1.5 s); both went on to 0.40 (DiLoCo's lowest), where one process
+    # took 2 + 0.1 / 0.12 = 2.83 s and DiLoCo 3 s: rule 2 there
+    def windows(diloco_losses):
+        return [_curved("single", "single", [1.0, 0.7, 0.5, 0.38], workers=1, per_epoch=100.0),
+                _curved("diloco H=8", "localsgd", diloco_losses), _curved("allreduce", "allreduce", [1.0, 0.8, 0.6]),
+                _curved("ps sync", "ps", [1.0, 0.8, 0.6])]
+
+    ms = windows([1.0, 0.55, 0.45, 0.40])
+    rec = recommend(ms)
+    assert set_speeds([m for m in ms]) == 0.6
+    assert rec.pick == "single" and rec.tied == []
+    assert rec.why == ("one process catches up with depth: diloco H=8 reached the target 0.6 in 0.59x its time, "
+                       "but 0.4 (the deepest loss both reached in every window) in 1.06x it (one process learns "
+                       "more per sample): parallelism does not pay at the loss you train to")
+    assert rec.others["diloco H=8"] == ("1.69x the pick's speed: faster to the windows' target, but 0.94x the pick's "
+                                        "speed to 0.4, the deepest loss both reached in every window: one process "
+                                        "catches up with depth")
+    assert rec.others["allreduce"].startswith("0.75x the pick's speed")
+    assert depth_warning(ms, rec, 0.6) is None  # said by the pick itself
+    # DiLoCo at 0.40 in 2 s and on to 0.35: to 0.38 in 2.4 s against 3 s, its lead holds with depth
+    rec = recommend(windows([1.0, 0.55, 0.40, 0.35]))
+    assert rec.pick == "diloco H=8" and rec.why.startswith("2.25x the speed of allreduce"), rec.why
+
+
+def test_a_lead_that_shrinks_with_depth_is_said():
+    from partrain.compare.decide import depth_warning
+
+    # no one process: DiLoCo picked on its lead to 0.6 over allreduce (1.5 s against 0.89 s), a lead
+    # that turns at 0.40 (2.83 s against 3 s)
+    ms = [_curved("allreduce", "allreduce", [1.0, 0.7, 0.5, 0.38]),
+          _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.45, 0.40]),
+          _curved("ps sync", "ps", [1.0, 0.8, 0.6]), _curved("pipeline", "pipeline", [1.0, 0.8, 0.6])]
+    rec = recommend(ms)
+    assert rec.pick == "diloco H=8"
+    assert depth_warning(ms, rec, 0.6) == (
+        "diloco H=8's lead over allreduce shrinks with depth: 1.69x its speed to the target 0.6, 0.94x to 0.4 (the "
+        "deepest loss both reached in every window), so at the loss you train to allreduce may be the faster: a "
+        "larger --budget gives longer windows and a deeper target")
+    # a lead that holds with depth, or no target: nothing to say
+    ms[1] = _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.40, 0.35])
+    assert depth_warning(ms, recommend(ms), 0.6) is None
+    assert depth_warning(ms, recommend(ms), math.nan) is None

@@ -35,6 +35,16 @@ barely under the untrained one are noise), the samples/s under the what-if link.
    noise: a lead inside the noise is still the likelier side of the tie, and the tie is said
    (see Ties). ``partrain bench compare``'s runs on 2026-11-28 gave 6 such ties to one
    process; the runs to the target put the parallel strategy ahead in 5 (regret 0.09-0.37).
+   **At depth**: where one process and the best parallel strategy both went deeper than the
+   target in every window, the same 5% is asked at the deepest loss both reached
+   (`at_depth`), and one process is picked when the lead is gone there. The windows are
+   short and their target shallow; a parallel strategy steps on a larger global batch,
+   makes fast early progress and learns less per sample later, so its lead shrinks with
+   depth, and the loss a user trains to is deeper than any window's (``partrain bench
+   compare``'s compute scenario: two DiLoCo workers reached the windows' target 0.375 in
+   0.74x one process's time, 0.288 in the same time, and the 5-second runs' target 0.282 in
+   1.16x it; the windows and the runs, timed to the same losses, agreed within 0.1 s). A
+   lead that shrinks with depth between other strategies is said (`depth_warning`).
 3. ``allreduce``, when it beats one process and no other strategy is more than ``margin``
    (10%, the regret ``partrain bench compare`` allows) faster to the target beyond the
    windows' noise (the larger of the two strategies' `speed_noise`, no floor):
@@ -190,7 +200,7 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     if not ok:
         return None
     ref = compare_losses(ok)
-    set_speeds(ok)
+    target = set_speeds(ok)
     by_label = {m.label: m for m in ok}
     # a strategy that learns far worse per sample than the reference is not recommended on the
     # strength of a short window: the windows' target is shallow, and such a strategy (hogwild's
@@ -204,9 +214,20 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     # a reason that names a rival's speed against the pick's: `why`, the rival's figure, then `tail`
     rival: Measurement | None = None
     tail = ""
-    if single is not None and (best is None or single.speed * (1 + TIE_FLOOR) >= best.speed):
+    # rule 2 at depth: one process against the best parallel strategy at the deepest loss both reached
+    deep = at_depth(single, best, target) if single is not None and best is not None and \
+        single.speed * (1 + TIE_FLOOR) < best.speed else None
+    single_deep = deep is not None and deep[2] >= deep[1] / (1 + TIE_FLOOR)
+    if single is not None and (best is None or single.speed * (1 + TIE_FLOOR) >= best.speed or single_deep):
         pick = single
-        if best is None:
+        if single_deep:
+            loss, mine, theirs = deep
+            why = (f"one process catches up with depth: {best.label} reached the target {target:.4g} in "
+                   f"{best.time_to_loss / single.time_to_loss:.2f}x its time, but {loss:.4g} (the deepest loss both "
+                   f"reached in every window) in {theirs / mine:.2f}x it"
+                   + (" (one process learns more per sample)" if best.loss_vs_single > 1 else "")
+                   + ": parallelism does not pay at the loss you train to")
+        elif best is None:
             why = "the only strategy that ran"
         elif best.speed == 0 < single.speed:
             why = "no parallel strategy reached the target loss (in most of its windows): parallelism does not pay here"
@@ -265,7 +286,8 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     if rival is not None:
         why += f" ({rival.label}: {rival.speed / pick.speed:.2f}x its speed)"
     why += tail
-    others = {m.label: _why_not(m, pick, ref, loss_tolerance) for m in measurements if m.label != pick.label}
+    others = {m.label: _why_not(m, pick, ref, loss_tolerance, target) for m in measurements
+              if m.label != pick.label}
     return Recommendation(pick.label, why, others, tied, noise)
 
 
@@ -353,9 +375,7 @@ def set_speeds(ok: list[Measurement]) -> float:
     start = max((m.curve[0][1] for m in ok if m.curve), default=math.nan)
     target = common_target(lows, start) if len(lows) == len(ok) else math.nan
     for m in ok:
-        slowdown = m.samples_per_s / m.effective_samples_per_s if m.effective_samples_per_s > 0 else math.nan
-        m.times_to_loss = [time_to_reach(w.curve_s, [v for _, v in w.curve], target) * slowdown
-                           for w in (m, *m.runoff)]
+        m.times_to_loss = times_to(m, target)
         m.time_to_loss = median_time(m.times_to_loss)
         if target != target:
             m.speed = m.effective_samples_per_s
@@ -363,6 +383,69 @@ def set_speeds(ok: list[Measurement]) -> float:
             m.speed = 1 / m.time_to_loss if m.time_to_loss > 0 else (0.0 if m.time_to_loss != m.time_to_loss
                                                                      else math.inf)
     return target
+
+
+def times_to(m: Measurement, target: float) -> list[float]:
+    """The training seconds each of ``m``'s windows (its first, then the run-off's) took to reach
+    ``target``, stretched by the what-if link's slowdown (NaN: never reached)."""
+    slowdown = m.samples_per_s / m.effective_samples_per_s if m.effective_samples_per_s > 0 else math.nan
+    return [time_to_reach(w.curve_s, [v for _, v in w.curve], target) * slowdown for w in (m, *m.runoff)]
+
+
+def deepest_common(a: Measurement, b: Measurement) -> float:
+    """The deepest test loss every window of ``a`` and of ``b`` reached (NaN without curves)."""
+    lows = [min(v for _, v in w.curve) for m in (a, b) for w in (m, *m.runoff) if w.curve]
+    return max(lows) if lows else math.nan
+
+
+def at_depth(a: Measurement, b: Measurement, target: float) -> tuple[float, float, float] | None:
+    """``(loss, a's time, b's time)``: the deepest loss every window of ``a`` and ``b`` reached
+    (`deepest_common`) and each one's median training seconds to it, when that loss lies below
+    ``target`` and both reached it; else None."""
+    loss = deepest_common(a, b)
+    if not loss < target:
+        return None
+    mine, theirs = median_time(times_to(a, loss)), median_time(times_to(b, loss))
+    return (loss, mine, theirs) if mine > 0 and theirs > 0 else None
+
+
+def depth_warning(measurements: list[Measurement], rec: Recommendation | None, target: float) -> str | None:
+    """One line when the pick's lead at the target does not hold at a deeper loss, else None.
+
+    The windows are short, so their target is shallow, and a lead there can shrink with depth:
+    a strategy that steps on a larger global batch (or on stale or local updates) makes fast
+    early progress and learns less per sample later. For every rival that reached the target
+    (and does not learn far worse per sample, `converges_worse`), the pick and the rival are
+    timed again to the deepest loss both reached in every window (`deepest_common`); when the
+    pick led beyond the windows' noise at the target and no longer does there, the rival whose
+    standing rose most is named. Against one process the rule acts on it instead (rule 2 at
+    depth, in the module docstring)."""
+    if rec is None or target != target:
+        return None
+    ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
+    pick = next((m for m in ok if m.label == rec.pick), None)
+    if pick is None or not 0 < pick.time_to_loss < math.inf:
+        return None
+    ref = compare_losses(ok)
+    worst = None
+    for rival in ok:
+        if rival is pick or not 0 < rival.time_to_loss < math.inf or converges_worse(rival, ref):
+            continue
+        deep = at_depth(pick, rival, target)
+        if deep is None:
+            continue
+        deeper, mine, theirs = deep
+        noise = max(speed_noise(pick), speed_noise(rival), TIE_FLOOR)
+        lead, lead_deeper = rival.time_to_loss / pick.time_to_loss, theirs / mine
+        if lead > 1 + noise and lead_deeper <= 1 + noise and (worst is None or lead_deeper < worst[3]):
+            worst = (rival, deeper, lead, lead_deeper)
+    if worst is None:
+        return None
+    rival, deeper, lead, lead_deeper = worst
+    return (f"{pick.label}'s lead over {rival.label} shrinks with depth: {lead:.2f}x its speed to the target "
+            f"{target:.4g}, {lead_deeper:.2f}x to {deeper:.4g} (the deepest loss both reached in every window), so "
+            f"at the loss you train to {rival.label} may be the faster: a larger --budget gives longer windows and "
+            "a deeper target")
 
 
 def median_time(times: list[float]) -> float:
@@ -439,7 +522,8 @@ def synchronous(m: Measurement) -> bool:
     return m.strategy in ("allreduce", "pipeline", "single")
 
 
-def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_tolerance: float) -> str:
+def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_tolerance: float,
+             target: float = math.nan) -> str:
     """One line: why ``m`` loses to ``pick``."""
     if not m.ok:
         return f"{m.status}: {m.reason}"
@@ -451,6 +535,15 @@ def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_to
     if ratio >= 1 and converges_worse(m, ref):
         reason = (f"its loss at equal samples is {m.loss_ratio - 1:.0%} above {ref.label}'s: it reached the "
                   "windows' target first, but is likely to level off above where the others go on")
+    elif ratio >= 1 + TIE_FLOOR and pick.workers == 1:  # rule 2 at depth picked one process
+        deep = at_depth(pick, m, target)
+        if deep is None:
+            reason = ("faster to the windows' target, as deep as its windows went: the parallel strategies that "
+                      "went deeper lost their lead to one process there")
+        else:
+            loss, mine, theirs = deep
+            reason = (f"faster to the windows' target, but {mine / theirs:.2f}x the pick's speed to {loss:.4g}, the "
+                      "deepest loss both reached in every window: one process catches up with depth")
     elif ratio >= 1:
         reason = "as fast, but the pick keeps the exact gradient and needs no tuning"
     elif m.loss_ratio > 1 + loss_tolerance and ref is not None and not synchronous(m):

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..scaling import BEYOND, CONTENTION, DDP_OVERHEAD, FORMULAS, HOST_FACTOR, THROUGHPUT
 from ..tables import format_table
-from .decide import unsure_warning
+from .decide import depth_warning, unsure_warning
 from .hostload import spread_warning
 from .measure import Measurement
 from .options import bandwidth_text
@@ -107,7 +107,8 @@ def format_result(result: CompareResult) -> str:
         for label, why in rec.others.items():
             if not why.startswith(("skipped", "failed")):  # those are listed under the table
                 lines.append(f"  {label}: {why}")
-    for warning in (unsure_warning(rec), spread_warning(result.measurements)):
+    for warning in (unsure_warning(rec), depth_warning(result.measurements, rec, result.target_loss),
+                    spread_warning(result.measurements)):
         if warning:
             lines.append(f"caution: {warning}")
     if result.constants is not None:
@@ -172,6 +173,7 @@ def to_json(result: CompareResult) -> dict[str, Any]:
         "validation": result.validation or None,
         "host_load_warning": spread_warning(result.measurements),
         "unsure_warning": unsure_warning(rec),
+        "depth_warning": depth_warning(result.measurements, rec, result.target_loss),
     })
 
 
