@@ -693,3 +693,9 @@ def test_a_lead_that_shrinks_with_depth_is_said():
     ms[1] = _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.40, 0.35])
     assert depth_warning(ms, recommend(ms), 0.6) is None
     assert depth_warning(ms, recommend(ms), math.nan) is None
+    # the deepest loss both reached (0.40) less than 5% below a target of 0.41: too shallow to rank at again
+    from partrain.compare.decide import at_depth
+
+    allreduce, diloco = ms[0], _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.45, 0.40])
+    assert at_depth(allreduce, diloco, 0.6) == pytest.approx((0.4, 2 + 0.1 / 0.12, 3.0))
+    assert at_depth(allreduce, diloco, 0.41) is None

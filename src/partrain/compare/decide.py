@@ -101,6 +101,9 @@ LOSS_LIMIT = 0.25
 MIN_PROGRESS = 0.10
 #: the smallest relative difference in speed that is not called a tie
 TIE_FLOOR = 0.05
+#: a loss this far below the target (relative) is deep enough to rank at again (`at_depth`): a little
+#: deeper, the times to it differ from those to the target by an evaluation's noise, not by depth
+MIN_DEPTH = 0.05
 #: the strategies the run-off repeats
 RUNOFF_MOST = 3
 
@@ -400,10 +403,10 @@ def deepest_common(a: Measurement, b: Measurement) -> float:
 
 def at_depth(a: Measurement, b: Measurement, target: float) -> tuple[float, float, float] | None:
     """``(loss, a's time, b's time)``: the deepest loss every window of ``a`` and ``b`` reached
-    (`deepest_common`) and each one's median training seconds to it, when that loss lies below
-    ``target`` and both reached it; else None."""
+    (`deepest_common`) and each one's median training seconds to it, when that loss lies at least
+    `MIN_DEPTH` below ``target``; else None."""
     loss = deepest_common(a, b)
-    if not loss < target:
+    if not loss <= (1 - MIN_DEPTH) * target:
         return None
     mine, theirs = median_time(times_to(a, loss)), median_time(times_to(b, loss))
     return (loss, mine, theirs) if mine > 0 and theirs > 0 else None
