@@ -666,7 +666,7 @@ def test_one_process_that_catches_up_at_the_deepest_loss_both_reached_is_picked(
                        "but 0.4 (the deepest loss both reached in every window) in 1.06x it (one process learns "
                        "more per sample): parallelism does not pay at the loss you train to")
     assert rec.others["diloco H=8"] == ("1.69x the pick's speed: faster to the windows' target, but 0.94x the pick's "
-                                        "speed to 0.4, the deepest loss both reached in every window: one process "
+                                        "speed to 0.4, the deepest loss both reached in every window: the pick "
                                         "catches up with depth")
     assert rec.others["allreduce"].startswith("0.75x the pick's speed")
     assert depth_warning(ms, rec, 0.6) is None  # said by the pick itself
@@ -675,27 +675,40 @@ def test_one_process_that_catches_up_at_the_deepest_loss_both_reached_is_picked(
     assert rec.pick == "diloco H=8" and rec.why.startswith("2.25x the speed of allreduce"), rec.why
 
 
-def test_a_lead_that_shrinks_with_depth_is_said():
-    from partrain.compare.decide import depth_warning
+def test_a_lead_that_shrinks_with_depth_is_said_and_one_that_turns_moves_the_pick():
+    from partrain.compare.decide import at_depth, depth_warning
 
-    # no one process: DiLoCo picked on its lead to 0.6 over allreduce (1.5 s against 0.89 s), a lead
-    # that turns at 0.40 (2.83 s against 3 s)
-    ms = [_curved("allreduce", "allreduce", [1.0, 0.7, 0.5, 0.38]),
-          _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.45, 0.40]),
-          _curved("ps sync", "ps", [1.0, 0.8, 0.6]), _curved("pipeline", "pipeline", [1.0, 0.8, 0.6])]
+    # no one process: DiLoCo leads allreduce to the target 0.6 (0.89 s against 1 + 0.1 / 0.18 = 1.56 s),
+    # and both reach 0.40 in 3 s: a lead gone with depth, within the 5% floor there: said, not acted on
+    def windows(allreduce_losses):
+        return [_curved("allreduce", "allreduce", allreduce_losses),
+                _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.45, 0.40]),
+                _curved("ps sync", "ps", [1.0, 0.8, 0.6]), _curved("pipeline", "pipeline", [1.0, 0.8, 0.6])]
+
+    ms = windows([1.0, 0.7, 0.52, 0.40])
     rec = recommend(ms)
     assert rec.pick == "diloco H=8"
     assert depth_warning(ms, rec, 0.6) == (
-        "diloco H=8's lead over allreduce shrinks with depth: 1.69x its speed to the target 0.6, 0.94x to 0.4 (the "
+        "diloco H=8's lead over allreduce shrinks with depth: 1.75x its speed to the target 0.6, 1.00x to 0.4 (the "
         "deepest loss both reached in every window), so at the loss you train to allreduce may be the faster: a "
         "larger --budget gives longer windows and a deeper target")
+    # allreduce on to 0.38, at 0.40 in 2 + 0.1 / 0.12 = 2.83 s against DiLoCo's 3 s: 1.06x, beyond the floor
+    ms = windows([1.0, 0.7, 0.5, 0.38])
+    rec = recommend(ms)
+    assert rec.pick == "allreduce" and rec.tied == []
+    assert rec.why == ("it catches up with depth: diloco H=8 reached the target 0.6 in 0.59x its time, but 0.4 "
+                       "(the deepest loss both reached in every window) in 1.06x it")
+    assert rec.others["diloco H=8"] == ("1.69x the pick's speed: faster to the windows' target, but 0.94x the pick's "
+                                        "speed to 0.4, the deepest loss both reached in every window: the pick "
+                                        "catches up with depth")
+    assert depth_warning(ms, rec, 0.6) is None
     # a lead that holds with depth, or no target: nothing to say
+    ms[0] = _curved("allreduce", "allreduce", [1.0, 0.7, 0.52, 0.40])
     ms[1] = _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.40, 0.35])
     assert depth_warning(ms, recommend(ms), 0.6) is None
     assert depth_warning(ms, recommend(ms), math.nan) is None
     # the deepest loss both reached (0.40) less than 5% below a target of 0.41: too shallow to rank at again
-    from partrain.compare.decide import at_depth
-
-    allreduce, diloco = ms[0], _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.45, 0.40])
+    allreduce, diloco = _curved("allreduce", "allreduce", [1.0, 0.7, 0.5, 0.38]), \
+        _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.45, 0.40])
     assert at_depth(allreduce, diloco, 0.6) == pytest.approx((0.4, 2 + 0.1 / 0.12, 3.0))
     assert at_depth(allreduce, diloco, 0.41) is None

@@ -43,8 +43,7 @@ barely under the untrained one are noise), the samples/s under the what-if link.
    depth, and the loss a user trains to is deeper than any window's (``partrain bench
    compare``'s compute scenario: two DiLoCo workers reached the windows' target 0.375 in
    0.74x one process's time, 0.288 in the same time, and the 5-second runs' target 0.282 in
-   1.16x it; the windows and the runs, timed to the same losses, agreed within 0.1 s). A
-   lead that shrinks with depth between other strategies is said (`depth_warning`).
+   1.16x it; the windows and the runs, timed to the same losses, agreed within 0.1 s).
 3. ``allreduce``, when it beats one process and no other strategy is more than ``margin``
    (10%, the regret ``partrain bench compare`` allows) faster to the target beyond the
    windows' noise (the larger of the two strategies' `speed_noise`, no floor):
@@ -59,6 +58,14 @@ barely under the untrained one are noise), the samples/s under the what-if link.
    than allreduce with 13% of its step in communication, in the windows and in the 5-second
    runs alike).
 4. Otherwise the fastest remaining strategy.
+5. **At depth**, the pick of rules 2-4 against each rival that reached the target: at the
+   deepest loss both reached in every window, at least `MIN_DEPTH` below the target
+   (`at_depth`), a rival faster by more than the windows' noise (at least 5%; plus the 10%
+   margin when rule 3 kept allreduce) takes the pick, the one with the largest lead there
+   (`_overtaker`). A lead the pick keeps at the target and loses into the noise at depth is
+   said instead (`depth_warning`). (``partrain bench compare``'s split scenario: one process
+   reached the windows' target 0.168 in 0.71x DiLoCo's time, and 0.143 in 1.34x it; the
+   5-second runs' target was 0.143.)
 
 **The run-off** (`contenders`, run by `partrain.compare.run`): one window is one sample
 of a strategy's time to the target, and the samples spread: a shared host's speed drifts
@@ -268,7 +275,19 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     tied, noise = [], math.nan
     rivals = sorted((m for m in ok if m is not pick and m.speed == m.speed and (m in parallel or m.workers == 1)),
                     key=lambda m: m.speed, reverse=True)
-    if rivals and pick.speed > 0 and math.isfinite(pick.speed):
+    by_depth = single_deep
+    if not by_depth and pick.speed > 0 and math.isfinite(pick.speed):
+        # the pick's rank at depth: a rival faster beyond the windows' noise (and allreduce's margin, when
+        # rule 3 kept it) at the deepest loss both reached takes its place
+        kept = margin + allreduce_noise if pick is allreduce else 0.0
+        overtaker = _overtaker(pick, rivals, target, kept)
+        if overtaker is not None:
+            new, loss, mine, theirs = overtaker
+            why, rival, tail = (f"it catches up with depth: {pick.label} reached the target {target:.4g} in "
+                                f"{pick.time_to_loss / new.time_to_loss:.2f}x its time, but {loss:.4g} (the deepest "
+                                f"loss both reached in every window) in {mine / theirs:.2f}x it"), None, ""
+            pick, by_depth = new, True
+    if rivals and not by_depth and pick.speed > 0 and math.isfinite(pick.speed):
         second = rivals[0]
         noise = max(speed_noise(pick), speed_noise(second), TIE_FLOOR)
         if abs(second.speed / pick.speed - 1) <= noise:
@@ -401,6 +420,25 @@ def deepest_common(a: Measurement, b: Measurement) -> float:
     return max(lows) if lows else math.nan
 
 
+def _overtaker(pick: Measurement, rivals: list[Measurement], target: float,
+               kept: float = 0.0) -> tuple[Measurement, float, float, float] | None:
+    """The rival that reaches the deepest loss it and ``pick`` both reached (`at_depth`) the most
+    sooner than ``pick``, by more than their windows' noise (at least `TIE_FLOOR`) plus ``kept``:
+    ``(rival, loss, pick's time, rival's time)``; None when no rival does."""
+    best = None
+    for m in rivals:
+        if not 0 < m.time_to_loss < math.inf:
+            continue
+        deep = at_depth(pick, m, target)
+        if deep is None:
+            continue
+        loss, mine, theirs = deep
+        if mine / theirs > 1 + max(speed_noise(pick), speed_noise(m), TIE_FLOOR) + kept and \
+                (best is None or mine / theirs > best[2] / best[3]):
+            best = (m, loss, mine, theirs)
+    return best
+
+
 def at_depth(a: Measurement, b: Measurement, target: float) -> tuple[float, float, float] | None:
     """``(loss, a's time, b's time)``: the deepest loss every window of ``a`` and ``b`` reached
     (`deepest_common`) and each one's median training seconds to it, when that loss lies at least
@@ -421,8 +459,8 @@ def depth_warning(measurements: list[Measurement], rec: Recommendation | None, t
     (and does not learn far worse per sample, `converges_worse`), the pick and the rival are
     timed again to the deepest loss both reached in every window (`deepest_common`); when the
     pick led beyond the windows' noise at the target and no longer does there, the rival whose
-    standing rose most is named. Against one process the rule acts on it instead (rule 2 at
-    depth, in the module docstring)."""
+    standing rose most is named. A lead that turns beyond the noise moves the pick instead
+    (rules 2 and 5 at depth, in the module docstring)."""
     if rec is None or target != target:
         return None
     ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
@@ -533,20 +571,19 @@ def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_to
     if m.speed == 0:
         return "never reached the target loss in its window"
     ratio = m.speed / pick.speed if pick.speed else math.nan
+    deep = at_depth(pick, m, target) if ratio >= 1 + TIE_FLOOR else None
     shares = m.shares()
     wait = waiting_share(m)
     if ratio >= 1 and converges_worse(m, ref):
         reason = (f"its loss at equal samples is {m.loss_ratio - 1:.0%} above {ref.label}'s: it reached the "
                   "windows' target first, but is likely to level off above where the others go on")
+    elif deep is not None and deep[1] / deep[2] <= 1 + TIE_FLOOR:
+        loss, mine, theirs = deep
+        reason = (f"faster to the windows' target, but {mine / theirs:.2f}x the pick's speed to {loss:.4g}, the "
+                  "deepest loss both reached in every window: the pick catches up with depth")
     elif ratio >= 1 + TIE_FLOOR and pick.workers == 1:  # rule 2 at depth picked one process
-        deep = at_depth(pick, m, target)
-        if deep is None:
-            reason = ("faster to the windows' target, as deep as its windows went: the parallel strategies that "
-                      "went deeper lost their lead to one process there")
-        else:
-            loss, mine, theirs = deep
-            reason = (f"faster to the windows' target, but {mine / theirs:.2f}x the pick's speed to {loss:.4g}, the "
-                      "deepest loss both reached in every window: one process catches up with depth")
+        reason = ("faster to the windows' target, as deep as its windows went: the parallel strategies that "
+                  "went deeper lost their lead to one process there")
     elif ratio >= 1:
         reason = "as fast, but the pick keeps the exact gradient and needs no tuning"
     elif m.loss_ratio > 1 + loss_tolerance and ref is not None and not synchronous(m):
