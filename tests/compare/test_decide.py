@@ -675,8 +675,12 @@ def test_one_process_that_catches_up_at_the_deepest_loss_both_reached_is_picked(
     assert rec.pick == "diloco H=8" and rec.why.startswith("2.25x the speed of allreduce"), rec.why
 
 
-def test_a_lead_that_shrinks_with_depth_is_said_and_one_that_turns_moves_the_pick():
+def test_a_lead_that_shrinks_with_depth_is_said_and_one_that_turns_moves_the_pick(tmp_path):
+    import json
+
     from partrain.compare.decide import at_depth, depth_warning
+    from partrain.compare.report import format_result, write_outputs
+    from partrain.compare.run import CompareResult
 
     # no one process: DiLoCo leads allreduce to the target 0.6 (0.89 s against 1 + 0.1 / 0.18 = 1.56 s),
     # and both reach 0.40 in 3 s: a lead gone with depth, within the 5% floor there: said, not acted on
@@ -688,10 +692,15 @@ def test_a_lead_that_shrinks_with_depth_is_said_and_one_that_turns_moves_the_pic
     ms = windows([1.0, 0.7, 0.52, 0.40])
     rec = recommend(ms)
     assert rec.pick == "diloco H=8"
-    assert depth_warning(ms, rec, 0.6) == (
-        "diloco H=8's lead over allreduce shrinks with depth: 1.75x its speed to the target 0.6, 1.00x to 0.4 (the "
-        "deepest loss both reached in every window), so at the loss you train to allreduce may be the faster: a "
-        "larger --budget gives longer windows and a deeper target")
+    warning = ("diloco H=8's lead over allreduce shrinks with depth: 1.75x its speed to the target 0.6, 1.00x to 0.4 "
+               "(the deepest loss both reached in every window), so at the loss you train to allreduce may be the "
+               "faster: a larger --budget gives longer windows and a deeper target")
+    assert depth_warning(ms, rec, 0.6) == warning
+    # in the report and the JSON
+    result = CompareResult(ms, None, 60.0, 55.0, 2, 32, 1000)
+    result.recommendation, result.target_loss = rec, 0.6
+    assert f"caution: {warning}" in format_result(result).splitlines()
+    assert json.loads(open(write_outputs(result, str(tmp_path))["json"]).read())["depth_warning"] == warning
     # allreduce on to 0.38, at 0.40 in 2 + 0.1 / 0.12 = 2.83 s against DiLoCo's 3 s: 1.06x, beyond the floor
     ms = windows([1.0, 0.7, 0.5, 0.38])
     rec = recommend(ms)
