@@ -232,9 +232,7 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         pick = single
         if single_deep:
             loss, mine, theirs = deep
-            why = (f"one process catches up with depth: {best.label} reached the target {target:.4g} in "
-                   f"{best.time_to_loss / single.time_to_loss:.2f}x its time, but {loss:.4g} (the deepest loss both "
-                   f"reached in every window) in {theirs / mine:.2f}x it"
+            why = (f"one process catches up with depth: {_overtaken(best, single, target, loss, theirs, mine)}"
                    + (" (one process learns more per sample)" if best.loss_vs_single > 1 else "")
                    + ": parallelism does not pay at the loss you train to")
         elif best is None:
@@ -283,9 +281,8 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         overtaker = _overtaker(pick, rivals, target, kept)
         if overtaker is not None:
             new, loss, mine, theirs = overtaker
-            why, rival, tail = (f"it catches up with depth: {pick.label} reached the target {target:.4g} in "
-                                f"{pick.time_to_loss / new.time_to_loss:.2f}x its time, but {loss:.4g} (the deepest "
-                                f"loss both reached in every window) in {mine / theirs:.2f}x it"), None, ""
+            why, rival, tail = f"it catches up with depth: {_overtaken(pick, new, target, loss, mine, theirs)}", \
+                None, ""
             pick, by_depth = new, True
     if rivals and not by_depth and pick.speed > 0 and math.isfinite(pick.speed):
         second = rivals[0]
@@ -437,6 +434,13 @@ def _overtaker(pick: Measurement, rivals: list[Measurement], target: float,
                 (best is None or mine / theirs > best[2] / best[3]):
             best = (m, loss, mine, theirs)
     return best
+
+
+def _overtaken(old: Measurement, new: Measurement, target: float, loss: float, old_s: float, new_s: float) -> str:
+    """Words for ``old`` reaching the target sooner than ``new`` and ``loss`` (deeper) later: their
+    times there are ``old_s`` and ``new_s``."""
+    return (f"{old.label} reached the target {target:.4g} in {old.time_to_loss / new.time_to_loss:.2f}x its time, "
+            f"but {loss:.4g} (the deepest loss both reached in every window) in {old_s / new_s:.2f}x it")
 
 
 def at_depth(a: Measurement, b: Measurement, target: float) -> tuple[float, float, float] | None:
