@@ -37,14 +37,16 @@ def client(broker, client_id: str, on_message=None, subscribe: str | None = None
     """A paho client with a persistent session (it finds its subscriptions again after a restart)."""
     c = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
     c.reconnect_delay_set(min_delay=0.05, max_delay=0.5)
-    connected = threading.Event()
+    connected = threading.Event()  # and subscribed: a message published before the SUBACK may not arrive
 
     def on_connect(cl, userdata, flags, reason, properties):
         if subscribe:
             cl.subscribe(subscribe, qos=1)
-        connected.set()
+        else:
+            connected.set()
 
     c.on_connect = on_connect
+    c.on_subscribe = lambda cl, userdata, mid, reasons, properties: connected.set()
     if on_message is not None:
         c.on_message = on_message
     props = Properties(PacketTypes.CONNECT)
@@ -211,8 +213,11 @@ def test_malformed_payloads_and_redeliveries_are_counted_and_skipped(broker, cap
     with caplog.at_level(logging.WARNING, logger="partrain.stream"):
         for payload in [good[0], *bad[:4], good[1], *bad[4:], good[2], good[0]]:  # good[0] again: a redelivery
             publisher.publish("items/m", payload, qos=1)
-        wait_until(lambda: trainer.stats.accepted == 3 and trainer.stats.malformed == len(bad)
-                   and trainer.stats.duplicates == 1, "3 items accepted, the malformed and the duplicate counted")
+        try:
+            wait_until(lambda: trainer.stats.accepted == 3 and trainer.stats.malformed == len(bad)
+                       and trainer.stats.duplicates == 1, "3 items accepted, the malformed and the duplicate counted")
+        except AssertionError as exc:  # with the counts it did reach
+            raise AssertionError(f"{exc}: {trainer.stats.as_dict()}") from None
     source.pause()
     stats = trainer.close()
     source.stop()
