@@ -417,23 +417,26 @@ def deepest_common(a: Measurement, b: Measurement) -> float:
     return max(lows) if lows else math.nan
 
 
+def _at_depth_each(pick: Measurement, rivals: list[Measurement], target: float):
+    """For each rival that reached the target (and is not ``pick``) with a deeper loss to rank at
+    (`at_depth`): ``(rival, loss, pick's time, rival's time, noise)``, the noise the larger of
+    the two windows' (`speed_noise`), at least `TIE_FLOOR`."""
+    for m in rivals:
+        if m is pick or not 0 < m.time_to_loss < math.inf:
+            continue
+        deep = at_depth(pick, m, target)
+        if deep is not None:
+            yield (m, *deep, max(speed_noise(pick), speed_noise(m), TIE_FLOOR))
+
+
 def _overtaker(pick: Measurement, rivals: list[Measurement], target: float,
                kept: float = 0.0) -> tuple[Measurement, float, float, float] | None:
     """The rival that reaches the deepest loss it and ``pick`` both reached (`at_depth`) the most
     sooner than ``pick``, by more than their windows' noise (at least `TIE_FLOOR`) plus ``kept``:
     ``(rival, loss, pick's time, rival's time)``; None when no rival does."""
-    best = None
-    for m in rivals:
-        if not 0 < m.time_to_loss < math.inf:
-            continue
-        deep = at_depth(pick, m, target)
-        if deep is None:
-            continue
-        loss, mine, theirs = deep
-        if mine / theirs > 1 + max(speed_noise(pick), speed_noise(m), TIE_FLOOR) + kept and \
-                (best is None or mine / theirs > best[2] / best[3]):
-            best = (m, loss, mine, theirs)
-    return best
+    faster = [(m, loss, mine, theirs) for m, loss, mine, theirs, noise in _at_depth_each(pick, rivals, target)
+              if mine / theirs > 1 + noise + kept]
+    return max(faster, key=lambda f: f[2] / f[3], default=None)
 
 
 def _overtaken(old: Measurement, new: Measurement, target: float, loss: float, old_s: float, new_s: float) -> str:
@@ -472,21 +475,13 @@ def depth_warning(measurements: list[Measurement], rec: Recommendation | None, t
     if pick is None or not 0 < pick.time_to_loss < math.inf:
         return None
     ref = compare_losses(ok)
-    worst = None
-    for rival in ok:
-        if rival is pick or not 0 < rival.time_to_loss < math.inf or converges_worse(rival, ref):
-            continue
-        deep = at_depth(pick, rival, target)
-        if deep is None:
-            continue
-        deeper, mine, theirs = deep
-        noise = max(speed_noise(pick), speed_noise(rival), TIE_FLOOR)
-        lead, lead_deeper = rival.time_to_loss / pick.time_to_loss, theirs / mine
-        if lead > 1 + noise and lead_deeper <= 1 + noise and (worst is None or lead_deeper < worst[3]):
-            worst = (rival, deeper, lead, lead_deeper)
-    if worst is None:
+    rivals = [m for m in ok if not converges_worse(m, ref)]
+    shrunk = [(rival, deeper, rival.time_to_loss / pick.time_to_loss, theirs / mine)
+              for rival, deeper, mine, theirs, noise in _at_depth_each(pick, rivals, target)
+              if rival.time_to_loss / pick.time_to_loss > 1 + noise and theirs / mine <= 1 + noise]
+    if not shrunk:
         return None
-    rival, deeper, lead, lead_deeper = worst
+    rival, deeper, lead, lead_deeper = min(shrunk, key=lambda s: s[3])
     return (f"{pick.label}'s lead over {rival.label} shrinks with depth: {lead:.2f}x its speed to the target "
             f"{target:.4g}, {lead_deeper:.2f}x to {deeper:.4g} (the deepest loss both reached in every window), so "
             f"at the loss you train to {rival.label} may be the faster: a larger --budget gives longer windows and "
