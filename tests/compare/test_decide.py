@@ -491,11 +491,12 @@ def test_repeats_that_spread_widely_make_a_tie():
 
 def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(monkeypatch):
     """`run_off` by hand: the leaders' first windows took 4 and 5 s in all; with 20 s left two rounds
-    fit (9 s each), the second in the reverse order; with 12 s one; with 8 s none."""
+    fit (9 s each), the second in the reverse order, each round on the next seed for every leader
+    (its curves starting from that seed's untrained loss); with 12 s one; with 8 s none."""
     import time
 
     from partrain.compare import run as run_module
-    from partrain.compare.measure import Candidate
+    from partrain.compare.measure import Candidate, Job
 
     allreduce, local, single = _first_round()
     allreduce.wall_s, local.wall_s = 5.0, 4.0
@@ -503,7 +504,7 @@ def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(mon
     now = [100.0]
 
     def fake_measure(job, cand, workers, epoch_samples, epochs, straggler, initial):
-        asked.append((cand.label, epoch_samples, epochs))
+        asked.append((cand.label, epoch_samples, epochs, job.seed, initial))
         now[0] += 4.5
         return _timed(cand.label, cand.strategy, 100.0, ((0.0, 2.0), (100.0 * epochs, 1.0)), (0.0, float(epochs)))
 
@@ -511,16 +512,19 @@ def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(mon
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     planned = {"allreduce": (Candidate("allreduce", "allreduce"), 2),
                "localsgd H=8": (Candidate("localsgd H=8", "localsgd", {"period": 8}), 3)}
+    job = Job(lambda: None, None, lambda params: None, seed=7)
     said = []
-    run_module.run_off([allreduce, local, single], planned, None, 2, 100, 120.0, None, 2.0, None, said.append)
-    assert asked == [("localsgd H=8", 100, 3), ("allreduce", 100, 2), ("allreduce", 100, 2), ("localsgd H=8", 100, 3)]
+    run_module.run_off([allreduce, local, single], planned, job, 2, 100, 120.0, None, lambda seed: seed / 10, None,
+                       said.append)
+    assert asked == [("localsgd H=8", 100, 3, 8, 0.8), ("allreduce", 100, 2, 8, 0.8),
+                     ("allreduce", 100, 2, 9, 0.9), ("localsgd H=8", 100, 3, 9, 0.9)]
     assert len(allreduce.runoff) == len(local.runoff) == 2 and not single.runoff
-    assert said[0] == "run-off: localsgd H=8, allreduce, their first windows again, in alternating rounds"
+    assert said[0] == "run-off: localsgd H=8, allreduce, their first windows again on new seeds, in alternating rounds"
     for left, rounds in ((12.0, 1), (8.0, 0)):
         asked.clear()
         allreduce.runoff, local.runoff, now[0] = [], [], 100.0
-        run_module.run_off([allreduce, local, single], planned, None, 2, 100, 100.0 + left, None, 2.0, None,
-                           said.append)
+        run_module.run_off([allreduce, local, single], planned, job, 2, 100, 100.0 + left, None, lambda seed: 2.0,
+                           None, said.append)
         assert len(asked) == 2 * rounds
     assert said[-1] == "no run-off: the time left pays for no round of the leaders' windows"
 
@@ -604,8 +608,8 @@ def test_the_run_off_is_shown_in_its_own_table_and_in_the_json_csv_and_png(tmp_p
     result.recommendation = recommend(result.measurements)
     result.target_loss = set_speeds(result.measurements)
     text = format_result(result)
-    assert ("run-off: the first round's leaders repeated their windows in alternating rounds; each one's s to "
-            "target is the median of its windows' (- never reached)") in text
+    assert ("run-off: the first round's leaders repeated their windows on new seeds, in alternating rounds; each "
+            "one's s to target is the median of its windows' (- never reached)") in text
     race = text.split("(- never reached)")[1].splitlines()
     assert race[1].split() == ["strategy", "windows", "s", "to", "target,", "each", "median", "spread"]
     # ranked by the median: local SGD 8.8 s (8, never, 8.8), allreduce 11 s (9.17, then 6 + 6 * 0.25 / 0.3

@@ -96,8 +96,8 @@ def format_result(result: CompareResult) -> str:
                  "hypervisor or used by other processes); * recommended")
     raced = [m for m in ranked(result) if m.ok and m.runoff]
     if raced:
-        lines += ["", "run-off: the first round's leaders repeated their windows in alternating rounds; each one's "
-                  "s to target is the median of its windows' (- never reached)"]
+        lines += ["", "run-off: the first round's leaders repeated their windows on new seeds, in alternating rounds; "
+                  "each one's s to target is the median of its windows' (- never reached)"]
         lines.append(format_table(["strategy", "windows", "s to target, each", "median", "spread"], [
             [m.label, len(m.times_to_loss), ", ".join("-" if t != t else f"{t:.3g}" for t in m.times_to_loss),
              m.time_to_loss, _pct(_spread(m.times_to_loss))] for m in raced]))
