@@ -577,7 +577,7 @@ def test_a_tie_within_wide_noise_is_flagged_in_the_report_and_the_json(tmp_path)
     assert result.recommendation.pick == "allreduce" and result.recommendation.tied == ["localsgd H=8"]
     assert result.recommendation.noise == pytest.approx(3 / math.sqrt(2) / math.sqrt(2) / 9.5)
     caution = ("caution: allreduce and localsgd H=8 are tied within the windows' noise of 16% (a strategy's repeated "
-               "windows took that much longer or shorter: the host's speed drifted), so which is faster these windows "
+               "windows took that much longer or shorter: the seed's draw and the host's speed), so which is faster these windows "
                "cannot tell: a larger --budget gives longer windows and more run-off rounds")
     assert caution in format_result(result).splitlines()
     saved = json.loads(open(write_outputs(result, str(tmp_path))["json"]).read())

@@ -74,9 +74,11 @@ run (``partrain bench compare``'s compute scenario: hogwild reached the windows'
 first, then missed a shallower one in all three of its 5-second runs, ending at 0.59 to
 0.80 where the target was 0.58). So, when the comparison has room for it, the first
 round's pick and the fastest others it could recommend (`RUNOFF_MOST` in all) repeat their
-first windows, in alternating rounds, and each one's time to the same target is the median
-of its windows (a window that never reached it counts as endless). Their spread is also
-the noise the ties below are judged by.
+first windows, in alternating rounds, each round from the next seed (initial weights and data
+order, the same for all of them: on the first window's seed a synchronous strategy would
+repeat its loss curve sample for sample), and each one's time to the same target is the
+median of its windows (a window that never reached it counts as endless). Their spread is
+also the noise the ties below are judged by.
 
 **Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
 the first left out: 1.4826 x their median absolute deviation over their median, over the
@@ -317,14 +319,14 @@ UNSURE_NOISE = 0.15
 def unsure_warning(rec: Recommendation | None) -> str | None:
     """One line when the recommendation is a tie the windows' noise (`Recommendation.noise`) leaves
     wide open, at least `UNSURE_NOISE`, else None. The windows' times spread that much when the
-    host's speed drifts between them: in ``partrain bench compare``'s split scenario one process's two
+    host's speed drifts between them, and with the draw of each run-off round's seed: in ``partrain bench compare``'s split scenario one process's two
     windows ran the same work at 7,853 and 5,345 samples/s minutes apart, its noise came to 20%,
     and hogwild's 1.14x lead fell inside it; the 5-second runs put hogwild 1.36x ahead."""
     if rec is None or not rec.tied or not rec.noise >= UNSURE_NOISE:
         return None
     return (f"{rec.pick} and {', '.join(rec.tied)} are tied within the windows' noise of {rec.noise:.0%} (a strategy's "
-            "repeated windows took that much longer or shorter: the host's speed drifted), so which is faster these "
-            "windows cannot tell: a larger --budget gives longer windows and more run-off rounds")
+            "repeated windows took that much longer or shorter: the seed's draw and the host's speed), so which is "
+            "faster these windows cannot tell: a larger --budget gives longer windows and more run-off rounds")
 
 
 def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list[Measurement]:
