@@ -77,8 +77,10 @@ round's pick and the fastest others it could recommend (`RUNOFF_MOST` in all) re
 first windows, in alternating rounds, each round from the next seed (initial weights and data
 order, the same for all of them: on the first window's seed a synchronous strategy would
 repeat its loss curve sample for sample), and each one's time to the same target is the
-median of its windows (a window that never reached it counts as endless). Their spread is
-also the noise the ties below are judged by.
+median of its windows (a window that never reached it counts as endless; when exactly half
+never did, as its whole length, a lower bound: `median_time`). Their spread is also the
+noise the ties below are judged by. A strategy whose only window ended above the target
+before the pick reached it is raced as well (`unranked`): it was cut short, not outrun.
 
 **Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
 the first left out: 1.4826 x their median absolute deviation over their median, over the
@@ -337,18 +339,31 @@ def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list
 
     No runner-up is let off for the pick's large lead: in ``partrain bench compare``'s split
     scenario hogwild reached the first round's target in 0.56x DiLoCo's time, then reached the
-    5-second runs' target in 2 of 3 runs, later than DiLoCo in all 3."""
+    5-second runs' target in 2 of 3 runs, later than DiLoCo in all 3.
+
+    A strategy whose window ended above the target before the pick reached it (`unranked`) is
+    raced too, ranked by its window's length (its time to the target is at least that): its
+    window was cut short, not slow, and the windows cannot rank it below the pick (in ``partrain
+    bench compare``'s compute scenario hogwild's window ended at 3.76 s, 1% above the target,
+    where the pick took 4.16 s; on five other seeds hogwild reached the runs' target first)."""
     first = recommend(measurements)
     ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
     ref = compare_losses(ok)
     target = set_speeds(ok)
     if first is None or target != target:  # no target: the windows did not learn enough to time a loss
         return []
-    able = sorted((m for m in ok if 0 < m.speed < math.inf and not converges_worse(m, ref)),
-                  key=lambda m: m.speed, reverse=True)
     pick = next(m for m in ok if m.label == first.pick)
+    able = sorted((m for m in ok if (0 < m.speed < math.inf or unranked(m, pick)) and not converges_worse(m, ref)),
+                  key=lambda m: m.time_to_loss if 0 < m.speed < math.inf else window_seconds(m)[0])
     close = ([pick] + [m for m in able if m is not pick])[:most]
     return close if len(close) >= 2 else []
+
+
+def unranked(m: Measurement, pick: Measurement) -> bool:
+    """``m`` never reached the target in its (only) window, and that window ended before ``pick``
+    reached it: its time is longer than its window, and may still be shorter than the pick's."""
+    return not m.runoff and m.speed == 0 and 0 < pick.time_to_loss < math.inf and \
+        window_seconds(m)[0] < pick.time_to_loss
 
 
 #: what a strategy does to the gradient, by `risk` (0: synchronous, the exact gradient)
@@ -397,7 +412,7 @@ def set_speeds(ok: list[Measurement]) -> float:
     target = common_target(lows, start) if len(lows) == len(ok) else math.nan
     for m in ok:
         m.times_to_loss = times_to(m, target)
-        m.time_to_loss = median_time(m.times_to_loss)
+        m.time_to_loss = median_time(m.times_to_loss, window_seconds(m))
         if target != target:
             m.speed = m.effective_samples_per_s
         else:
@@ -411,6 +426,13 @@ def times_to(m: Measurement, target: float) -> list[float]:
     ``target``, stretched by the what-if link's slowdown (NaN: never reached)."""
     slowdown = m.samples_per_s / m.effective_samples_per_s if m.effective_samples_per_s > 0 else math.nan
     return [time_to_reach(w.curve_s, [v for _, v in w.curve], target) * slowdown for w in (m, *m.runoff)]
+
+
+def window_seconds(m: Measurement) -> list[float]:
+    """The training seconds of each of ``m``'s windows (its first, then the run-off's), stretched as
+    `times_to` stretches its times."""
+    slowdown = m.samples_per_s / m.effective_samples_per_s if m.effective_samples_per_s > 0 else math.nan
+    return [(w.curve_s[-1] if w.curve_s else math.nan) * slowdown for w in (m, *m.runoff)]
 
 
 def deepest_common(a: Measurement, b: Measurement) -> float:
@@ -455,7 +477,7 @@ def at_depth(a: Measurement, b: Measurement, target: float) -> tuple[float, floa
     loss = deepest_common(a, b)
     if not loss <= (1 - MIN_DEPTH) * target:
         return None
-    mine, theirs = median_time(times_to(a, loss)), median_time(times_to(b, loss))
+    mine, theirs = median_time(times_to(a, loss), window_seconds(a)), median_time(times_to(b, loss), window_seconds(b))
     return (loss, mine, theirs) if mine > 0 and theirs > 0 else None
 
 
@@ -490,9 +512,24 @@ def depth_warning(measurements: list[Measurement], rec: Recommendation | None, t
             "a deeper target")
 
 
-def median_time(times: list[float]) -> float:
-    """The median of times to a target where NaN (never reached) counts as endless; NaN if that is the median."""
-    mid = statistics.median(t if t == t else math.inf for t in times) if times else math.nan
+def median_time(times: list[float], lengths: list[float] | None = None) -> float:
+    """The median of times to a target where NaN (never reached) counts as endless; NaN when more
+    than half never reached it.
+
+    With ``lengths`` (each time's window length, in the same seconds), exactly half that never
+    reached it (an even count) give a lower bound instead of NaN: the median then falls between
+    the slowest window that reached the target and the shortest that did not, which took at
+    least its whole length (two run-off windows, 4.16 s and one that ended at 4.65 s above the
+    target: 4.41 s). Without that, a strategy the run-off raced on a new seed lost to one it
+    never raced as soon as one of its two windows ended short of the target."""
+    if not times:
+        return math.nan
+    reached = sorted(t for t in times if t == t)
+    never = len(times) - len(reached)
+    if never and 2 * never == len(times) and lengths is not None:
+        bound = min((length for t, length in zip(times, lengths) if t != t), default=math.nan)
+        return (reached[-1] + max(reached[-1], bound)) / 2 if bound == bound else math.nan
+    mid = statistics.median(reached + [math.inf] * never)
     return mid if math.isfinite(mid) else math.nan
 
 
@@ -570,7 +607,11 @@ def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_to
     if not m.ok:
         return f"{m.status}: {m.reason}"
     if m.speed == 0:
-        return "never reached the target loss in its window"
+        if unranked(m, pick):
+            return (f"never reached the target loss in its window, which ended after {window_seconds(m)[0]:.3g} s, "
+                    f"before the pick reached it ({pick.time_to_loss:.3g} s): these windows cannot rank it")
+        return "never reached the target loss in most of its windows" if m.runoff else \
+            "never reached the target loss in its window"
     ratio = m.speed / pick.speed if pick.speed else math.nan
     deep = at_depth(pick, m, target) if ratio >= 1 + TIE_FLOOR else None
     shares = m.shares()
