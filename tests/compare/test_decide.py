@@ -437,11 +437,11 @@ def test_a_median_over_windows_half_of_which_never_reached_the_target_is_bounded
     assert median_time([3.0, 1.0, nan]) == 3.0 and math.isnan(median_time([]))
 
 
-def _cut_short(ended: float):
-    """local SGD reaches the target (1.25, the median of the lows 1.2, 1.25, 1.3) at 8 s, allreduce at
-    9.17 s; hogwild's window ended at ``ended`` s at 1.3, above the target."""
+def _cut_short(ended: float, low: float = 1.3):
+    """local SGD reaches the target (1.25, the median of the lows 1.2, 1.25 and ``low``) at 8 s,
+    allreduce at 9.17 s; hogwild's window ended at ``ended`` s at ``low``, above the target."""
     allreduce, local, _ = _first_round()
-    hog = _timed("hogwild", "hogwild", 160.0, ((0.0, 2.0), (500.0, 1.5), (750.0, 1.3)), (0.0, ended / 2, ended))
+    hog = _timed("hogwild", "hogwild", 160.0, ((0.0, 2.0), (500.0, 1.5), (750.0, low)), (0.0, ended / 2, ended))
     return allreduce, local, hog
 
 
@@ -449,7 +449,8 @@ def test_a_window_cut_short_before_the_pick_reached_the_target_is_raced():
     from partrain.compare.decide import contenders
 
     allreduce, local, hog = _cut_short(6.0)
-    # hogwild took more than 6 s, maybe less than local SGD's 8: raced, ranked by its 6 s before allreduce's 9.17
+    # hogwild ended 4% above the target (a near miss) after 6 s: it took more than 6 s, maybe less than local
+    # SGD's 8: raced, ranked by its 6 s before allreduce's 9.17
     assert [m.label for m in contenders([allreduce, local, hog])] == ["localsgd H=8", "hogwild", "allreduce"]
     assert [m.label for m in contenders([allreduce, local, hog], most=2)] == ["localsgd H=8", "hogwild"]
     rec = recommend([allreduce, local, hog])
@@ -464,10 +465,12 @@ def test_a_window_cut_short_before_the_pick_reached_the_target_is_raced():
     assert hog.times_to_loss[1] == pytest.approx(3.0 + 3.0 * 0.25 / 0.3) and hog.time_to_loss == pytest.approx(
         (5.5 + 6.0) / 2)
     assert rec.pick == "hogwild"
-    # a window that ended after the pick had reached the target: hogwild is slower on that draw, not raced
-    allreduce, local, hog = _cut_short(10.0)
-    assert [m.label for m in contenders([allreduce, local, hog])] == ["localsgd H=8", "allreduce"]
-    assert recommend([allreduce, local, hog]).others["hogwild"] == "never reached the target loss in its window"
+    # a window that ended after the pick had reached the target: hogwild is slower on that draw, not raced;
+    # nor one that ended 12% above the target (1.4 against 1.25: no near miss)
+    for ended, low in ((10.0, 1.3), (6.0, 1.4)):
+        allreduce, local, hog = _cut_short(ended, low)
+        assert [m.label for m in contenders([allreduce, local, hog])] == ["localsgd H=8", "allreduce"]
+        assert recommend([allreduce, local, hog]).others["hogwild"] == "never reached the target loss in its window"
 
 
 def test_the_run_off_races_the_first_rounds_pick_and_the_fastest_others():

@@ -79,8 +79,9 @@ order, the same for all of them: on the first window's seed a synchronous strate
 repeat its loss curve sample for sample), and each one's time to the same target is the
 median of its windows (a window that never reached it counts as endless; when exactly half
 never did, as its whole length, a lower bound: `median_time`). Their spread is also the
-noise the ties below are judged by. A strategy whose only window ended above the target
-before the pick reached it is raced as well (`unranked`): it was cut short, not outrun.
+noise the ties below are judged by. A strategy whose only window ended just above the
+target (within `MIN_DEPTH`) before the pick reached it is raced as well (`unranked`): it was
+cut short, not outrun.
 
 **Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
 the first left out: 1.4826 x their median absolute deviation over their median, over the
@@ -341,7 +342,7 @@ def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list
     scenario hogwild reached the first round's target in 0.56x DiLoCo's time, then reached the
     5-second runs' target in 2 of 3 runs, later than DiLoCo in all 3.
 
-    A strategy whose window ended above the target before the pick reached it (`unranked`) is
+    A strategy whose window ended just above the target before the pick reached it (`unranked`) is
     raced too, ranked by its window's length (its time to the target is at least that): its
     window was cut short, not slow, and the windows cannot rank it below the pick (in ``partrain
     bench compare``'s compute scenario hogwild's window ended at 3.76 s, 1% above the target,
@@ -353,17 +354,20 @@ def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list
     if first is None or target != target:  # no target: the windows did not learn enough to time a loss
         return []
     pick = next(m for m in ok if m.label == first.pick)
-    able = sorted((m for m in ok if (0 < m.speed < math.inf or unranked(m, pick)) and not converges_worse(m, ref)),
+    able = sorted((m for m in ok if (0 < m.speed < math.inf or unranked(m, pick, target))
+                   and not converges_worse(m, ref)),
                   key=lambda m: m.time_to_loss if 0 < m.speed < math.inf else window_seconds(m)[0])
     close = ([pick] + [m for m in able if m is not pick])[:most]
     return close if len(close) >= 2 else []
 
 
-def unranked(m: Measurement, pick: Measurement) -> bool:
-    """``m`` never reached the target in its (only) window, and that window ended before ``pick``
-    reached it: its time is longer than its window, and may still be shorter than the pick's."""
-    return not m.runoff and m.speed == 0 and 0 < pick.time_to_loss < math.inf and \
-        window_seconds(m)[0] < pick.time_to_loss
+def unranked(m: Measurement, pick: Measurement, target: float) -> bool:
+    """``m`` never reached ``target`` in its (only) window but came within `MIN_DEPTH` of it (a near
+    miss: that close, the difference is an evaluation's noise), and that window ended before
+    ``pick`` reached the target: its time is longer than its window, and may still be shorter than
+    the pick's. (A pipeline whose short window ended far above the target is not one.)"""
+    return not m.runoff and m.speed == 0 and bool(m.curve) and 0 < pick.time_to_loss < math.inf and \
+        min(v for _, v in m.curve) <= (1 + MIN_DEPTH) * target and window_seconds(m)[0] < pick.time_to_loss
 
 
 #: what a strategy does to the gradient, by `risk` (0: synchronous, the exact gradient)
@@ -607,7 +611,7 @@ def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_to
     if not m.ok:
         return f"{m.status}: {m.reason}"
     if m.speed == 0:
-        if unranked(m, pick):
+        if unranked(m, pick, target):
             return (f"never reached the target loss in its window, which ended after {window_seconds(m)[0]:.3g} s, "
                     f"before the pick reached it ({pick.time_to_loss:.3g} s): these windows cannot rank it")
         return "never reached the target loss in most of its windows" if m.runoff else \
