@@ -332,9 +332,10 @@ UNSURE_NOISE = 0.15
 def unsure_warning(rec: Recommendation | None) -> str | None:
     """One line when the recommendation is a tie the windows' noise (`Recommendation.noise`) leaves
     wide open, at least `UNSURE_NOISE`, else None. The windows' times spread that much when the
-    host's speed drifts between them, and with the draw of each run-off round's seed: in ``partrain bench compare``'s split scenario one process's two
-    windows ran the same work at 7,853 and 5,345 samples/s minutes apart, its noise came to 20%,
-    and hogwild's 1.14x lead fell inside it; the 5-second runs put hogwild 1.36x ahead."""
+    host's speed drifts between them, and with the draw of each run-off round's seed: in
+    ``partrain bench compare``'s split scenario one process's two windows ran the same work at
+    7,853 and 5,345 samples/s minutes apart, its noise came to 20%, and hogwild's 1.14x lead fell
+    inside it; the 5-second runs put hogwild 1.36x ahead."""
     if rec is None or not rec.tied or not rec.noise >= UNSURE_NOISE:
         return None
     return (f"{rec.pick} and {', '.join(rec.tied)} are tied within the windows' noise of {rec.noise:.0%} (a strategy's "
@@ -438,15 +439,18 @@ def set_speeds(ok: list[Measurement]) -> float:
 def times_to(m: Measurement, target: float) -> list[float]:
     """The training seconds each of ``m``'s windows (its first, then the run-off's) took to reach
     ``target``, stretched by the what-if link's slowdown (NaN: never reached)."""
-    slowdown = m.samples_per_s / m.effective_samples_per_s if m.effective_samples_per_s > 0 else math.nan
-    return [time_to_reach(w.curve_s, [v for _, v in w.curve], target) * slowdown for w in (m, *m.runoff)]
+    return [time_to_reach(w.curve_s, [v for _, v in w.curve], target) * _slowdown(m) for w in (m, *m.runoff)]
 
 
 def window_seconds(m: Measurement) -> list[float]:
     """The training seconds of each of ``m``'s windows (its first, then the run-off's), stretched as
     `times_to` stretches its times."""
-    slowdown = m.samples_per_s / m.effective_samples_per_s if m.effective_samples_per_s > 0 else math.nan
-    return [(w.curve_s[-1] if w.curve_s else math.nan) * slowdown for w in (m, *m.runoff)]
+    return [(w.curve_s[-1] if w.curve_s else math.nan) * _slowdown(m) for w in (m, *m.runoff)]
+
+
+def _slowdown(m: Measurement) -> float:
+    """How much longer a step takes on the what-if link than as measured (NaN without a rate)."""
+    return m.samples_per_s / m.effective_samples_per_s if m.effective_samples_per_s > 0 else math.nan
 
 
 def deepest_common(a: Measurement, b: Measurement) -> float:
@@ -491,7 +495,7 @@ def at_depth(a: Measurement, b: Measurement, target: float) -> tuple[float, floa
     loss = deepest_common(a, b)
     if not loss <= (1 - MIN_DEPTH) * target:
         return None
-    mine, theirs = median_time(times_to(a, loss), window_seconds(a)), median_time(times_to(b, loss), window_seconds(b))
+    mine, theirs = (median_time(times_to(m, loss), window_seconds(m)) for m in (a, b))
     return (loss, mine, theirs) if mine > 0 and theirs > 0 else None
 
 
