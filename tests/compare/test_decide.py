@@ -468,6 +468,15 @@ def test_a_window_cut_short_before_the_pick_reached_the_target_is_raced():
     assert hog.times_to_loss[1] == pytest.approx(3.0 + 3.0 * 0.25 / 0.3) and hog.time_to_loss == pytest.approx(
         (5.5 + 6.0) / 2)
     assert rec.pick == "hogwild"
+    # the report says which medians are such bounds
+    from partrain.compare.report import format_result
+    from partrain.compare.run import CompareResult
+
+    hog.runoff[0].curve[-1] = (750.0, 1.3)  # its repeat missed too: both windows never reached it
+    local.runoff[0].curve[-1] = (1000.0, 1.3)  # local SGD: 8 s, and a repeat that ended after 8 s above it
+    result = CompareResult([allreduce, local, hog], recommend([allreduce, local, hog]), 60.0, 55.0, 2, 32, 1000)
+    assert ("localsgd H=8: half the windows never reached the target; they count at their whole length (they took "
+            "at least that), so the median is a lower bound") in format_result(result).splitlines()
     # a window that ended after the pick had reached the target: hogwild is slower on that draw, not raced;
     # nor one that ended 12% above the target (1.4 against 1.25: no near miss)
     for ended, low in ((10.0, 1.3), (6.0, 1.4)):

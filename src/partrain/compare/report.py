@@ -101,6 +101,11 @@ def format_result(result: CompareResult) -> str:
         lines.append(format_table(["strategy", "windows", "s to target, each", "median", "spread"], [
             [m.label, len(m.times_to_loss), ", ".join("-" if t != t else f"{t:.3g}" for t in m.times_to_loss),
              m.time_to_loss, _pct(_spread(m.times_to_loss))] for m in raced]))
+        bounded = [m.label for m in raced if m.time_to_loss == m.time_to_loss and
+                   2 * sum(t != t for t in m.times_to_loss) == len(m.times_to_loss)]
+        if bounded:
+            lines.append(f"{', '.join(bounded)}: half the windows never reached the target; they count at their whole "
+                         "length (they took at least that), so the median is a lower bound")
     rec = result.recommendation
     if rec is not None:
         lines += ["", f"recommended: {rec.pick} - {rec.why}"]
