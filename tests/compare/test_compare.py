@@ -274,3 +274,36 @@ def test_the_host_probe_runs_on_the_windows_device_and_its_constants_are_its_par
     transfer = max(0.005 - 2 * 2 * latency, 0.005 / 2)
     assert result.link == pytest.approx((6000 / transfer, latency))
     assert result.buckets == [4000, 2000]
+
+
+@pytest.mark.parametrize("loads, kept", [((0.40, 0.02), 1), ((0.40, 0.55), 0), ((0.05,), 0)])
+def test_a_host_probe_that_shared_the_host_is_taken_again_and_the_quieter_kept(monkeypatch, loads, kept):
+    """A probe during which more than `PROBE_LOAD_LIMIT` of the host's CPU went elsewhere is taken
+    once more, and the constants of the less loaded one are kept; a quiet first probe is not
+    repeated. The report and compare.json say when the kept probe was still loaded (the launch and
+    the host's load are replaced: which probe is kept is under test, not the timing)."""
+    import importlib
+
+    from partrain.compare import hostload
+    from partrain.compare.measure import Job
+    from partrain.compare.report import to_json
+    from partrain.compare.run import PROBE_LOAD_LIMIT, CompareResult, probe_quietly
+
+    # probe i's steps: alone 10 ms, together 12 + i ms (h = 1.2, then 1.3)
+    probes = iter([[{"sizes": [4000], "alone": 0.010, "ddp": 0.011, "together": 0.012 + 0.001 * i,
+                     "small": 0.0004, "reduce": 0.004, "synced": 0.018}] * 2 for i in range(len(loads))])
+    monkeypatch.setattr(importlib.import_module("partrain.launch"), "launch", lambda *a, **k: next(probes))
+    shares = iter(loads)
+    monkeypatch.setattr(hostload, "shares", lambda before, after: (0.0, next(shares)))
+    result = CompareResult([], None, 60.0, 0.0, 2, 32, 4000)
+    probe_quietly(result, Job(dense_mlp, None, sgd, device="cpu"), 2, 0.01, 30.0, 1, seconds=1.0)
+    assert result.probes == len(loads)
+    assert result.probe_load == loads[kept]
+    assert result.host_factor == pytest.approx((0.012 + 0.001 * kept) / 0.010)
+    assert next(probes, None) is None  # no third probe
+    saved = to_json(result)
+    assert saved["probes"] == len(loads) and saved["probe_load"] == loads[kept]
+    if loads[kept] > PROBE_LOAD_LIMIT:
+        assert f"{loads[kept]:.0%} of the host's CPU went elsewhere during the host probe" in saved["probe_warning"]
+    else:
+        assert saved["probe_warning"] is None

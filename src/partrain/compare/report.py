@@ -14,7 +14,7 @@ from .decide import depth_warning, unsure_warning
 from .hostload import spread_warning
 from .measure import Measurement
 from .options import bandwidth_text
-from .run import CompareResult
+from .run import PROBE_LOAD_LIMIT, CompareResult
 
 COLUMNS = ("strategy", "workers", "samples/s", "s to target", "data", "compute", "comm", "bubble",
            "bytes/sample", "loss/single", "loss/allreduce", "peak MB", "host load")
@@ -125,6 +125,9 @@ def format_result(result: CompareResult) -> str:
                   f"k = {c.messages} bucket(s); here h = {c.host_factor:.2f}, o = {c.overhead_s * 1e3:.2f} ms, "
                   f"c = {c.contention_s * 1e3:.2f} ms, {link})", f"  {HOST_FACTOR}", f"  {DDP_OVERHEAD}",
                   f"  {CONTENTION}"]
+        loaded = probe_warning(result)
+        if loaded:
+            lines.append(f"  caution: {loaded}")
         for name in ("allreduce", "ps", "localsgd"):
             lines.append(f"  {name}: {FORMULAS[name]}")
         lines += [f"  {THROUGHPUT}", f"  {BEYOND}"]
@@ -147,6 +150,16 @@ def format_result(result: CompareResult) -> str:
                   f"{result.straggler.slowdown:g}x) slows every step of the measured allreduce, and the model "
                   "predicts workers of equal speed"]
     return "\n".join(lines)
+
+
+def probe_warning(result: CompareResult) -> str | None:
+    """One line when the host probe kept (`partrain.compare.run.probe_quietly`) still shared the host
+    with other work, else None."""
+    if not result.probe_load > PROBE_LOAD_LIMIT:
+        return None
+    return (f"{result.probe_load:.0%} of the host's CPU went elsewhere during the host probe"
+            f"{' (and during its repeat)' if result.probes > 1 else ''}: h, o and c, and the predictions, "
+            "may be the load's doing; run compare again on a quieter machine")
 
 
 def to_json(result: CompareResult) -> dict[str, Any]:
@@ -173,12 +186,13 @@ def to_json(result: CompareResult) -> dict[str, Any]:
         "constants": vars(result.constants) if result.constants else None,
         "formulas": {**FORMULAS, "throughput": THROUGHPUT, "h": HOST_FACTOR, "o": DDP_OVERHEAD,
                      "c": CONTENTION, "beyond": BEYOND},
-        "buckets": result.buckets, "probe": result.probe,
+        "buckets": result.buckets, "probe": result.probe, "probe_load": result.probe_load, "probes": result.probes,
         "predictions": [vars(p) for p in result.predictions],
         "validation": result.validation or None,
         "host_load_warning": spread_warning(result.measurements),
         "unsure_warning": unsure_warning(rec),
         "depth_warning": depth_warning(result.measurements, rec, result.target_loss),
+        "probe_warning": probe_warning(result),
     })
 
 
