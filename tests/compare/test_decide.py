@@ -177,23 +177,24 @@ def test_top_two_within_the_windows_noise_are_a_tie():
     hog = window("hogwild", "hogwild", 230.0, compute=0.4, comm=0.0)
     local = window("localsgd H=8", "localsgd", 220.0, compute=0.4, comm=0.08, bytes_per_sample=1000.0, period=8)
     allreduce = window("allreduce", "allreduce", 100.0, compute=0.4, comm=0.6, bytes_per_sample=8000.0)
-    # no epoch times: the 5% floor; 220 / 230 = 0.957 is within it: tied, and of the two the safer,
-    # local SGD, is recommended (hogwild's workers overwrite each other's updates)
+    # no epoch times: the 5% floor; 220 / 230 = 0.957 is within it: tied; without loss curves over time
+    # to tell them apart, the faster stays, and the safer is named (hogwild's workers overwrite each
+    # other's updates)
     rec = recommend([allreduce, hog, local])
-    assert rec.pick == "localsgd H=8" and rec.tied == ["hogwild"] and rec.noise == 0.05
-    assert rec.why == ("tied with hogwild (1.05x its speed, within the windows' noise of 5%); of the two, "
-                       "localsgd H=8 is the safer choice: it averages its workers' models every few steps, where "
-                       "hogwild lets its workers' updates overwrite each other")
-    assert rec.others["hogwild"].startswith("1.05x the pick's speed: as fast")
+    assert rec.pick == "hogwild" and rec.tied == ["localsgd H=8"] and rec.noise == 0.05
+    assert rec.why == ("tied with localsgd H=8 (0.96x its speed, within the windows' noise of 5%); comm is 60% of "
+                       "allreduce's step: hogwild sends no bytes, 2.30x the speed to the target loss; localsgd H=8 is "
+                       "the safer choice: it averages its workers' models every few steps")
+    assert rec.others["localsgd H=8"].startswith("0.96x the pick's speed")
     # 200 / 230 = 0.87: outside 5%, but inside a window's 22% noise
     local = window("localsgd H=8", "localsgd", 200.0, compute=0.4, comm=0.08, bytes_per_sample=1000.0, period=8)
     rec = recommend([allreduce, hog, local])
     assert rec.pick == "hogwild" and rec.tied == []
     local.curve_s = noisy
-    # tied within its 22% noise, and hogwild 1.15x faster, beyond the 5% floor: hogwild stays the pick
+    # tied within its 22% noise, and hogwild 1.15x faster: hogwild stays the pick, the safer named
     rec = recommend([allreduce, hog, local])
     assert rec.pick == "hogwild" and rec.tied == ["localsgd H=8"]
-    assert "the likelier side of the tie; localsgd H=8 is the safer choice" in rec.why
+    assert rec.why.endswith("; localsgd H=8 is the safer choice: it averages its workers' models every few steps")
     # a tie whose faster side is already the safer keeps the rule's pick and reason
     ps_async = window("ps async", "ps", 220.0, compute=0.4, comm=0.1, staleness=math.inf)
     rec = recommend([allreduce, window("localsgd H=8", "localsgd", 230.0, compute=0.4, comm=0.08,
@@ -548,11 +549,18 @@ def test_repeats_that_spread_widely_make_a_tie():
     hog.runoff = [_timed("hogwild", "hogwild", 160.0, ((0.0, 2.0), (1000.0, 1.2)), (0.0, t)) for t in (4.5, 9.0)]
     rec = recommend([hog, ps])
     assert speed_noise(hog) == pytest.approx(statistics.stdev([6.0, 4.5, 9.0]) / math.sqrt(3) / 6.0)
-    # tied, and hogwild is 7 / 6 = 1.17x faster, beyond the 5% floor: the faster one stays the pick (the safer named)
+    # tied; both fell from 2.0 to 1.2 over their windows, in a straight line. Over the 4.5 s every window of
+    # both ran, the mean loss of a window of T s is 2.0 - 0.4 * 4.5 / T: hogwild's (6, 4.5, 9 s) 1.7, 1.6, 1.8,
+    # median 1.7; ps sync's (7 s) 1.743: hogwild 2.5% lower, a tie the whole way; it stays the pick (the safer named)
+    from partrain.compare.decide import ahead_over_time, mean_loss
+
+    assert mean_loss(hog, 4.5) == pytest.approx(1.7) and mean_loss(ps, 4.5) == pytest.approx(2.0 - 0.4 * 4.5 / 7)
+    assert ahead_over_time(hog, ps) == pytest.approx((4.5, 1.7, 2.0 - 0.4 * 4.5 / 7))
     assert rec.pick == "hogwild" and rec.tied == ["ps sync"]
-    assert rec.why == ("tied with ps sync (0.86x its speed, within the windows' noise of 22%); the faster of the two "
-                       "in these windows, by more than 5%, the likelier side of the tie; ps sync is the safer choice: "
-                       "it keeps the exact gradient of the global batch")
+    assert rec.why == ("tied with ps sync (0.86x its speed, within the windows' noise of 22%); 1.17x the speed of ps "
+                       "sync to the target loss; over the 4.5 s both trained in every window, its test loss averaged "
+                       "within 5% of ps sync's: a tie the whole way; ps sync is the safer choice: it keeps the exact "
+                       "gradient of the global batch")
 
 
 def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(monkeypatch):
@@ -791,3 +799,39 @@ def test_a_lead_that_shrinks_with_depth_is_said_and_one_that_turns_moves_the_pic
         _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.45, 0.40])
     assert at_depth(allreduce, diloco, 0.6) == pytest.approx((0.4, 2 + 0.1 / 0.12, 3.0))
     assert at_depth(allreduce, diloco, 0.41) is None
+
+
+def test_a_tie_between_two_parallel_strategies_goes_to_the_lower_loss_over_the_time_both_ran():
+    """Tied on the time to the target, the one whose test loss was lower over the whole time both
+    trained is recommended (a crossing is one point of a bouncing curve); allreduce kept by rule 3's
+    margin stays."""
+    from partrain.compare.decide import ahead_over_time
+
+    # lows 1.0 and 1.02: the target is 1.02 (the upper median). hogwild reaches it at 1 + 0.58 / 0.6 =
+    # 1.967 s, local SGD at 2 s: 0.98x, inside the 5% floor. Over the 2 s both ran, by the trapezoids:
+    # hogwild (2.0 + 1.6) / 2 + (1.6 + 1.0) / 2 = 3.1 s, a mean of 1.55; local SGD (2.0 + 1.2) / 2 +
+    # (1.2 + 1.02) / 2 = 2.71 s, 1.355: 12.6% lower, for most of the way
+    hog = _timed("hogwild", "hogwild", 200.0, ((0.0, 2.0), (1000.0, 1.6), (2000.0, 1.0)), (0.0, 1.0, 2.0))
+    local = _timed("localsgd H=8", "localsgd", 200.0, ((0.0, 2.0), (1000.0, 1.2), (2000.0, 1.02)), (0.0, 1.0, 2.0),
+                   period=8)
+    rec = recommend([hog, local])
+    assert hog.time_to_loss == pytest.approx(1 + 0.58 / 0.6) and local.time_to_loss == pytest.approx(2.0)
+    assert ahead_over_time(local, hog) == pytest.approx((2.0, 1.355, 1.55))
+    assert rec.pick == "localsgd H=8" and rec.tied == ["hogwild"]
+    assert rec.why == ("tied with hogwild (1.02x its speed, within the windows' noise of 5%); over the 2 s both "
+                       "trained in every window, its test loss averaged 13% below hogwild's: ahead for most of the "
+                       "way, not only at the target")
+    # the other way round, hogwild lower over the time: it stays, and the safer one is named
+    hog.curve, local.curve = [(s, v) for (s, _), (_, v) in zip(hog.curve, local.curve)], \
+        [(s, v) for (s, _), (_, v) in zip(local.curve, hog.curve)]
+    rec = recommend([hog, local])
+    assert rec.pick == "hogwild" and rec.tied == ["localsgd H=8"]
+    assert rec.why.endswith("its test loss averaged 13% below localsgd H=8's: ahead for most of the way, not only at "
+                            "the target; localsgd H=8 is the safer choice: it averages its workers' models every few "
+                            "steps")
+    # allreduce kept by rule 3 (local SGD not 10% faster beyond the noise) is not moved by a tie's curves
+    allreduce = _timed("allreduce", "allreduce", 200.0, ((0.0, 2.0), (1000.0, 1.6), (2000.0, 1.0)), (0.0, 1.0, 2.0))
+    local = _timed("localsgd H=8", "localsgd", 200.0, ((0.0, 2.0), (1000.0, 1.2), (2000.0, 1.02)), (0.0, 1.0, 2.0),
+                   period=8)
+    rec = recommend([allreduce, local])
+    assert rec.pick == "allreduce" and rec.tied == ["localsgd H=8"]
