@@ -397,9 +397,9 @@ def risk(m: Measurement) -> int:
     """How far a strategy's updates stray from the synchronous gradient: 0 synchronous (single,
     allreduce, pipeline, ps with bounded staleness), 1 local updates averaged (localsgd, DiLoCo),
     2 asynchronous stale gradients (ps without a staleness bound), 3 unsynchronised writes (hogwild).
-    Between two parallel strategies the windows cannot tell apart, the lower risk is recommended: in
-    ``partrain bench compare``'s runs hogwild reached the target in 2 of 3 runs where the
-    strategies it tied with reached it in all 3."""
+    A tie whose pick has the higher risk names the other as the safer choice (in ``partrain bench
+    compare``'s runs of 2026-11-26 hogwild reached the target in 2 of 3 runs where the strategies
+    it tied with reached it in all 3; with the run-off on new seeds such misses show in its median)."""
     if synchronous(m):
         return 0
     return {"localsgd": 1, "ps": 2}.get(m.strategy, 3)
