@@ -613,26 +613,29 @@ def test_a_pick_is_measured_against_the_runner_up_when_the_reference_never_reach
     assert rec.pick == "diloco H=8" and rec.why == "1.25x the speed of localsgd H=8 to the target loss"
 
 
-def test_a_lead_the_windows_cannot_tell_from_their_noise_keeps_allreduce():
+def test_allreduce_is_kept_within_its_margin_and_a_lead_beyond_it_moves_the_pick_inside_the_noise_too():
     allreduce, local, single = _first_round()
-    # one window each: local SGD 8 s, allreduce 9.17 s, 1.15x: beyond the 10% margin, no spread measured
+    # one window each: local SGD 8 s, allreduce 9.17 s, 1.15x: beyond the 10% margin
     assert recommend([allreduce, local, single]).pick == "localsgd H=8"
     # repeated: local SGD 8 and 6.6 s (median 7.3, its spread 0.99 / sqrt(2) / 7.3 = 9.6%), allreduce 9.17 and
-    # 4.4 + 4.4 * 0.25 / 0.3 = 8.07 s (8.62): 1.18x, within the margin plus the noise (1.196x)
+    # 4.4 + 4.4 * 0.25 / 0.3 = 8.07 s (8.62): 1.18x, beyond the margin; the noise is not added to it (a
+    # lead inside the noise is the tie's to judge, and 15% apart is not a tie within 9.6%)
     local.runoff = [_timed("localsgd H=8", "localsgd", 125.0, ((0.0, 2.0), (500.0, 1.4), (1000.0, 1.25)),
                            (0.0, 3.3, 6.6), period=8)]
     allreduce.runoff = [_timed("allreduce", "allreduce", 100.0, ((0.0, 2.0), (500.0, 1.5), (1000.0, 1.2)),
                                (0.0, 4.4, 8.8))]
     rec = recommend([allreduce, local, single])
     assert local.time_to_loss == pytest.approx(7.3) and allreduce.time_to_loss == pytest.approx((9 + 1 / 6 + 8 + 1 / 15) / 2)
-    assert rec.pick == "allreduce" and rec.tied == []
-    assert rec.why == ("communication and waiting are only 0% of its step, and no other strategy is 10% faster beyond "
-                       "the windows' noise of 10% (localsgd H=8: 1.18x its speed): allreduce keeps the exact gradient "
-                       "of the global batch")
-    # the same lead with repeats that agree: local SGD
-    local.runoff[0].curve_s = [0.0, 3.65, 7.3]
-    local.curve_s = [0.0, 3.65, 7.3]
-    assert recommend([allreduce, local, single]).pick == "localsgd H=8"
+    assert rec.pick == "localsgd H=8" and rec.tied == []
+    assert rec.why == "1.18x the speed of allreduce to the target loss"
+    # local SGD 9.0 s against allreduce's 9.17 s (one window each, no spread): within the margin, allreduce
+    local.runoff, allreduce.runoff = [], []
+    local.curve_s = [0.0, 4.5, 9.0]
+    rec = recommend([allreduce, local, single])
+    assert local.time_to_loss == pytest.approx(9.0) and rec.pick == "allreduce" and rec.tied == ["localsgd H=8"]
+    assert rec.why == ("tied with localsgd H=8 (1.02x its speed, within the windows' noise of 5%); communication and "
+                       "waiting are only 0% of its step, and no other strategy is 10% faster: allreduce keeps the "
+                       "exact gradient of the global batch")
 
 
 def test_a_tie_within_wide_noise_is_flagged_in_the_report_and_the_json(tmp_path):
