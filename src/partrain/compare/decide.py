@@ -237,7 +237,6 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     # a reason that names a rival's speed against the pick's: `why`, the rival's figure, then `tail`
     rival: Measurement | None = None
     tail = ""
-    rule3 = False  # allreduce kept by rule 3 (its margin)
     # rule 2 at depth: one process against the best parallel strategy at the deepest loss both reached
     deep = at_depth(single, best, target) if single is not None and best is not None and \
         single.speed * (1 + TIE_FLOOR) < best.speed else None
@@ -262,7 +261,7 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     elif allreduce is not None and best is not None and (
             single is None or allreduce.speed > single.speed) and \
             best.speed <= allreduce.speed * (1 + margin):
-        pick, rule3 = allreduce, True
+        pick = allreduce
         rival = None if best is allreduce else best
         lead = f"{margin:.0%} faster"
         if waiting_share(allreduce) < comm_floor:
@@ -301,10 +300,11 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         second = rivals[0]
         noise = max(speed_noise(pick), speed_noise(second), TIE_FLOOR)
         if abs(second.speed / pick.speed - 1) <= noise:
-            # the times to the target cannot tell them apart: between two parallel strategies (but for
-            # allreduce that rule 3 kept), the one whose test loss was lower over the time both trained
-            ahead = ahead_over_time(pick, second) if second.workers > 1 < pick.workers and not (
-                pick is allreduce and rule3) else None
+            # the times to the target cannot tell them apart: between two parallel strategies, the one whose
+            # test loss was lower over the time both trained (allreduce is the pick here only by rule 3's
+            # margin, which a tie does not overrule)
+            ahead = ahead_over_time(pick, second) if second.workers > 1 < pick.workers and pick is not allreduce \
+                else None
             if ahead is not None:
                 span, mine, theirs = ahead
                 if theirs < mine:
