@@ -52,7 +52,7 @@ barely under the untrained one are noise), the samples/s under the what-if link.
    windows' target 1.19x sooner than allreduce, its two windows 17% apart, then took 1.06x
    allreduce's time to the runs' target, a regret of 0.06 had it been picked. Its cost: in
    ``partrain bench compare``'s compute scenario hogwild led allreduce 1.18x inside a 12%
-   noise, allreduce was kept, and the runs took 1.74x hogwild's time with it; on the 52
+   noise, allreduce was kept, and the runs took 1.74x hogwild's time with it; on the 60
    saved scenarios that was the only pick the change moves.) A small
    communication share of its step does not by itself keep it: the speed is the time to the
    loss, and a strategy can win it by learning more per second, not only by sending less
