@@ -594,11 +594,16 @@ def median_time(times: list[float], lengths: list[float] | None = None) -> float
         return math.nan
     reached = sorted(t for t in times if t == t)
     never = len(times) - len(reached)
-    if never and 2 * never == len(times) and lengths is not None:
+    if half_never(times) and lengths is not None:
         bound = min((length for t, length in zip(times, lengths) if t != t), default=math.nan)
         return (reached[-1] + max(reached[-1], bound)) / 2 if bound == bound else math.nan
     mid = statistics.median(reached + [math.inf] * never)
     return mid if math.isfinite(mid) else math.nan
+
+
+def half_never(times: list[float]) -> bool:
+    """Exactly half of ``times`` are NaN (never reached): `median_time` then gives a lower bound."""
+    return bool(times) and 2 * sum(t != t for t in times) == len(times)
 
 
 def speed_noise(m: Measurement) -> float:

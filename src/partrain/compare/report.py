@@ -10,7 +10,7 @@ from typing import Any
 
 from ..scaling import BEYOND, CONTENTION, DDP_OVERHEAD, FORMULAS, HOST_FACTOR, THROUGHPUT
 from ..tables import format_table
-from .decide import depth_warning, unsure_warning
+from .decide import depth_warning, half_never, unsure_warning
 from .hostload import spread_warning
 from .measure import Measurement
 from .options import bandwidth_text
@@ -101,8 +101,7 @@ def format_result(result: CompareResult) -> str:
         lines.append(format_table(["strategy", "windows", "s to target, each", "median", "spread"], [
             [m.label, len(m.times_to_loss), ", ".join("-" if t != t else f"{t:.3g}" for t in m.times_to_loss),
              m.time_to_loss, _pct(_spread(m.times_to_loss))] for m in raced]))
-        bounded = [m.label for m in raced if m.time_to_loss == m.time_to_loss and
-                   2 * sum(t != t for t in m.times_to_loss) == len(m.times_to_loss)]
+        bounded = [m.label for m in raced if m.time_to_loss == m.time_to_loss and half_never(m.times_to_loss)]
         if bounded:
             lines.append(f"{', '.join(bounded)}: half the windows never reached the target; they count at their whole "
                          "length (they took at least that), so the median is a lower bound")
