@@ -838,3 +838,49 @@ def test_a_tie_between_two_parallel_strategies_goes_to_the_lower_loss_over_the_t
                    period=8)
     rec = recommend([allreduce, local])
     assert rec.pick == "allreduce" and rec.tied == ["localsgd H=8"]
+
+
+def test_a_pick_ranked_first_by_a_lower_bound_ties_with_a_measured_rival_and_the_curves_decide():
+    """Half of local SGD's windows never reached the target, so its median time is a lower bound; it
+    is not ranked above hogwild's measured time, however far below it lies: the tie rule decides."""
+    # lows 1.0 and 1.0 (the run-off window's 1.1 is not counted): the target is 1.0. local SGD reaches it at
+    # 3 s; its run-off window ends after 4 s at 1.1: a bound of (3 + 4) / 2 = 3.5 s. hogwild: 4.6 s, twice
+    def local_windows():
+        local = _timed("localsgd H=8", "localsgd", 200.0, ((0.0, 2.0), (1000.0, 1.0)), (0.0, 3.0), period=8)
+        local.runoff = [_timed("localsgd H=8", "localsgd", 200.0, ((0.0, 2.0), (1000.0, 1.1)), (0.0, 4.0),
+                               period=8)]
+        return local
+
+    def hogwild_windows(curve, seconds):
+        hog = _timed("hogwild", "hogwild", 200.0, curve, seconds)
+        hog.runoff = [_timed("hogwild", "hogwild", 200.0, curve, seconds)]
+        return hog
+
+    # hogwild falls fast, then slowly: 2.0 -> 1.2 in 2 s, 1.0 at 4.6 s. Over the 3 s every window of both ran:
+    # local SGD's windows average (2 + 1) / 2 = 1.5 and (2 + 2 - 0.9 * 3 / 4) / 2 = 1.6625, median 1.58125;
+    # hogwild's ((2 + 1.2) / 2 * 2 + (1.2 + 1.2 - 0.2 / 2.6) / 2) / 3 = 1.45385: 8% lower
+    local = local_windows()
+    hog = hogwild_windows(((0.0, 2.0), (500.0, 1.2), (1000.0, 1.0)), (0.0, 2.0, 4.6))
+    rec = recommend([local, hog])
+    assert local.time_to_loss == pytest.approx(3.5) and hog.time_to_loss == pytest.approx(4.6)
+    assert rec.pick == "hogwild" and rec.tied == ["localsgd H=8"]
+    assert rec.why == ("tied with localsgd H=8, whose 3.5 s to the target is a lower bound (half of its windows "
+                       "ended above the target), against this one's measured 4.6 s: the times cannot rank the two; "
+                       "over the 3 s both trained in every window, its test loss averaged 8% below localsgd H=8's: "
+                       "ahead for most of the way, not only at the target; localsgd H=8 is the safer choice: it "
+                       "averages its workers' models every few steps")
+    assert rec.others["localsgd H=8"] == ("1.31x the pick's speed: its 3.5 s to the target is a lower bound (half "
+                                          "of its windows ended above the target), the pick's 4.6 s was measured")
+    # hogwild in a straight line to 1.0 at 4.6 s: at 3 s 2 - 3 / 4.6, a mean of 1.67391, 5.5% above local SGD's
+    local = local_windows()
+    hog = hogwild_windows(((0.0, 2.0), (1000.0, 1.0)), (0.0, 4.6))
+    rec = recommend([local, hog])
+    assert rec.pick == "localsgd H=8" and rec.tied == ["hogwild"]
+    assert rec.why == ("tied with hogwild: its own 3.5 s to the target is a lower bound (half of its windows ended "
+                       "above the target), hogwild's 4.6 s was measured: the times cannot rank the two; over the 3 s "
+                       "both trained in every window, its test loss averaged 6% below hogwild's: ahead for most of "
+                       "the way, not only at the target")
+    # measured, local SGD's 3 s would have been 1.53x hogwild's speed, beyond any noise: no tie
+    local.runoff = []
+    rec = recommend([local, hog])
+    assert rec.pick == "localsgd H=8" and rec.tied == []
