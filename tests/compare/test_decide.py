@@ -603,6 +603,44 @@ def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(mon
     assert said[-1] == "no run-off: the time left pays for no round of the leaders' windows"
 
 
+def test_a_later_run_off_round_races_the_leaders_as_they_stand_and_the_time_left_pays_for(monkeypatch):
+    """Three leaders, 4 s each in all: 22 s left pay for one round of three (12 s); after it (4.5 s a
+    window here, 8.5 s left) the second round races the first two as they stand then, on the next
+    seed, in the reverse order."""
+    import time
+
+    from partrain.compare import run as run_module
+    from partrain.compare.measure import Candidate, Job
+
+    line = ((0.0, 2.0), (1000.0, 1.0))  # the target is 1.0: a window's time to it is its length
+    local = _timed("localsgd H=8", "localsgd", 125.0, line, (0.0, 8.0), period=8)
+    diloco = _timed("diloco H=8", "localsgd", 110.0, line, (0.0, 9.0), period=8, outer_lr=0.7)
+    hog = _timed("hogwild", "hogwild", 100.0, line, (0.0, 10.0))
+    for m in (local, diloco, hog):
+        m.wall_s = 4.0
+    # the first round's repeats: local SGD 8 s again, DiLoCo 12 s, hogwild 9 s. Medians now: local SGD 8,
+    # hogwild 9.5, DiLoCo 10.5
+    seconds = {"localsgd H=8": 8.0, "diloco H=8": 12.0, "hogwild": 9.0}
+    asked, now = [], [100.0]
+
+    def fake_measure(job, cand, workers, epoch_samples, epochs, straggler, initial):
+        asked.append((cand.label, job.seed))
+        now[0] += 4.5
+        return _timed(cand.label, cand.strategy, 100.0, line, (0.0, seconds[cand.label]), **cand.options)
+
+    monkeypatch.setattr(run_module, "measure", fake_measure)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    planned = {m.label: (Candidate(m.label, m.strategy, dict(m.options)), 2) for m in (local, diloco, hog)}
+    said = []
+    run_module.run_off([local, diloco, hog], planned, Job(lambda: None, None, lambda params: None, seed=7), 2, 100,
+                       122.0, None, lambda seed: 2.0, None, said.append)
+    assert asked == [("localsgd H=8", 8), ("diloco H=8", 8), ("hogwild", 8), ("hogwild", 9), ("localsgd H=8", 9)]
+    assert said[4] == "run-off round 2: localsgd H=8, hogwild, the leaders now (the time left pays for their windows)"
+    assert [len(m.runoff) for m in (local, diloco, hog)] == [2, 1, 2]
+    rec = recommend([local, diloco, hog])
+    assert (rec.pick, local.time_to_loss, hog.time_to_loss, diloco.time_to_loss) == ("localsgd H=8", 8.0, 9.0, 10.5)
+
+
 def test_a_pick_is_measured_against_the_runner_up_when_the_reference_never_reached_the_target():
     # a run-off between one process (never at the target), local SGD (8 s) and DiLoCo (6.4 s)
     single = _timed("single", "single", 60.0, ((0.0, 2.0), (1000.0, 1.5)), (0.0, 16.0), workers=1)
@@ -713,10 +751,15 @@ def test_no_window_is_planned_longer_than_the_first_by_hand():
     assert plan_window(10.0, 0.01, 64, 0, 64) == (8000, 6, 7.5)
     # a later window with twice the share is capped at the first's 7.5 s: 3 epochs at 20 ms a step
     assert plan_window(20.0, 0.02, 64, 8000, 64, 7.5) == (8000, 3, 7.5)
-    # a slow one whose minimum (2 epochs, 25 s at 100 ms a step) the cap leaves no room for gets it when its
-    # share pays (75% of 40 s), and nothing when it does not (75% of 20 s)
-    assert plan_window(40.0, 0.1, 64, 8000, 64, 7.5) == (8000, 2, 25.0)
-    assert plan_window(20.0, 0.1, 64, 8000, 64, 7.5)[1] == 0
+    # a slow one whose minimum (2 epochs, 10 s at 40 ms a step) the cap leaves no room for gets it when its
+    # share pays (75% of 20 s) and it costs at most 1.5x the cap (11.25 s); when the share does not pay (75% of
+    # 12 s), the one epoch the cap pays for (the caller skips a window under the minimum)
+    assert plan_window(20.0, 0.04, 64, 8000, 64, 7.5) == (8000, 2, 10.0)
+    assert plan_window(12.0, 0.04, 64, 8000, 64, 7.5) == (8000, 1, 5.0)
+    # slower still (25 s at 100 ms a step, 3.3x the cap): nothing, however long the share (its calibration
+    # window stands for it)
+    assert plan_window(40.0, 0.1, 64, 8000, 64, 7.5)[1] == 0
+    assert plan_window(1000.0, 0.1, 64, 8000, 64, 7.5)[1] == 0
     # a share below the cap: the share decides (1 epoch: the caller skips a window under the minimum)
     assert plan_window(4.0, 0.02, 64, 8000, 64, 7.5) == (8000, 1, 2.5)
 

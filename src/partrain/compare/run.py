@@ -98,6 +98,10 @@ FIRST_OVERHEAD_S = 0.8
 SAFETY = 0.75
 #: a window's step over its estimate, before one was measured
 FIRST_CORRECTION = 2.0
+#: a window whose minimum (`MIN_EPOCHS`) the first window's length leaves no room for is planned at that
+#: minimum only when it costs at most this many times that length (`plan_window`); a slower one keeps its
+#: calibration window as its measurement
+SLOW_STRETCH = 1.5
 #: a pipeline's step over a data-parallel one's, before one was measured (micro-batches, messages)
 PIPELINE_FACTOR = 2.0
 #: kept back from the windows for the end: the decision, and the files (a chart) when asked for
@@ -319,8 +323,11 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                 need = need_steps * step / SAFETY
                 if calib is not None:  # no room for more: the calibration window is the measurement
                     measurements.append(calib)
-                    say(f"{_clock(started)} {cand.label}: {calib.samples_per_s:,.0f} samples/s "
-                        "(the calibration window: no budget left for a longer one)")
+                    slow = need_steps * step > SLOW_STRETCH * longest and need <= window
+                    say(f"{_clock(started)} {cand.label}: {calib.samples_per_s:,.0f} samples/s (the calibration "
+                        + (f"window: {MIN_EPOCHS} epochs would train ~{need_steps * step:.1f} s, over {SLOW_STRETCH:g}x "
+                           f"the first window's {longest:.1f} s" if slow else "window: no budget left for a longer one")
+                        + ")")
                     continue
                 measurements.append(Measurement(cand.label, cand.strategy, dict(cand.options), workers_c,
                                                 status="skipped", reason=f"{OVER_BUDGET}: {max(window, 0):.1f} s "
@@ -364,16 +371,24 @@ def plan_window(window_s: float, step_s: float, global_batch: int, epoch_samples
     at ``step_s`` per step of ``global_batch``. The first window (``epoch_samples`` 0) sets the
     epoch: `FIRST_EPOCHS` of its plan, a multiple of ``unit`` (every global batch: each epoch is
     whole steps). When the cap, not the share, leaves no room for the minimum (`MIN_EPOCHS`,
-    and the warm-up and measured steps), the minimum is planned if the share pays for it. Zero
-    epochs: not even the cap pays for one."""
+    and the warm-up and measured steps), the minimum is planned if the share pays for it and it
+    costs at most `SLOW_STRETCH` times the cap. Zero epochs: not even that pays for one.
+
+    A strategy whose minimum costs more than that takes samples at under 1 / (`SLOW_STRETCH` x
+    `FIRST_EPOCHS` / `MIN_EPOCHS`) of the first window's rate (one process's), and can reach the
+    target first only by learning several times more per sample than one process; its window
+    would take the time of a run-off round (``partrain bench compare``, 2026-11-28: the pipeline
+    of the comm, straggler and split scenarios, 0.15-0.30x the pick's speed, trained 5.5-10.3 s
+    where the first window trained 3.5-4 s, while the leaders' second run-off round, 9-13 s, did
+    not fit in what was left)."""
     train_s = min(SAFETY * window_s, longest_s)
     planned = train_s / step_s * global_batch if step_s > 0 and window_s > 0 else 0.0
     if not epoch_samples:
         epoch_samples = max(1, round(planned / FIRST_EPOCHS / unit)) * unit
     epochs = int(planned // epoch_samples)
     least = max(MIN_EPOCHS, math.ceil((WARMUP_STEPS + MIN_MEASURED_STEPS) * global_batch / epoch_samples))
-    if epochs < least and train_s < SAFETY * window_s and least * epoch_samples / global_batch * step_s <= \
-            SAFETY * window_s:
+    cost = least * epoch_samples / global_batch * step_s
+    if epochs < least and train_s < SAFETY * window_s and cost <= SAFETY * window_s and cost <= SLOW_STRETCH * train_s:
         epochs = least
     return epoch_samples, epochs, epochs * epoch_samples / global_batch * step_s
 
@@ -382,10 +397,15 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
             epoch_samples: int, deadline: float, straggler: Straggler | None, initial: Callable[[int], float],
             bandwidth: float | None, say: Callable[[str], None]) -> None:
     """Repeat the first windows of the first round's leaders (`contenders`) in alternating rounds
-    (the order reversed each round), as many full rounds as the time left before ``deadline``
-    pays for (a round costs what their first windows took, start-up and evaluations included),
-    at most `RUNOFF_ROUNDS`, into each one's ``Measurement.runoff``. When not even one round fits,
-    the slowest leader leaves first.
+    (the order reversed each round), at most `RUNOFF_ROUNDS`, into each one's
+    ``Measurement.runoff``. A round costs what its leaders' first windows took (start-up and
+    evaluations included); when the time left before ``deadline`` does not pay for it, the
+    slowest leader leaves first, and a round of fewer than two is not run. Each round after the
+    first races the leaders as they stand after the rounds before (`contenders`, the run-off's
+    windows counted): in ``partrain bench compare`` the first round of three leaders often left
+    9-11 s, short of a second round of all three and enough for the first two, whose third
+    window makes a median of three (two make the middle of a pair, a lower bound as soon as one
+    of them never reached the target).
 
     Round ``r`` trains every leader from seed ``job.seed + r + 1`` (``initial(seed)``: that draw's
     untrained loss, its curves' first point). On the first window's seed a synchronous strategy's
@@ -399,10 +419,10 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
     if len(finalists) < 2:
         say("no run-off: fewer than two strategies reached the target loss among those the rule could recommend")
         return
-    def round_fits() -> bool:
-        return sum(m.wall_s for m in finalists) <= deadline - time.perf_counter()
+    def round_fits(leaders: list[Measurement]) -> bool:
+        return sum(m.wall_s for m in leaders) <= deadline - time.perf_counter()
 
-    while len(finalists) >= 2 and not round_fits():
+    while len(finalists) >= 2 and not round_fits(finalists):
         finalists.pop()  # the last (the slowest but the first round's pick)
     if len(finalists) < 2:
         say("no run-off: the time left pays for no round of the leaders' windows")
@@ -410,8 +430,18 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
     say(f"run-off: {', '.join(m.label for m in finalists)}, their first windows again on new seeds, in alternating "
         "rounds")
     for r in range(RUNOFF_ROUNDS):
-        if r and not round_fits():
-            break
+        if r:  # the leaders as they stand now; when the round does not fit, the slowest leave first
+            labels = {m.label for m in finalists}
+            standing = [m for m in contenders(measurements) if m.label in labels]
+            while len(standing) >= 2 and not round_fits(standing):
+                standing.pop()
+            if len(standing) < 2:
+                break
+            if len(standing) < len(finalists):
+                say(f"run-off round {r + 1}: {', '.join(m.label for m in standing)}, the leaders now (the time left "
+                    "pays for their windows)")
+            kept = {m.label for m in standing}
+            finalists = [m for m in finalists if m.label in kept]  # the order alternates as before
         drawn = dataclasses.replace(job, seed=job.seed + r + 1)
         start = initial(drawn.seed)
         for m in finalists if r % 2 == 0 else finalists[::-1]:
