@@ -266,6 +266,23 @@ def test_bench_regret_by_hand_at_a_given_target():
     assert regret_of(None, times, runs)[1] != regret_of(None, times, runs)[1]  # no pick: NaN
 
 
+def test_the_bench_runs_more_of_the_strategies_its_runs_cannot_tell_from_the_fastest_by_hand():
+    from partrain.bench.compare import close_to_fastest
+
+    nan = math.nan
+    each = {"a": [2.0, 2.2, 1.8, 2.1, 1.9], "b": [2.0, 2.6, 2.2, 1.9, 2.3], "c": [3.0, 3.1, 2.9, 3.0, 3.2],
+            "d": [nan, nan, nan, 1.0, 1.1]}
+    times = {"a": 2.0, "b": 2.2, "c": 3.0, "d": nan}
+    # a's and b's relative standard errors: stdev / sqrt(5) / median = 0.158 / 2.236 / 2 = 3.5% and
+    # 0.274 / 2.236 / 2.2 = 5.6%, combined 6.6%: b's 10% behind is beyond it
+    assert close_to_fastest(times, each) == []
+    each["b"] = [2.0, 3.2, 2.2, 1.6, 2.6]  # stdev 0.616: 12.5%, combined 13%: b is within it; c (50%) is not
+    assert close_to_fastest(times, each) == ["a", "b"]
+    # within the 5% floor, whatever the spread; a strategy that never reached the target in most runs is not timed
+    assert close_to_fastest({"a": 2.0, "b": 2.09, "d": nan}, {"a": [2.0] * 5, "b": [2.09] * 5, "d": each["d"]}) == \
+        ["a", "b"]
+
+
 def test_a_reference_that_never_reached_the_target_is_said_so():
     from partrain.compare.decide import _why_faster
 

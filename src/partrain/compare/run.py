@@ -323,7 +323,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                 need = need_steps * step / SAFETY
                 if calib is not None:  # no room for more: the calibration window is the measurement
                     measurements.append(calib)
-                    slow = need_steps * step > SLOW_STRETCH * longest and need <= window
+                    slow = need_steps * step > SLOW_STRETCH * longest
                     say(f"{_clock(started)} {cand.label}: {calib.samples_per_s:,.0f} samples/s (the calibration "
                         + (f"window: {MIN_EPOCHS} epochs would train ~{need_steps * step:.1f} s, over {SLOW_STRETCH:g}x "
                            f"the first window's {longest:.1f} s" if slow else "window: no budget left for a longer one")
