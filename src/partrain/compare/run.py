@@ -112,8 +112,11 @@ FILES_S = 1.5
 #: round is the race)
 RUNOFF_MIN_BUDGET_S = 30.0
 RUNOFF_MIN_STRATEGIES = 3
-#: the most rounds of the run-off (each repeats every leader's first window once)
-RUNOFF_ROUNDS = 2
+#: the most rounds of the run-off (each repeats every leader's first window once, or the first leaders'
+#: when the time left pays for fewer). Three: once the slowest strategies keep their calibration windows
+#: (`SLOW_STRETCH`), two rounds of ``partrain bench compare`` left 9-10 s of the 60 s budget unspent in
+#: three of its four scenarios, a third window for the first two leaders
+RUNOFF_ROUNDS = 3
 
 
 @dataclass
