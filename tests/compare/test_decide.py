@@ -743,11 +743,15 @@ def test_the_run_off_is_shown_in_its_own_table_and_in_the_json_csv_and_png(tmp_p
     assert ("run-off: the first round's leaders repeated their windows on new seeds, in alternating rounds; each "
             "one's s to target is the median of its windows' (- never reached)") in text
     race = text.split("(- never reached)")[1].splitlines()
-    assert race[1].split() == ["strategy", "windows", "s", "to", "target,", "each", "median", "spread"]
+    assert race[1].split() == ["strategy", "windows", "s", "to", "target,", "each", "median", "spread", "samples/s,",
+                               "each", "host", "load,", "each"]
     # ranked by the median: local SGD 8.8 s (8, never, 8.8), allreduce 11 s (9.17, then 6 + 6 * 0.25 / 0.3
-    # twice); the spread: (largest - smallest) / median of those that reached it
-    assert race[3].split() == ["localsgd", "H=8", "3", "8,", "-,", "8.8", "8.8", "9%"]
-    assert race[4].split() == ["allreduce", "3", "9.17,", "11,", "11", "11", "17%"]
+    # twice); the spread: (largest - smallest) / median of those that reached it; each window's rate and
+    # host load (not read here: -)
+    assert race[3].split() == ["localsgd", "H=8", "3", "8,", "-,", "8.8", "8.8", "9%", "125,", "125,", "125", "-,",
+                               "-,", "-"]
+    assert race[4].split() == ["allreduce", "3", "9.17,", "11,", "11", "11", "17%", "100,", "100,", "100", "-,", "-,",
+                               "-"]
     # 1.25x: beyond allreduce's 10% margin and the windows' noise (local SGD's 8 and 8.8 s: 5%)
     assert result.recommendation.pick == "localsgd H=8"
 

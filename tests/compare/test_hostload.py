@@ -70,6 +70,11 @@ def test_the_caution_names_both_ends_of_a_wide_spread_only():
     assert spread_warning([window("allreduce", math.nan, math.nan), window("hogwild", 0.5, 0.0)]) is None
     failed = Measurement("ps", "ps", {}, 2, status="failed", host_steal=0.9, host_other=0.0)
     assert spread_warning([window("allreduce", 0.0, 0.0), failed]) is None
+    # a run-off window counts as a window of its own
+    raced = window("hogwild", 0.0, 0.05)
+    raced.runoff = [window("hogwild", 0.0, 0.02), window("hogwild", 0.3, 0.1)]
+    line = spread_warning([window("allreduce", 0.0, 0.05), raced])
+    assert line is not None and "hogwild's run-off window 2: 40%" in line and "hogwild's run-off window 1: 2%" in line
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="needs Linux's /proc")

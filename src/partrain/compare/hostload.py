@@ -112,9 +112,10 @@ def shares(before: CpuSample | None, after: CpuSample | None) -> tuple[float, fl
 
 
 def spread_warning(measurements: Sequence[Measurement]) -> str | None:
-    """One line when the measured windows ran under host loads further apart than
-    `SPREAD_WARNING` (their ranking may then be the host's doing), else None."""
-    loaded = [(m.label, m.host_load) for m in measurements if m.ok and m.host_load == m.host_load]
+    """One line when the measured windows (the run-off's too) ran under host loads further apart
+    than `SPREAD_WARNING` (their ranking may then be the host's doing), else None."""
+    loaded = [(m.label if i == 0 else f"{m.label}'s run-off window {i}", w.host_load)
+              for m in measurements if m.ok for i, w in enumerate((m, *m.runoff)) if w.host_load == w.host_load]
     if len(loaded) < 2:
         return None
     low, high = min(loaded, key=lambda x: x[1]), max(loaded, key=lambda x: x[1])

@@ -98,9 +98,12 @@ def format_result(result: CompareResult) -> str:
     if raced:
         lines += ["", "run-off: the first round's leaders repeated their windows on new seeds, in alternating rounds; "
                   "each one's s to target is the median of its windows' (- never reached)"]
-        lines.append(format_table(["strategy", "windows", "s to target, each", "median", "spread"], [
+        lines.append(format_table(["strategy", "windows", "s to target, each", "median", "spread", "samples/s, each",
+                                   "host load, each"], [
             [m.label, len(m.times_to_loss), ", ".join("-" if t != t else f"{t:.3g}" for t in m.times_to_loss),
-             m.time_to_loss, _pct(_spread(m.times_to_loss))] for m in raced]))
+             m.time_to_loss, _pct(_spread(m.times_to_loss)),
+             ", ".join(f"{w.samples_per_s:,.0f}" for w in (m, *m.runoff)),
+             ", ".join(_pct(w.host_load) for w in (m, *m.runoff))] for m in raced]))
         bounded = [m.label for m in raced if m.time_to_loss == m.time_to_loss and half_never(m.times_to_loss)]
         if bounded:
             lines.append(f"{', '.join(bounded)}: half the windows never reached the target; they count at their whole "
