@@ -623,27 +623,29 @@ def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(mon
 def test_a_later_run_off_round_races_the_leaders_as_they_stand_and_the_time_left_pays_for(monkeypatch):
     """Three leaders, 4 s each in all: 22 s left pay for one round of three (12 s); after it (4.5 s a
     window here, 8.5 s left) the second round races the first two as they stand then, on the next
-    seed, in the reverse order."""
+    seed, in the reverse order; a median that is a lower bound stands after a measured one."""
     import time
 
     from partrain.compare import run as run_module
     from partrain.compare.measure import Candidate, Job
 
     line = ((0.0, 2.0), (1000.0, 1.0))  # the target is 1.0: a window's time to it is its length
+    short = ((0.0, 2.0), (1000.0, 1.1))  # a window that never reaches it
     local = _timed("localsgd H=8", "localsgd", 125.0, line, (0.0, 8.0), period=8)
-    diloco = _timed("diloco H=8", "localsgd", 110.0, line, (0.0, 9.0), period=8, outer_lr=0.7)
+    diloco = _timed("diloco H=8", "localsgd", 110.0, line, (0.0, 8.5), period=8, outer_lr=0.7)
     hog = _timed("hogwild", "hogwild", 100.0, line, (0.0, 10.0))
     for m in (local, diloco, hog):
         m.wall_s = 4.0
-    # the first round's repeats: local SGD 8 s again, DiLoCo 12 s, hogwild 9 s. Medians now: local SGD 8,
-    # hogwild 9.5, DiLoCo 10.5
-    seconds = {"localsgd H=8": 8.0, "diloco H=8": 12.0, "hogwild": 9.0}
+    # the first round's repeats: local SGD 8 s again, DiLoCo never in 9 s, hogwild 9 s. Medians now: local
+    # SGD 8, DiLoCo a bound of (8.5 + 9) / 2 = 8.75, hogwild 9.5, measured: hogwild goes before DiLoCo
+    windows = {"localsgd H=8": [(line, 8.0)] * 2, "diloco H=8": [(short, 9.0)], "hogwild": [(line, 9.0)] * 2}
     asked, now = [], [100.0]
 
     def fake_measure(job, cand, workers, epoch_samples, epochs, straggler, initial):
         asked.append((cand.label, job.seed))
         now[0] += 4.5
-        return _timed(cand.label, cand.strategy, 100.0, line, (0.0, seconds[cand.label]), **cand.options)
+        curve, seconds = windows[cand.label].pop(0)
+        return _timed(cand.label, cand.strategy, 100.0, curve, (0.0, seconds), **cand.options)
 
     monkeypatch.setattr(run_module, "measure", fake_measure)
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
@@ -655,7 +657,7 @@ def test_a_later_run_off_round_races_the_leaders_as_they_stand_and_the_time_left
     assert said[4] == "run-off round 2: localsgd H=8, hogwild, the leaders now (the time left pays for their windows)"
     assert [len(m.runoff) for m in (local, diloco, hog)] == [2, 1, 2]
     rec = recommend([local, diloco, hog])
-    assert (rec.pick, local.time_to_loss, hog.time_to_loss, diloco.time_to_loss) == ("localsgd H=8", 8.0, 9.0, 10.5)
+    assert (rec.pick, local.time_to_loss, hog.time_to_loss, diloco.time_to_loss) == ("localsgd H=8", 8.0, 9.0, 8.75)
 
 
 def test_a_pick_is_measured_against_the_runner_up_when_the_reference_never_reached_the_target():

@@ -46,7 +46,7 @@ from ..errors import UsageError
 from ..pool import WorkerPool
 from ..scaling import Constants, Link, samples_per_s, step_seconds
 from . import hostload
-from .decide import Recommendation, contenders, recommend, set_speeds, simulate_link
+from .decide import Recommendation, contenders, half_never, recommend, set_speeds, simulate_link
 from .measure import (
     FIRST_EPOCHS,
     MIN_EPOCHS,
@@ -405,7 +405,7 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
     evaluations included); when the time left before ``deadline`` does not pay for it, the
     slowest leader leaves first, and a round of fewer than two is not run. Each round after the
     first races the leaders as they stand after the rounds before (`contenders`, the run-off's
-    windows counted): in ``partrain bench compare`` the first round of three leaders often left
+    windows counted; a median that is a lower bound after one that was measured): in ``partrain bench compare`` the first round of three leaders often left
     9-11 s, short of a second round of all three and enough for the first two, whose third
     window makes a median of three (two make the middle of a pair, a lower bound as soon as one
     of them never reached the target).
@@ -435,7 +435,10 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
     for r in range(RUNOFF_ROUNDS):
         if r:  # the leaders as they stand now; when the round does not fit, the slowest leave first
             labels = {m.label for m in finalists}
-            standing = [m for m in contenders(measurements) if m.label in labels]
+            # a median that is a lower bound (half of the windows never reached the target) ranks after a
+            # measured one here as in the rule's ties: the bound may stand for any time above it
+            standing = sorted((m for m in contenders(measurements) if m.label in labels),
+                              key=lambda m: half_never(m.times_to_loss))
             while len(standing) >= 2 and not round_fits(standing):
                 standing.pop()
             if len(standing) < 2:
