@@ -97,8 +97,8 @@ test loss was lower over the training time both ran in every window (`ahead_over
 mean of a whole curve, not one crossing of it. A parallel pick ranked first by a lower bound
 (half of its windows never reached the target, `median_time`) ties so with the fastest
 parallel rival whose time was measured, however far below it the bound lies
-(`_measured_rival`). Between one process and a parallel strategy the pick stays rule 2's. When the pick strays further from the synchronous gradient than the
-other (`risk`: synchronous, then local updates, then stale gradients, then hogwild's
+(`_measured_rival`). Between one process and a parallel strategy the pick stays rule 2's.
+When the pick strays further from the synchronous gradient than the other (`risk`: synchronous, then local updates, then stale gradients, then hogwild's
 unsynchronised writes), the other is named as the safer choice: since the run-off repeats on
 new seeds, a risky strategy's misses are in its median and its noise already, and on the 40
 saved scenarios of ``partrain bench compare`` (2026-11-28) moving such ties to the safer

@@ -405,10 +405,10 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
     evaluations included); when the time left before ``deadline`` does not pay for it, the
     slowest leader leaves first, and a round of fewer than two is not run. Each round after the
     first races the leaders as they stand after the rounds before (`contenders`, the run-off's
-    windows counted; a median that is a lower bound after one that was measured): in ``partrain bench compare`` the first round of three leaders often left
-    9-11 s, short of a second round of all three and enough for the first two, whose third
-    window makes a median of three (two make the middle of a pair, a lower bound as soon as one
-    of them never reached the target).
+    windows counted; a median that is a lower bound after one that was measured): in ``partrain
+    bench compare`` the first round of three leaders often left 9-11 s, short of a second round
+    of all three and enough for the first two, whose third window makes a median of three (two
+    make the middle of a pair, a lower bound as soon as one of them never reached the target).
 
     Round ``r`` trains every leader from seed ``job.seed + r + 1`` (``initial(seed)``: that draw's
     untrained loss, its curves' first point). On the first window's seed a synchronous strategy's
@@ -422,11 +422,13 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
     if len(finalists) < 2:
         say("no run-off: fewer than two strategies reached the target loss among those the rule could recommend")
         return
-    def round_fits(leaders: list[Measurement]) -> bool:
-        return sum(m.wall_s for m in leaders) <= deadline - time.perf_counter()
+    def fitting(leaders: list[Measurement]) -> list[Measurement]:
+        """The first of ``leaders`` whose windows the time left pays for (the slowest leave first)."""
+        while len(leaders) >= 2 and sum(m.wall_s for m in leaders) > deadline - time.perf_counter():
+            leaders = leaders[:-1]
+        return leaders
 
-    while len(finalists) >= 2 and not round_fits(finalists):
-        finalists.pop()  # the last (the slowest but the first round's pick)
+    finalists = fitting(finalists)
     if len(finalists) < 2:
         say("no run-off: the time left pays for no round of the leaders' windows")
         return
@@ -437,10 +439,8 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
             labels = {m.label for m in finalists}
             # a median that is a lower bound (half of the windows never reached the target) ranks after a
             # measured one here as in the rule's ties: the bound may stand for any time above it
-            standing = sorted((m for m in contenders(measurements) if m.label in labels),
-                              key=lambda m: half_never(m.times_to_loss))
-            while len(standing) >= 2 and not round_fits(standing):
-                standing.pop()
+            standing = fitting(sorted((m for m in contenders(measurements) if m.label in labels),
+                                      key=lambda m: half_never(m.times_to_loss)))
             if len(standing) < 2:
                 break
             if len(standing) < len(finalists):
