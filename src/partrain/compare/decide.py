@@ -98,8 +98,9 @@ mean of a whole curve, not one crossing of it. A parallel pick ranked first by a
 (half of its windows never reached the target, `median_time`) ties so with the fastest
 parallel rival whose time was measured, however far below it the bound lies
 (`_measured_rival`). Between one process and a parallel strategy the pick stays rule 2's.
-When the pick strays further from the synchronous gradient than the other (`risk`: synchronous, then local updates, then stale gradients, then hogwild's
-unsynchronised writes), the other is named as the safer choice: since the run-off repeats on
+When the pick strays further from the synchronous gradient than the other (`risk`:
+synchronous, then local updates, then stale gradients, then hogwild's unsynchronised
+writes), the other is named as the safer choice: since the run-off repeats on
 new seeds, a risky strategy's misses are in its median and its noise already, and on the 40
 saved scenarios of ``partrain bench compare`` (2026-11-28) moving such ties to the safer
 strategy cost 0.16 and 0.45 of regret in two and gained nothing in any.
@@ -129,6 +130,8 @@ TIE_FLOOR = 0.05
 MIN_DEPTH = 0.05
 #: the strategies the run-off repeats
 RUNOFF_MOST = 3
+#: what a median time over windows half of which never reached the target is (`median_time`)
+LOWER_BOUND = "a lower bound (half of its windows ended above the target)"
 
 
 @dataclass
@@ -330,16 +333,16 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
             if rival is second:
                 rival = None  # the tie's own words give its speed
             tied = [second.label]
-            bound = "a lower bound (half of its windows ended above the target)"
             if measured is None:
                 why = (f"tied with {second.label} ({second.speed / pick.speed:.2f}x its speed, within the windows' "
                        f"noise of {noise:.0%}); {why}")
             elif measured is pick:
-                why = (f"tied with {second.label}, whose {second.time_to_loss:.3g} s to the target is {bound}, against "
-                       f"this one's measured {pick.time_to_loss:.3g} s: the times cannot rank the two; {why}")
+                why = (f"tied with {second.label}, whose {second.time_to_loss:.3g} s to the target is {LOWER_BOUND}, "
+                       f"against this one's measured {pick.time_to_loss:.3g} s: the times cannot rank the two; {why}")
             else:
-                why = (f"tied with {second.label}: its own {pick.time_to_loss:.3g} s to the target is {bound}, "
-                       f"{second.label}'s {second.time_to_loss:.3g} s was measured: the times cannot rank the two; {why}")
+                why = (f"tied with {second.label}: its own {pick.time_to_loss:.3g} s to the target is {LOWER_BOUND}, "
+                       f"{second.label}'s {second.time_to_loss:.3g} s was measured: the times cannot rank the two; "
+                       f"{why}")
     if rival is not None:
         why += f" ({rival.label}: {rival.speed / pick.speed:.2f}x its speed)"
     why += tail
@@ -732,8 +735,8 @@ def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_to
         reason = ("faster to the windows' target, as deep as its windows went: the parallel strategies that "
                   "went deeper lost their lead to one process there")
     elif ratio >= 1 and half_never(m.times_to_loss) and not half_never(pick.times_to_loss):
-        reason = (f"its {m.time_to_loss:.3g} s to the target is a lower bound (half of its windows ended above the "
-                  f"target), the pick's {pick.time_to_loss:.3g} s was measured")
+        reason = (f"its {m.time_to_loss:.3g} s to the target is {LOWER_BOUND}, the pick's {pick.time_to_loss:.3g} s "
+                  "was measured")
     elif ratio >= 1 and synchronous(pick):
         reason = "as fast, but the pick keeps the exact gradient and needs no tuning"
     elif ratio >= 1:
