@@ -37,7 +37,14 @@ barely under the untrained one are noise), the samples/s under the what-if link.
    process; the runs to the target put the parallel strategy ahead in 5 (regret 0.09-0.37).
    **At depth**: where one process and the best parallel strategy both went deeper than the
    target in every window, the same 5% is asked at the deepest loss both reached
-   (`at_depth`), and one process is picked when the lead is gone there. The windows are
+   (`at_depth`), and one process is picked when the lead is gone there and has shrunk by
+   more than the windows' noise (`speed_noise`, at least 5%): the times at depth come from
+   the same windows as those at the target, and a lead inside the noise moves with a seed's
+   luck at either loss. (``partrain bench compare``'s comm scenario, 2026-11-29: hogwild
+   led one process 1.09x at the target on two run-off windows of 1.48 and 3.25 s, a noise
+   of 37%, and trailed it 1.09x at a loss 8% deeper: a shrink of 1.18x, inside the noise.
+   One process was picked; the runs took 1.43x hogwild's time with it. On the 100 saved
+   scenarios the noise moves that pick and one other, a miss either way.) The windows are
    short and their target shallow; a parallel strategy steps on a larger global batch,
    makes fast early progress and learns less per sample later, so its lead shrinks with
    depth, and the loss a user trains to is deeper than any window's (``partrain bench
@@ -252,7 +259,8 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     # rule 2 at depth: one process against the best parallel strategy at the deepest loss both reached
     deep = at_depth(single, best, target) if single is not None and best is not None and \
         single.speed * (1 + TIE_FLOOR) < best.speed else None
-    single_deep = deep is not None and deep[2] >= deep[1] / (1 + TIE_FLOOR)
+    single_deep = deep is not None and deep[2] >= deep[1] / (1 + TIE_FLOOR) and \
+        best.speed > single.speed * deep[1] / deep[2] * (1 + max(TIE_FLOOR, speed_noise(single), speed_noise(best)))
     if single is not None and (best is None or single.speed * (1 + TIE_FLOOR) >= best.speed or single_deep):
         pick = single
         if single_deep:
