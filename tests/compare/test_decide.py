@@ -591,9 +591,11 @@ def test_repeats_that_spread_widely_make_a_tie():
 
 
 def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(monkeypatch):
-    """`run_off` by hand: the leaders' first windows took 4 and 5 s in all; with 20 s left two rounds
-    fit (9 s each), the second in the reverse order, each round on the next seed for every leader
-    (its curves starting from that seed's untrained loss); with 12 s one; with 8 s none."""
+    """`run_off` by hand: the leaders' first windows took 4 and 5 s in all, local SGD's 3 epochs training
+    8 s and allreduce's 2 epochs 10 s: local SGD's run-off windows train 4 epochs (3 x 10 / 8 = 3.75) and
+    cost 4 x 4 / 3 = 5.33 s, a round 10.33 s. With 20 s left two rounds fit (4.5 s a window here), the
+    second in the reverse order, each round on the next seed for every leader (its curves starting
+    from that seed's untrained loss); with 12 s one; with 8 s none."""
     import time
 
     from partrain.compare import run as run_module
@@ -617,8 +619,8 @@ def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(mon
     said = []
     run_module.run_off([allreduce, local, single], planned, job, 2, 100, 120.0, None, lambda seed: seed / 10, None,
                        said.append)
-    assert asked == [("localsgd H=8", 100, 3, 8, 0.8), ("allreduce", 100, 2, 8, 0.8),
-                     ("allreduce", 100, 2, 9, 0.9), ("localsgd H=8", 100, 3, 9, 0.9)]
+    assert asked == [("localsgd H=8", 100, 4, 8, 0.8), ("allreduce", 100, 2, 8, 0.8),
+                     ("allreduce", 100, 2, 9, 0.9), ("localsgd H=8", 100, 4, 9, 0.9)]
     assert len(allreduce.runoff) == len(local.runoff) == 2 and not single.runoff
     assert said[0] == "run-off: localsgd H=8, allreduce, their first windows again on new seeds, in alternating rounds"
     for left, rounds in ((12.0, 1), (8.0, 0)):
@@ -795,6 +797,23 @@ def test_no_window_is_planned_longer_than_the_first_by_hand():
     assert plan_window(1000.0, 0.1, 64, 8000, 64, 7.5)[1] == 0
     # a share below the cap: the share decides (1 epoch: the caller skips a window under the minimum)
     assert plan_window(4.0, 0.02, 64, 8000, 64, 7.5) == (8000, 1, 2.5)
+
+
+def test_every_leader_of_a_run_off_round_trains_as_long_as_the_longest_first_window():
+    from partrain.compare.run import round_cost, runoff_epochs
+
+    # hogwild's 7 epochs trained 3.0 s (3.6 s in all), DiLoCo's 9 epochs 3.9 s (4.4 s in all): hogwild's run-off
+    # windows get 7 x 3.9 / 3.0 = 9.1 -> 9 epochs, and cost 3.6 x 9 / 7; DiLoCo's are its first's
+    hog = window("hogwild", "hogwild", 4603.0)
+    hog.window_s, hog.wall_s = 3.0, 3.6
+    diloco = window("diloco H=8", "localsgd", 4863.0, period=8)
+    diloco.window_s, diloco.wall_s = 3.9, 4.4
+    planned = {"hogwild": (None, 7), "diloco H=8": (None, 9)}
+    assert runoff_epochs([hog, diloco], planned) == {"hogwild": 9, "diloco H=8": 9}
+    assert round_cost([hog, diloco], planned) == pytest.approx({"hogwild": 3.6 * 9 / 7, "diloco H=8": 4.4})
+    # a leader alone keeps its own; none is shortened below its first window (DiLoCo planned 12 that trained 3.9 s)
+    assert runoff_epochs([hog], planned) == {"hogwild": 7}
+    assert runoff_epochs([hog, diloco], {"hogwild": (None, 7), "diloco H=8": (None, 12)})["diloco H=8"] == 12
 
 
 def _curved(label, strategy, losses, workers=2, per_epoch=200.0):

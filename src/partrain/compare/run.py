@@ -401,8 +401,9 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
             bandwidth: float | None, say: Callable[[str], None]) -> None:
     """Repeat the first windows of the first round's leaders (`contenders`) in alternating rounds
     (the order reversed each round), at most `RUNOFF_ROUNDS`, into each one's
-    ``Measurement.runoff``. A round costs what its leaders' first windows took (start-up and
-    evaluations included); when the time left before ``deadline`` does not pay for it, the
+    ``Measurement.runoff``. Every leader of a round trains as long as the longest of their first
+    windows (`runoff_epochs`), and a round costs what their first windows took, stretched so
+    (`round_cost`); when the time left before ``deadline`` does not pay for it, the
     slowest leader leaves first, and a round of fewer than two is not run. Each round after the
     first races the leaders as they stand after the rounds before (`contenders`, the run-off's
     windows counted; a median that is a lower bound after one that was measured): in ``partrain
@@ -424,7 +425,7 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
         return
     def fitting(leaders: list[Measurement]) -> list[Measurement]:
         """The first of ``leaders`` whose windows the time left pays for (the slowest leave first)."""
-        while len(leaders) >= 2 and sum(m.wall_s for m in leaders) > deadline - time.perf_counter():
+        while len(leaders) >= 2 and sum(round_cost(leaders, planned).values()) > deadline - time.perf_counter():
             leaders = leaders[:-1]
         return leaders
 
@@ -450,9 +451,9 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
             finalists = [m for m in finalists if m.label in kept]  # the order alternates as before
         drawn = dataclasses.replace(job, seed=job.seed + r + 1)
         start = initial(drawn.seed)
+        epochs_of = runoff_epochs(finalists, planned)
         for m in finalists if r % 2 == 0 else finalists[::-1]:
-            cand, epochs = planned[m.label]
-            window = measure(drawn, cand, workers, epoch_samples, epochs, straggler, start)
+            window = measure(drawn, planned[m.label][0], workers, epoch_samples, epochs_of[m.label], straggler, start)
             if window.ok:
                 simulate_link(window, bandwidth)
                 m.runoff.append(window)
@@ -460,6 +461,29 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
                     f"({window.window_s:.1f} s window), lowest test loss {min(v for _, v in window.curve):.4g}")
             else:
                 say(f"run-off round {r + 1}: {m.label}: {window.status}: {window.reason}")
+
+
+def runoff_epochs(leaders: list[Measurement], planned: dict[str, tuple[Candidate, int]]) -> dict[str, int]:
+    """Each leader's epochs in a run-off round: as many as train, at the rate of its first window,
+    for as long as the longest of the leaders' first windows trained (at least its first window's).
+
+    A window that ends above the target counts as never reaching it, and one shorter than a
+    rival's time to the target says nothing of which is faster: the first round's windows train
+    in whole epochs planned from a calibration's step time, and come out of unequal length
+    (``partrain bench compare``'s compute scenario, 2026-11-29: hogwild's 7 epochs trained 3.0 s,
+    DiLoCo's 9 epochs 3.9 s; on the run-off's seeds hogwild's 2.9-second windows ended at 0.42
+    and 0.41, above the target 0.347, and its median became "never" where its first window had
+    been the fastest; the runs to the target had hogwild the fastest, DiLoCo 1.21x its time)."""
+    longest = max(m.window_s for m in leaders)
+    return {m.label: max(planned[m.label][1], round(planned[m.label][1] * longest / m.window_s))
+            if m.window_s > 0 else planned[m.label][1] for m in leaders}
+
+
+def round_cost(leaders: list[Measurement], planned: dict[str, tuple[Candidate, int]]) -> dict[str, float]:
+    """What each leader's window in a run-off round of ``leaders`` costs: its first window's whole
+    time (start-up and evaluations included), stretched by its `runoff_epochs` over its first's."""
+    epochs = runoff_epochs(leaders, planned)
+    return {m.label: m.wall_s * epochs[m.label] / max(1, planned[m.label][1]) for m in leaders}
 
 
 #: what the windows import in the workers: imported once, up front, by every process (seconds each
