@@ -474,7 +474,7 @@ def runoff_epochs(leaders: list[Measurement], planned: dict[str, tuple[Candidate
     DiLoCo's 9 epochs 3.9 s; on the run-off's seeds hogwild's 2.9-second windows ended at 0.42
     and 0.41, above the target 0.347, and its median became "never" where its first window had
     been the fastest; the runs to the target had hogwild the fastest, DiLoCo 1.21x its time)."""
-    longest = max(m.window_s for m in leaders)
+    longest = max((m.window_s for m in leaders if m.window_s > 0), default=0.0)  # (NaN: not measured)
     return {m.label: max(planned[m.label][1], round(planned[m.label][1] * longest / m.window_s))
             if m.window_s > 0 else planned[m.label][1] for m in leaders}
 
