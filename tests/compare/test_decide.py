@@ -810,7 +810,7 @@ def test_every_leader_of_a_run_off_round_trains_as_long_as_the_longest_first_win
     diloco.window_s, diloco.wall_s = 3.9, 4.4
     planned = {"hogwild": (None, 7), "diloco H=8": (None, 9)}
     assert runoff_epochs([hog, diloco], planned) == {"hogwild": 9, "diloco H=8": 9}
-    assert round_cost([hog, diloco], planned) == pytest.approx({"hogwild": 3.6 * 9 / 7, "diloco H=8": 4.4})
+    assert round_cost([hog, diloco], planned) == pytest.approx(3.6 * 9 / 7 + 4.4)
     # a leader alone keeps its own; none is shortened below its first window (DiLoCo planned 12 that trained 3.9 s)
     assert runoff_epochs([hog], planned) == {"hogwild": 7}
     assert runoff_epochs([hog, diloco], {"hogwild": (None, 7), "diloco H=8": (None, 12)})["diloco H=8"] == 12
@@ -858,24 +858,18 @@ def test_one_process_does_not_catch_up_with_depth_inside_the_windows_noise():
     # inside the noise: the times at depth come from the same two seeds, and rule 2 at depth does not fire
     from partrain.compare.decide import at_depth
 
-    def windows():
-        single = _curved("single", "single", [1.0, 0.7, 0.5, 0.38], workers=1, per_epoch=100.0)
-        single.runoff = [_curved("single", "single", [1.0, 0.8, 0.6, 0.45, 0.38], workers=1, per_epoch=100.0)]
-        diloco = _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.45, 0.40])
-        diloco.runoff = [_curved("diloco H=8", "localsgd", [1.0, 0.85, 0.65, 0.5, 0.4])]
-        return [single, diloco, _curved("allreduce", "allreduce", [1.0, 0.8, 0.6]),
-                _curved("ps sync", "ps", [1.0, 0.8, 0.6])]
-
-    ms = windows()
+    single = _curved("single", "single", [1.0, 0.7, 0.5, 0.38], workers=1, per_epoch=100.0)
+    single.runoff = [_curved("single", "single", [1.0, 0.8, 0.6, 0.45, 0.38], workers=1, per_epoch=100.0)]
+    diloco = _curved("diloco H=8", "localsgd", [1.0, 0.55, 0.45, 0.40])
+    diloco.runoff = [_curved("diloco H=8", "localsgd", [1.0, 0.85, 0.65, 0.5, 0.4])]
+    ms = [single, diloco, _curved("allreduce", "allreduce", [1.0, 0.8, 0.6]), _curved("ps sync", "ps", [1.0, 0.8, 0.6])]
     rec = recommend(ms)
-    single, diloco = ms[:2]
     assert single.time_to_loss == pytest.approx(1.75) and diloco.time_to_loss == pytest.approx((8 / 9 + 7 / 3) / 2)
     assert at_depth(single, diloco, 0.6) == pytest.approx((0.4, (2 + 1 / 1.2 + 3 + 5 / 7) / 2, 3.5))
     assert rec.pick == "diloco H=8" and rec.tied == ["single"] and "catches up" not in rec.why
     assert rec.why.startswith("tied with single (0.92x its speed, within the windows' noise of 45%)"), rec.why
     # the same lead and shrink on one window each (DiLoCo's noise its epochs' spread: 5%): one process
-    for m in ms[:2]:
-        m.runoff = []
+    single.runoff, diloco.runoff = [], []
     rec = recommend(ms)
     assert rec.pick == "single" and rec.why.startswith("one process catches up with depth"), rec.why
 

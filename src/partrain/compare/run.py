@@ -425,7 +425,7 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
         return
     def fitting(leaders: list[Measurement]) -> list[Measurement]:
         """The first of ``leaders`` whose windows the time left pays for (the slowest leave first)."""
-        while len(leaders) >= 2 and sum(round_cost(leaders, planned).values()) > deadline - time.perf_counter():
+        while len(leaders) >= 2 and round_cost(leaders, planned) > deadline - time.perf_counter():
             leaders = leaders[:-1]
         return leaders
 
@@ -479,11 +479,11 @@ def runoff_epochs(leaders: list[Measurement], planned: dict[str, tuple[Candidate
             if m.window_s > 0 else planned[m.label][1] for m in leaders}
 
 
-def round_cost(leaders: list[Measurement], planned: dict[str, tuple[Candidate, int]]) -> dict[str, float]:
-    """What each leader's window in a run-off round of ``leaders`` costs: its first window's whole
-    time (start-up and evaluations included), stretched by its `runoff_epochs` over its first's."""
+def round_cost(leaders: list[Measurement], planned: dict[str, tuple[Candidate, int]]) -> float:
+    """What a run-off round of ``leaders`` costs: each one's first window's whole time (start-up
+    and evaluations included), stretched by its `runoff_epochs` over its first's."""
     epochs = runoff_epochs(leaders, planned)
-    return {m.label: m.wall_s * epochs[m.label] / max(1, planned[m.label][1]) for m in leaders}
+    return sum(m.wall_s * epochs[m.label] / max(1, planned[m.label][1]) for m in leaders)
 
 
 #: what the windows import in the workers: imported once, up front, by every process (seconds each
