@@ -260,7 +260,7 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     deep = at_depth(single, best, target) if single is not None and best is not None and \
         single.speed * (1 + TIE_FLOOR) < best.speed else None
     single_deep = deep is not None and deep[2] >= deep[1] / (1 + TIE_FLOOR) and \
-        best.speed > single.speed * deep[1] / deep[2] * (1 + max(TIE_FLOOR, speed_noise(single), speed_noise(best)))
+        best.speed > single.speed * deep[1] / deep[2] * (1 + pair_noise(single, best))
     if single is not None and (best is None or single.speed * (1 + TIE_FLOOR) >= best.speed or single_deep):
         pick = single
         if single_deep:
@@ -321,7 +321,7 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         # a pick whose time is a lower bound is not ranked above a parallel rival whose time was measured
         measured = _measured_rival(pick, rivals) if pick is not allreduce else None
         second = measured or second
-        noise = max(speed_noise(pick), speed_noise(second), TIE_FLOOR)
+        noise = pair_noise(pick, second)
         if measured is not None or abs(second.speed / pick.speed - 1) <= noise:
             # the times to the target cannot tell them apart: between two parallel strategies, the one whose
             # test loss was lower over the time both trained (allreduce is the pick here only by rule 3's
@@ -561,14 +561,13 @@ def deepest_common(a: Measurement, b: Measurement) -> float:
 
 def _at_depth_each(pick: Measurement, rivals: list[Measurement], target: float):
     """For each rival that reached the target (and is not ``pick``) with a deeper loss to rank at
-    (`at_depth`): ``(rival, loss, pick's time, rival's time, noise)``, the noise the larger of
-    the two windows' (`speed_noise`), at least `TIE_FLOOR`."""
+    (`at_depth`): ``(rival, loss, pick's time, rival's time, noise)``, the noise `pair_noise`."""
     for m in rivals:
         if m is pick or not 0 < m.time_to_loss < math.inf:
             continue
         deep = at_depth(pick, m, target)
         if deep is not None:
-            yield (m, *deep, max(speed_noise(pick), speed_noise(m), TIE_FLOOR))
+            yield (m, *deep, pair_noise(pick, m))
 
 
 def _overtaker(pick: Measurement, rivals: list[Measurement], target: float,
@@ -662,6 +661,12 @@ def speed_noise(m: Measurement) -> float:
     sample standard deviation over the square root of their number, over their median); a
     repeat that never reached the target leaves the spread to the others."""
     return max(window_noise(m), relative_error(m.times_to_loss))
+
+
+def pair_noise(a: Measurement, b: Measurement) -> float:
+    """The noise two strategies' times are compared within: the larger of their `speed_noise`, at
+    least `TIE_FLOOR`."""
+    return max(speed_noise(a), speed_noise(b), TIE_FLOOR)
 
 
 def relative_error(times: list[float]) -> float:
