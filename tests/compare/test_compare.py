@@ -84,6 +84,7 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
     assert saved["validation"]["workers"] == 2.0 and saved["formulas"]["localsgd"]
     # h, measured with both workers stepping at once: at least 1 (clamped), and what the prediction used
     assert saved["constants"]["host_factor"] >= 1.0 and result.host_factor == saved["constants"]["host_factor"]
+    assert saved["host_factors"] == {"host probe": result.host_factor}  # no local-update window to check it by
     # DDP's buckets hold every parameter once; k is their number; c is clamped at 0
     assert sum(saved["buckets"]) == _parameter_bytes(conv_net(16)) and saved["constants"]["messages"] == len(
         saved["buckets"])

@@ -410,6 +410,44 @@ def test_the_model_check_is_not_made_against_a_straggler_and_the_report_says_why
             "measured allreduce, and the model predicts workers of equal speed") in format_result(slowed)
 
 
+def test_h_is_the_median_of_the_host_probe_and_the_local_update_windows():
+    """A probe the host disturbed (h = 1.75) is outvoted by local SGD's and DiLoCo's windows, whose
+    steps give h by hand: h t1 + (2 (n-1)/n S/B + 2 (n-1) a + c) / H."""
+    from partrain.compare.options import Straggler
+    from partrain.compare.report import format_result, to_json
+    from partrain.compare.run import CompareResult, _predict
+
+    t1, extra = 32 / 1000, (1e5 / 1e8 + 2e-4 + 2e-3) / 8  # 1e-3 ring + 2e-4 latency + c = 2e-3, every 8 steps
+
+    def rate(h):  # a local-update window's samples/s at host factor h, two workers of 32
+        return 64 / (h * t1 + extra)
+
+    def result(straggler=None, link=(1e8, 1e-4), local=(1.0, 1.1)):
+        windows = [window("single", "single", 1000.0, workers=1), window("allreduce", "allreduce", 600.0)]
+        windows += [window(label, "localsgd", rate(h), period=8) for label, h in zip(("localsgd H=8", "diloco H=8"),
+                                                                                    local)]
+        r = CompareResult(windows, None, 60.0, 50.0, 2, 32, 100_000, straggler)
+        r.link, r.host_factor, r.contention_s, r.ddp_overhead_s = link, 1.75, 2e-3, 1e-3
+        _predict(r, [1.25e9], [8])
+        return r
+
+    r = result()
+    assert r.host_factors == pytest.approx({"host probe": 1.75, "localsgd H=8": 1.0, "diloco H=8": 1.1}, rel=1e-12)
+    assert r.constants.host_factor == pytest.approx(1.1, rel=1e-12) and r.host_factor == 1.75  # the probe's, kept
+    # the check of the model takes the median: h t1 + o + c + ring
+    assert r.validation["predicted"] == pytest.approx(64 / (1.1 * t1 + 1e-3 + 2e-3 + 1.2e-3), rel=1e-12)
+    text = format_result(r)
+    assert ("h here: the median of the host probe's 1.75 and the local-update windows' 1.00 (localsgd H=8), "
+            "1.10 (diloco H=8)") in text and "the host probe (h: with the local-update windows)" in text
+    assert to_json(r)["host_factors"]["diloco H=8"] == pytest.approx(1.1)
+    # a window faster than h = 1 allows counts as 1, as the probe's h does; two estimates: their mean
+    assert result(local=(0.9, math.nan)).constants.host_factor == pytest.approx((1.75 + 1.0) / 2)
+    # no local-update window counts with a straggler (its steps are the straggler's) or without a probed link
+    for other in (result(Straggler(1, 3.0)), result(link=None)):
+        assert other.host_factors == {"host probe": 1.75} and other.constants.host_factor == 1.75
+        assert "h here" not in format_result(other)
+
+
 def test_the_bench_checks_the_model_on_the_medians_of_its_runs_by_hand():
     """``bench compare``'s check of the scaling model: the one-worker step of single's runs (the median
     of their samples/s) with compare's probed constants, against the median of allreduce's runs."""

@@ -127,6 +127,13 @@ def format_result(result: CompareResult) -> str:
                   f"k = {c.messages} bucket(s); here h = {c.host_factor:.2f}, o = {c.overhead_s * 1e3:.2f} ms, "
                   f"c = {c.contention_s * 1e3:.2f} ms, {link})", f"  {HOST_FACTOR}", f"  {DDP_OVERHEAD}",
                   f"  {CONTENTION}"]
+        if len(result.host_factors) > 1:
+            probe, *windows = result.host_factors.items()
+            lines.append(f"  h here: the median of the host probe's {probe[1]:.2f} and the local-update windows' "
+                         + ", ".join(f"{h:.2f} ({label})" for label, h in windows)
+                         + ": each window trains its workers at once for seconds, averaging every H steps (h solved "
+                         "from its samples/s with the link and c as probed), where the probe's parts run for under a "
+                         "second, and a host busy elsewhere for that second misreads it")
         loaded = probe_warning(result)
         if loaded:
             lines.append(f"  caution: {loaded}")
@@ -145,7 +152,8 @@ def format_result(result: CompareResult) -> str:
     v = result.validation
     if v:
         lines += ["", f"check of the model here: {int(v['workers'])}-worker allreduce predicted from one worker "
-                  f"and the host probe {v['predicted']:,.0f} samples/s, measured {v['measured']:,.0f} "
+                  f"and the host probe{' (h: with the local-update windows)' if len(result.host_factors) > 1 else ''}"
+                  f" {v['predicted']:,.0f} samples/s, measured {v['measured']:,.0f} "
                   f"(error {v['error']:.0%})"]
     elif result.straggler is not None and result.constants is not None:
         lines += ["", f"check of the model here: not made: the injected straggler (worker {result.straggler.worker}, "
@@ -188,7 +196,7 @@ def to_json(result: CompareResult) -> dict[str, Any]:
         "constants": vars(result.constants) if result.constants else None,
         "formulas": {**FORMULAS, "throughput": THROUGHPUT, "h": HOST_FACTOR, "o": DDP_OVERHEAD,
                      "c": CONTENTION, "beyond": BEYOND},
-        "buckets": result.buckets, "probe": result.probe, "probe_load": result.probe_load, "probes": result.probes,
+        "host_factors": result.host_factors, "buckets": result.buckets, "probe": result.probe, "probe_load": result.probe_load, "probes": result.probes,
         "predictions": [vars(p) for p in result.predictions],
         "validation": result.validation or None,
         "host_load_warning": spread_warning(result.measurements),
