@@ -122,12 +122,14 @@ def format_result(result: CompareResult) -> str:
         c = result.constants
         link = (f"B = {result.link[0] / 1e6:,.0f} MB/s, a = {result.link[1] * 1e6:.0f} us" if result.link
                 else "no link probed")
-        lines += ["", "predicted scaling (constants from the single window and the host probe: t1 = "
+        checked = len(result.host_factors) > 1
+        lines += ["", "predicted scaling (constants from the single window and the host probe"
+                  f"{', h with the local-update windows' if checked else ''}: t1 = "
                   f"{c.step_s * 1e3:.2f} ms per step of b = {c.batch}, S = {c.model_bytes / 2**20:.2f} MB in "
                   f"k = {c.messages} bucket(s); here h = {c.host_factor:.2f}, o = {c.overhead_s * 1e3:.2f} ms, "
                   f"c = {c.contention_s * 1e3:.2f} ms, {link})", f"  {HOST_FACTOR}", f"  {DDP_OVERHEAD}",
                   f"  {CONTENTION}"]
-        if len(result.host_factors) > 1:
+        if checked:
             probe, *windows = result.host_factors.items()
             lines.append(f"  h here: the median of the host probe's {probe[1]:.2f} and the local-update windows' "
                          + ", ".join(f"{h:.2f} ({label})" for label, h in windows)
