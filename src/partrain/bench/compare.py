@@ -316,7 +316,8 @@ def times_to_target(runs: dict[str, list[Any]], target: float = math.nan) -> tup
 
 def model_check(result: Any, runs: dict[str, list[Any]]) -> tuple[float, float]:
     """The scaling model on the runs to the target: ``(predicted, measured)`` 2-worker allreduce samples/s,
-    the prediction from compare's probed constants with the one-worker step of single's runs (the
+    the prediction from compare's constants (probed; ``h`` the median of the probe's and the local-update
+    windows', `partrain.compare.run._predict`) with the one-worker step of single's runs (the
     median of their steady samples/s), the measurement the median of allreduce's runs; NaNs when
     compare made no check (no link probed, a straggler) or either has no runs."""
     from ..scaling import Link, samples_per_s
