@@ -118,11 +118,11 @@ def format_result(result: CompareResult) -> str:
                     spread_warning(result.measurements)):
         if warning:
             lines.append(f"caution: {warning}")
+    checked = len(result.host_factors) > 1  # h: the probe's checked by local-update windows
     if result.constants is not None:
         c = result.constants
         link = (f"B = {result.link[0] / 1e6:,.0f} MB/s, a = {result.link[1] * 1e6:.0f} us" if result.link
                 else "no link probed")
-        checked = len(result.host_factors) > 1
         lines += ["", "predicted scaling (constants from the single window and the host probe"
                   f"{', h with the local-update windows' if checked else ''}: t1 = "
                   f"{c.step_s * 1e3:.2f} ms per step of b = {c.batch}, S = {c.model_bytes / 2**20:.2f} MB in "
@@ -154,7 +154,7 @@ def format_result(result: CompareResult) -> str:
     v = result.validation
     if v:
         lines += ["", f"check of the model here: {int(v['workers'])}-worker allreduce predicted from one worker "
-                  f"and the host probe{' (h: with the local-update windows)' if len(result.host_factors) > 1 else ''}"
+                  f"and the host probe{' (h: with the local-update windows)' if checked else ''}"
                   f" {v['predicted']:,.0f} samples/s, measured {v['measured']:,.0f} "
                   f"(error {v['error']:.0%})"]
     elif result.straggler is not None and result.constants is not None:
