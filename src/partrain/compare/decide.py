@@ -126,7 +126,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from ..scaling import Link, allreduce_seconds
-from .measure import Measurement
+from .measure import Measurement, sync_period
 
 COMM_FLOOR = 0.20
 #: rule 3: allreduce is kept unless another strategy is this much faster to the target
@@ -182,7 +182,7 @@ def link_seconds(m: Measurement, link: Link, shards: int = 1) -> float:
     n, sent = m.workers, m.bytes_per_step
     if m.strategy in ("allreduce", "localsgd"):
         # bytes_per_step is what each worker all-reduced (S per sync, S/H per step for local SGD)
-        syncs = 1.0 if m.strategy == "allreduce" else 1.0 / float(m.options.get("period", 8))
+        syncs = 1.0 if m.strategy == "allreduce" else 1.0 / sync_period(m.options)
         return allreduce_seconds(n, sent, Link(link.bandwidth, link.latency_s * syncs))
     if m.strategy == "ps":
         # the busiest shard's link carries every worker's push and pull of a step

@@ -242,6 +242,12 @@ def fill_from_history(m: Measurement, history: list[dict[str, Any]], records: li
         m.curve_s.append(elapsed)
 
 
+def sync_period(options: dict[str, Any]) -> int:
+    """A local-update strategy's steps between averages, from its options (the strategy's own default,
+    8, where they name none)."""
+    return int(options.get("period", 8))
+
+
 def parameter_bytes(model: torch.nn.Module) -> int:
     """What one copy of the trainable parameters weighs: the gradient every step exchanges."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -58,6 +58,7 @@ from .measure import (
     Measurement,
     measure,
     parameter_bytes,
+    sync_period,
 )
 from .options import Straggler, parse_bandwidth, parse_budget, parse_links, parse_straggler
 
@@ -851,7 +852,7 @@ def _estimate_step(c: Candidate, n: int, result: CompareResult, guess: float, mo
         # the scaling model's step with h = 1 (the correction learns the rest) and one server shard
         here = Constants(step, result.batch_size, float(model_bytes), 1.0, max(1, len(result.buckets)),
                          result.contention_s, result.ddp_overhead_s)
-        step = step_seconds(c.strategy, n, here, Link(*result.link), period=int(c.options.get("period", 8)),
+        step = step_seconds(c.strategy, n, here, Link(*result.link), period=sync_period(c.options),
                             shards=1)
     return step
 
@@ -861,8 +862,8 @@ def local_host_factor(m: Measurement, here: Constants, link: Link) -> float:
     seconds and average once every ``H`` steps, so its step is ``h t1`` plus the model's share of one
     all-reduce per period (`scaling.FORMULAS`, on the probed link and ``c``); ``h`` is solved from
     the window's measured step (``n b`` over its samples/s), at least 1 as the probe's."""
-    period = int(m.options.get("period", 8))
-    bare = step_seconds("localsgd", m.workers, dataclasses.replace(here, host_factor=1.0), link, period=period)
+    bare = step_seconds("localsgd", m.workers, dataclasses.replace(here, host_factor=1.0), link,
+                        period=sync_period(m.options))
     measured = m.workers * here.batch / m.samples_per_s
     return max(1.0, (measured - (bare - here.step_s)) / here.step_s)
 
