@@ -1040,3 +1040,46 @@ def test_a_pick_ranked_first_by_a_lower_bound_ties_with_a_measured_rival_and_the
     local.runoff = []
     rec = recommend([local, hog])
     assert rec.pick == "localsgd H=8" and rec.tied == []
+
+
+def test_bench_scenario_data_mixtures_and_the_deep_mlps_initialisation():
+    import torch
+
+    from partrain.bench.compare import SCENARIOS, clusters, deep_mlp, dense_mlp
+
+    # without noise every sample is its cluster's centre: one point per class, or up to `modes` per class
+    train, test = clusters(400, (1, 4, 4), noise=0.0)
+    assert len(train) == 400 and len(test) == 100
+    points = {(tuple(x.flatten().tolist()), int(y)) for x, y in train}
+    assert len(points) == 10 and len({y for _, y in points}) == 10
+    train, test = clusters(2000, (1, 4, 4), noise=0.0, modes=4, held_out=64)
+    assert len(train) == 2000 and len(test) == 64
+    points = {(tuple(x.flatten().tolist()), int(y)) for x, y in train}
+    per_class = [sum(y == k for _, y in points) for k in range(10)]
+    assert len(points) == 40 and per_class == [4] * 10  # no point carries two labels: 40 distinct centres
+    assert len({p for p, _ in points}) == 40
+    # one mode draws as the clusters always did: the same seed, the same samples
+    a, _ = clusters(64, (1, 8, 8), seed=3, noise=2.0)
+    b, _ = clusters(64, (1, 8, 8), seed=3, noise=2.0, modes=1)
+    assert torch.equal(a.tensors[0], b.tensors[0]) and torch.equal(a.tensors[1], b.tensors[1])
+
+    # PyTorch's default initialisation shrinks the signal layer by layer; He's keeps its scale
+    def hidden_scales(model):
+        h, scales = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0)), []
+        for layer in model:
+            h = layer(h)
+            if isinstance(layer, torch.nn.ReLU):
+                scales.append(h.pow(2).mean().sqrt().item())
+        return scales
+
+    torch.manual_seed(0)
+    he = hidden_scales(deep_mlp(64, 256, 7))
+    torch.manual_seed(0)
+    default = hidden_scales(dense_mlp(64, 256, 7))
+    assert all(0.7 < s < 1.4 for s in he) and default[-1] < default[0] / 5
+    torch.manual_seed(0)
+    last = deep_mlp(64, 256, 7)[-1]
+    torch.manual_seed(0)
+    assert torch.equal(last.weight, dense_mlp(64, 256, 7)[-1].weight)  # the output layer keeps its default
+    split = next(s for s in SCENARIOS if s.name == "split")
+    assert split.model_fn.func is deep_mlp and split.modes > 1
