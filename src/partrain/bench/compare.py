@@ -8,7 +8,8 @@ enough that the loss falls over several epochs), 2 workers of one thread each:
 - ``comm``: a dense MLP (two 1024-wide hidden layers, 1.1 M parameters) at batch 8:
   communication-heavy;
 - ``straggler``: a small convolutional net with worker 1 slowed 3x (an injected delay);
-- ``split``: a deep MLP of eight layers, a model a pipeline can cut.
+- ``split``: a deep MLP of eight layers (He-initialised), a model a pipeline can cut, on ten
+  classes of 16 clusters each (no linear model separates them).
 
 In each: ``partrain.compare`` with its default budget (60 s; quick 10 s) recommends a
 strategy (after a run-off between the leaders of its first round when the time left pays
