@@ -1058,10 +1058,14 @@ def test_bench_scenario_data_mixtures_and_the_deep_mlps_initialisation():
     per_class = [sum(y == k for _, y in points) for k in range(10)]
     assert len(points) == 40 and per_class == [4] * 10  # no point carries two labels: 40 distinct centres
     assert len({p for p, _ in points}) == 40
-    # one mode draws as the clusters always did: the same seed, the same samples
-    a, _ = clusters(64, (1, 8, 8), seed=3, noise=2.0)
-    b, _ = clusters(64, (1, 8, 8), seed=3, noise=2.0, modes=1)
-    assert torch.equal(a.tensors[0], b.tensors[0]) and torch.equal(a.tensors[1], b.tensors[1])
+    # one mode draws the samples the clusters drew before modes (ten centres, a label each, by hand)
+    g = torch.Generator().manual_seed(3)
+    centres = torch.randn(10, 1, 8, 8, generator=g)
+    labels = torch.randint(0, 10, (80,), generator=g)
+    samples = centres[labels] + 2.0 * torch.randn(80, 1, 8, 8, generator=g)
+    train, test = clusters(64, (1, 8, 8), seed=3, noise=2.0)
+    assert torch.equal(train.tensors[0], samples[:64]) and torch.equal(train.tensors[1], labels[:64])
+    assert torch.equal(test.tensors[0], samples[64:]) and torch.equal(test.tensors[1], labels[64:])
 
     # PyTorch's default initialisation shrinks the signal layer by layer; He's keeps its scale
     def hidden_scales(model):

@@ -144,7 +144,7 @@ def deep_mlp(in_features: int = 64, hidden: int = 256, depth: int = 7) -> nn.Mod
 
     PyTorch's default initialisation shrinks the signal layer by layer: eight such layers start
     with outputs near zero and a test loss flat at 2.30 for a number of steps that is the seed's
-    (30 to 40 evaluations of 1,024 samples in five seeds), then fall in one or two evaluations."""
+    (30 to 40 evaluations of 1,024 samples in three seeds), then fall in one or two evaluations."""
     model = dense_mlp(in_features, hidden, depth)
     for layer in list(model)[:-1]:
         if isinstance(layer, nn.Linear):
@@ -191,14 +191,14 @@ SCENARIOS = (
              straggler="worker=1,slowdown=3"),
     # A task with a slope through the 5-second runs: ten classes of 16 clusters each (no linear
     # model separates them), spread 1.5, 65,536 training samples (on 16,384 the test loss levels off
-    # and turns up after 3 s), the hidden layers He-initialised (`deep_mlp`). Until 2026-11-29 it
+    # near 0.8 after 3 s), the hidden layers He-initialised (`deep_mlp`). Until 2026-11-29 it
     # was ten single clusters spread 3 on 16,384 samples with PyTorch's default initialisation: a
     # plateau at 2.30 whose length was the seed's, a fall within one or two evaluations to the
     # floor the clusters' overlap sets (near 0.6), then a test loss wandering 0.57-0.70. The runs'
     # target (the median of the lowest losses, 0.59-0.61) lay on that floor, the first dip under it
     # was the draw's (hogwild missed it in 2 of 5 runs in 20 of 23 bench runs), and the regret
     # there measured luck: 0.43-0.68 in the last four bench runs. Now every strategy descends
-    # steadily (one process from 2.6 to 0.57-0.65 in its runs) and the target lies mid-slope.
+    # steadily (one process from 2.6 to 0.56-0.78 in five bench runs) and the target lies mid-slope.
     Scenario("split", "deep MLP, 8 layers (a pipeline cuts it)", functools.partial(deep_mlp, 64, 256, 7),
              (1, 8, 8), 32, lr=0.01, min_samples=65536, noise=1.5, modes=16, held_out=4096),
 )
