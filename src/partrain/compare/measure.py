@@ -11,6 +11,7 @@ train`` run prints) and turns the epoch rows and the probe's records into one
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import tempfile
 import time
@@ -23,6 +24,7 @@ from torch.utils.data import Dataset, Subset, TensorDataset
 
 from ..errors import UsageError, WorkerError, first_line
 from ..strategies.base import Strategy, get_strategy
+from ..strategies.local_sgd import LocalSGD
 from . import hostload
 from .options import Straggler
 from .probe import ProbeSpec, probed_model, read_records, steady_rate
@@ -243,9 +245,11 @@ def fill_from_history(m: Measurement, history: list[dict[str, Any]], records: li
 
 
 def sync_period(options: dict[str, Any]) -> int:
-    """A local-update strategy's steps between averages, from its options (the strategy's own default,
-    8, where they name none)."""
-    return int(options.get("period", 8))
+    """A local-update strategy's steps between averages, from its options (`LocalSGD`'s own default
+    where they name none)."""
+    if "period" in options:
+        return int(options["period"])
+    return int(inspect.signature(LocalSGD).parameters["period"].default)
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
