@@ -91,8 +91,8 @@ def format_result(result: CompareResult) -> str:
     ranked_by = (f"s to target: training seconds to test loss {target:.4g} (the median of the lowest of the "
                  "windows that learned), what the rank follows" if target == target else
                  "ranked by samples/s (the windows did not train far enough to time a target loss)")
-    lines.append(f"{ranked_by}; data/compute/comm: shares of a worker's step; loss/X: test loss at equal samples "
-                 "over X's; host load: the host's CPU time that went elsewhere during the window (stolen by a "
+    lines.append(f"{ranked_by}; data/compute/comm: shares of a worker's step; loss/X: test loss over X's at equal "
+                 "samples (over the last half of the samples both trained); host load: the host's CPU time that went elsewhere during the window (stolen by a "
                  "hypervisor or used by other processes); * recommended")
     raced = [m for m in ranked(result) if m.ok and m.runoff]
     if raced:
