@@ -15,7 +15,7 @@ Two strategies compare by their curves' means over the last half of the samples 
 next on a short window (``partrain bench compare``'s compute scenario, 2026-11-29: hogwild's
 loss at the last evaluation both curves reached was 1.27x allreduce's, over the 25% limit
 below, and it was left out; its mean over the last half was 0.87x allreduce's, and hogwild
-was the fastest strategy of the 5-second runs; on the 165 saved scenarios the means change that
+was the fastest strategy of the 5-second runs; on the 164 saved scenarios the means change that
 pick alone). The reference is ``allreduce`` (the exact synchronous gradient of the global
 batch), else ``single``.
 
