@@ -178,6 +178,10 @@ def test_loss_at_equal_samples_averages_the_curves_over_the_last_half_both_reach
     # over 100-200 samples (the last half of the shorter curve): from 1.2 to 1.2 - 0.8 * 100/300, over
     # the reference's from 1.5 to 1.0 (straight lines: their means are the midpoints')
     assert other.loss_ratio == pytest.approx((1.2 + 1.2 - 0.8 / 3) / 2 / 1.25)
+    # a window whose loss went to NaN (diverged) has no loss at equal samples: NaN, not an error
+    diverged = window("hogwild", "hogwild", 1.0, curve=[(0.0, math.nan), (200.0, math.nan)])
+    compare_losses([ref, diverged])
+    assert math.isnan(diverged.loss_ratio)
 
 
 def test_allreduce_no_faster_than_one_process_gives_way_to_a_faster_strategy():

@@ -229,9 +229,14 @@ def loss_ratio(m: Measurement, ref: Measurement) -> float:
     if not m.curve or not ref.curve:
         return math.nan
     samples = min(m.curve[-1][0], ref.curve[-1][0])
-    mine, theirs = (mean_between(*zip(*((s, v) for s, v in c if v == v)), samples / 2, samples)
-                    for c in (m.curve, ref.curve))
+    mine, theirs = (_late_mean(c, samples) for c in (m.curve, ref.curve))
     return mine / theirs if theirs and theirs == theirs and mine == mine else math.nan
+
+
+def _late_mean(curve: list[tuple[float, float]], samples: float) -> float:
+    """A loss curve's mean over its samples ``samples / 2`` to ``samples`` (NaN losses left out)."""
+    points = [(s, v) for s, v in curve if v == v]
+    return mean_between([s for s, _ in points], [v for _, v in points], samples / 2, samples)
 
 
 def compare_losses(measurements: list[Measurement]) -> Measurement | None:

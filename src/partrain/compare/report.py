@@ -92,8 +92,8 @@ def format_result(result: CompareResult) -> str:
                  "windows that learned), what the rank follows" if target == target else
                  "ranked by samples/s (the windows did not train far enough to time a target loss)")
     lines.append(f"{ranked_by}; data/compute/comm: shares of a worker's step; loss/X: test loss over X's at equal "
-                 "samples (over the last half of the samples both trained); host load: the host's CPU time that went elsewhere during the window (stolen by a "
-                 "hypervisor or used by other processes); * recommended")
+                 "samples (over the last half of the samples both trained); host load: the host's CPU time that "
+                 "went elsewhere during the window (stolen by a hypervisor or used by other processes); * recommended")
     raced = [m for m in ranked(result) if m.ok and m.runoff]
     if raced:
         lines += ["", "run-off: the first round's leaders repeated their windows on new seeds, in alternating rounds; "
