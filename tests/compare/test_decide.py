@@ -15,7 +15,6 @@ import pytest
 
 from partrain.compare.decide import (
     compare_losses,
-    loss_at,
     mean_between,
     recommend,
     simulate_link,
@@ -164,10 +163,7 @@ def test_simulated_link_is_the_ring_formula_on_measured_bytes():
 
 
 def test_loss_at_equal_samples_averages_the_curves_over_the_last_half_both_reached():
-    curve = [(0.0, 2.0), (100.0, 1.0), (300.0, 0.5)]
-    assert loss_at(curve, 50.0) == 1.5 and loss_at(curve, 200.0) == 0.75
-    assert math.isnan(loss_at(curve, 301.0))
-    xs, ys = zip(*curve)
+    xs, ys = (0.0, 100.0, 300.0), (2.0, 1.0, 0.5)
     # 50-100: from 1.5 to 1.0 (area 62.5); 100-200: from 1.0 to 0.75 (area 87.5); over 150 samples
     assert mean_between(xs, ys, 50.0, 200.0) == pytest.approx((62.5 + 87.5) / 150)
     assert mean_between(xs, ys, 0.0, 300.0) == pytest.approx((150.0 + 150.0) / 300)

@@ -198,17 +198,6 @@ def link_seconds(m: Measurement, link: Link, shards: int = 1) -> float:
     return 0.0
 
 
-def loss_at(curve: list[tuple[float, float]], samples: float) -> float:
-    """The loss of a curve at ``samples`` (linear between points; NaN outside it)."""
-    points = [(s, v) for s, v in curve if v == v]
-    if not points or samples > points[-1][0] or samples < points[0][0]:
-        return math.nan
-    for (s0, v0), (s1, v1) in zip(points, points[1:]):
-        if s0 <= samples <= s1:
-            return v0 if s1 == s0 else v0 + (v1 - v0) * (samples - s0) / (s1 - s0)
-    return points[-1][1]
-
-
 def mean_between(xs: list[float], ys: list[float], lo: float, hi: float) -> float:
     """The mean over ``[lo, hi]`` of the curve through the points ``(xs, ys)``, linear between them
     (NaN where the points do not cover the span)."""
