@@ -36,7 +36,7 @@ def test_train_options_are_frozen():
         "--nnodes", "--node-rank", "--master-addr", "--master-port", "--model", "--dataset",
         "--synthetic-samples", "--synthetic-shape", "--synthetic-classes", "--test-fraction", "--sync-bn",
         "--epochs", "--batch-size", "--accumulate", "--lr", "--scale-lr", "--optimizer", "--momentum",
-        "--weight-decay", "--max-steps", "--samples-per-epoch", "--seed", "--out", "--resume", "--quiet",
+        "--weight-decay", "--max-steps", "--max-seconds", "--samples-per-epoch", "--seed", "--out", "--resume", "--quiet",
         "--loss", "--lr-schedule", "--warmup-steps", "--clip-grad", "--precision", "--on-nan", "--early-stop",
         "--monitor", "--overwrite", "--config", "--tensorboard", "--checkpoint-every", "--checkpoint-seconds",
         "--loader", "--loader-workers", "--prefetch", "--data-on-device", "--compile",
@@ -101,6 +101,7 @@ ERRORS = [
     (["--config", "{d}/text.npz"], "Expected --config to be JSON (a run's config.json)"),
     (["--checkpoint-every", "0"], "Expected a positive number of steps between checkpoints. Received: "
                                   "checkpoint_every=0"),
+    (["--max-seconds", "0"], "Expected max_seconds to be a positive number of seconds or None. Received: 0.0"),
     (["--checkpoint-seconds", "-1"], "Expected checkpoint_seconds to be a positive number of seconds or None. "
                                      "Received: -1.0"),
     (["--strategy", "ps", "--checkpoint-every", "5"], "Expected checkpoint_every / checkpoint_seconds with a strategy "

@@ -101,6 +101,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     o.add_argument("--scale-lr", action="store_true", help="multiply lr by workers x accumulate (linear scaling rule)")
     o.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    o.add_argument("--max-seconds", type=float, default=None, metavar="S",
+                   help="stop at the end of the epoch nearest S seconds of training (evaluations not counted); "
+                        "--epochs stays the most")
     o.add_argument("--samples-per-epoch", type=int, default=None, metavar="N",
                    help="an epoch of N training samples, each going on through the shuffled set where the last "
                         "stopped (evaluate and checkpoint every N samples of a large set); default: the whole set")
@@ -213,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer_fn,
         strategy=strategy, loss_fn=args.loss, workers=workers, epochs=args.epochs, batch_size=args.batch_size,
         accumulate=args.accumulate, scale_lr=args.scale_lr, out_dir=out, resume=resume, seed=args.seed,
-        quiet=args.quiet, max_steps=args.max_steps, samples_per_epoch=args.samples_per_epoch, timeout=args.timeout,
+        quiet=args.quiet, max_steps=args.max_steps, max_seconds=args.max_seconds,
+        samples_per_epoch=args.samples_per_epoch, timeout=args.timeout,
         backend=args.backend,
         device=args.device, threads=args.threads, on_nan=args.on_nan, clip_grad=args.clip_grad,
         precision=args.precision, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,

@@ -44,6 +44,10 @@ class FitConfig:
     seed: int = 0
     #: stop after this many optimizer steps in total (None: run every epoch)
     max_steps: int | None = None
+    #: stop at the end of the epoch that ends nearest this many seconds of training (the
+    #: workers' mean; evaluations and checkpoints not counted), all workers in the same epoch;
+    #: with ``epochs`` as the most (None: no time limit)
+    max_seconds: float | None = None
     #: an epoch of this many training samples, each epoch going on through the shuffled training
     #: set where the last one stopped (evaluate, checkpoint and log every N samples of a large
     #: training set; Keras's ``steps_per_epoch`` on a repeated dataset); None: the whole set
@@ -116,6 +120,11 @@ class FitConfig:
         _positive("accumulate", self.accumulate, "number of micro-batches to accumulate")
         if self.max_steps is not None:
             _positive("max_steps", self.max_steps, "number of steps")
+        if self.max_seconds is not None and not (
+                isinstance(self.max_seconds, (int, float)) and not isinstance(self.max_seconds, bool)
+                and math.isfinite(self.max_seconds) and self.max_seconds > 0):
+            raise UsageError("Expected max_seconds to be a positive number of seconds or None. "
+                             f"Received: {self.max_seconds!r}")
         if self.samples_per_epoch is not None:
             _positive("samples_per_epoch", self.samples_per_epoch, "number of training samples per epoch")
         if self.out_dir is not None and not str(self.out_dir).strip():

@@ -101,7 +101,7 @@ class RunResult:
     model_state: dict[str, torch.Tensor] | None = None
     #: the model factory `fit` was given (set in the calling process)
     model_fn: Callable[[], nn.Module] | None = field(default=None, repr=False)
-    #: why training ended before ``epochs``: ``"early_stop"``, ``"max_steps"`` or None
+    #: why training ended before ``epochs``: ``"early_stop"``, ``"max_steps"``, ``"max_seconds"`` or None
     stopped: str | None = None
 
     @property
@@ -359,6 +359,8 @@ class _EpochTotals:
     #: set by `record`: some worker has taken ``max_steps`` steps (workers that claim batches
     #: count their own steps, so one may get there an epoch before another: all stop together)
     max_steps_anywhere: bool = False
+    #: set by `record`: the workers' mean training seconds of the epoch (the same on every worker)
+    seconds_everywhere: float = 0.0
 
     def packed(self) -> torch.Tensor:
         """The sums as one float64 row (a mid-epoch checkpoint keeps one per worker)."""
@@ -383,6 +385,7 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
     position = restore(strategy, parts, ckpt, quiet=cfg.quiet, batch_size=cfg.batch_size)
     writer = _start_outputs(strategy, cfg, resumed=ckpt is not None)
     stopped = None
+    trained = 0.0  # the workers' mean training seconds of this call's epochs (`FitConfig.max_seconds`)
     try:
         for epoch in range(position.epoch, cfg.epochs):
             if cfg.max_steps is not None and position.step >= cfg.max_steps:
@@ -401,6 +404,10 @@ def _fit_worker(strategy: Strategy, model_fn: Callable[[], nn.Module], data: Dat
             save(strategy, parts, cfg, position, writer)
             if totals.max_steps_anywhere:
                 stopped = "max_steps"
+                break
+            trained += totals.seconds_everywhere
+            if time_is_up(trained, totals.seconds_everywhere, cfg.max_seconds) and epoch + 1 < cfg.epochs:
+                stopped = "max_seconds"
                 break
             if _early_stop(position.history, cfg):
                 stopped = "early_stop"
@@ -912,10 +919,13 @@ def record(strategy: Strategy, parts: _Parts, cfg: FitConfig, epoch: int, step: 
         torch.tensor([totals.loss_sum.item(), float(totals.seen), times.data, times.compute, times.comm,
                       float(strategy.comm_bytes - totals.comm_bytes), float(totals.skipped)], dtype=torch.float64),
         totals.metric_sums.cpu(),
-        torch.tensor([float(cfg.max_steps is not None and step >= cfg.max_steps)], dtype=torch.float64)])
+        # the epoch's seconds and a count (the mean over whoever sums: workers, a pipeline's first stages)
+        torch.tensor([totals.seconds, 1.0, float(cfg.max_steps is not None and step >= cfg.max_steps)],
+                     dtype=torch.float64)])
     test_loss, test_metrics = evaluate(strategy, parts.model, parts.test_ds, parts.task, cfg.eval_batch_size)
     strategy.all_reduce_sum(train)
     totals.max_steps_anywhere = train[-1].item() > 0
+    totals.seconds_everywhere = train[-3].item() / max(train[-2].item(), 1.0)
     n = max(train[1].item(), 1.0)
     w = strategy.num_workers
     seconds = totals.seconds
@@ -972,6 +982,12 @@ def _best_epoch(history: list[dict[str, Any]], cfg: FitConfig) -> int | None:
         if value == value and (best is None or _better(name, value, history[best][name])):
             best = i
     return best
+
+
+def time_is_up(trained: float, last: float, limit: float | None) -> bool:
+    """After an epoch that took ``last`` seconds and brought the training time to ``trained``: is
+    this epoch's end nearer ``limit`` than the next one's would be (at the same pace)?"""
+    return limit is not None and trained + last / 2 >= limit
 
 
 def _early_stop(history: list[dict[str, Any]], cfg: FitConfig) -> bool:
