@@ -102,8 +102,8 @@ repeat its loss curve sample for sample), and each one's time to the same target
 median of its windows (a window that never reached it counts as endless; when exactly half
 never did, as its whole length, a lower bound: `median_time`). Their spread is also the
 noise the ties below are judged by. A strategy whose only window ended just above the
-target (within `MIN_DEPTH`) before the pick reached it is raced as well (`unranked`): it was
-cut short, not outrun.
+target, and came within `MIN_DEPTH` of it before the pick reached it, is raced as well
+(`unranked`): that close, it was cut short or missed by an evaluation's noise, not outrun.
 
 **Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
 the first left out: 1.4826 x their median absolute deviation over their median, over the
@@ -410,11 +410,12 @@ def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list
     scenario hogwild reached the first round's target in 0.56x DiLoCo's time, then reached the
     5-second runs' target in 2 of 3 runs, later than DiLoCo in all 3.
 
-    A strategy whose window ended just above the target before the pick reached it (`unranked`) is
-    raced too, ranked by its window's length (its time to the target is at least that): its
-    window was cut short, not slow, and the windows cannot rank it below the pick (in ``partrain
-    bench compare``'s compute scenario hogwild's window ended at 3.76 s, 1% above the target,
-    where the pick took 4.16 s; on five other seeds hogwild reached the runs' target first)."""
+    A strategy that never reached the target but came within `MIN_DEPTH` of it before the pick
+    reached it (`unranked`) is raced too, ranked by when it came that close: the windows cannot
+    rank it below the pick (in ``partrain bench compare``'s compute scenario hogwild's window
+    ended at 3.76 s, 1% above the target, where the pick took 4.16 s; in another run its noisy
+    curve came within 2% of the target at 3.61 s, then went back up and ended at 4.86 s, where
+    the pick took 4.38 s. On the runs to the target hogwild was the fastest both times)."""
     first = recommend(measurements)
     ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
     ref = compare_losses(ok)
@@ -424,18 +425,25 @@ def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list
     pick = next(m for m in ok if m.label == first.pick)
     able = sorted((m for m in ok if (0 < m.speed < math.inf or unranked(m, pick, target))
                    and not converges_worse(m, ref)),
-                  key=lambda m: m.time_to_loss if 0 < m.speed < math.inf else window_seconds(m)[0])
+                  key=lambda m: m.time_to_loss if 0 < m.speed < math.inf else near_miss_s(m, target))
     close = ([pick] + [m for m in able if m is not pick])[:most]
     return close if len(close) >= 2 else []
 
 
 def unranked(m: Measurement, pick: Measurement, target: float) -> bool:
     """``m`` never reached ``target`` in its (only) window but came within `MIN_DEPTH` of it (a near
-    miss: that close, the difference is an evaluation's noise), and that window ended before
-    ``pick`` reached the target: its time is longer than its window, and may still be shorter than
-    the pick's. (A pipeline whose short window ended far above the target is not one.)"""
+    miss: that close, the difference is an evaluation's noise) before ``pick`` reached the target
+    (`near_miss_s`): its window was cut short, or its curve's noise kept it above, and its time may
+    still be shorter than the pick's. (A pipeline whose short window ended far above the target is
+    not one.)"""
     return not m.runoff and m.speed == 0 and bool(m.curve) and 0 < pick.time_to_loss < math.inf and \
-        min(v for _, v in m.curve) <= (1 + MIN_DEPTH) * target and window_seconds(m)[0] < pick.time_to_loss
+        near_miss_s(m, target) < pick.time_to_loss
+
+
+def near_miss_s(m: Measurement, target: float) -> float:
+    """The training seconds until ``m``'s window first came within `MIN_DEPTH` above ``target``
+    (NaN: never)."""
+    return time_to_reach(m.curve_s, [v for _, v in m.curve], (1 + MIN_DEPTH) * target)
 
 
 #: what a strategy does to the gradient, by `risk` (0: synchronous, the exact gradient)
@@ -744,8 +752,10 @@ def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_to
         return f"{m.status}: {m.reason}"
     if m.speed == 0:
         if unranked(m, pick, target):
-            return (f"never reached the target loss in its window, which ended after {window_seconds(m)[0]:.3g} s, "
-                    f"before the pick reached it ({pick.time_to_loss:.3g} s): these windows cannot rank it")
+            low = min(v for _, v in m.curve) / target - 1
+            return (f"never reached the target loss in its window, but came within {max(low, 0.005):.0%} of it after "
+                    f"{near_miss_s(m, target):.3g} s, before the pick reached it ({pick.time_to_loss:.3g} s): these "
+                    "windows cannot rank it")
         return "never reached the target loss in most of its windows" if m.runoff else \
             "never reached the target loss in its window"
     ratio = m.speed / pick.speed if pick.speed else math.nan
