@@ -855,7 +855,9 @@ def test_the_run_off_is_shown_in_its_own_table_and_in_the_json_csv_and_png(tmp_p
 def test_no_window_is_planned_longer_than_the_first_by_hand(monkeypatch):
     from partrain.compare.run import plan_window
 
-    monkeypatch.setattr("partrain.compare.run.SAFETY", 0.75)  # the figures below by hand at 75%
+    import sys
+
+    monkeypatch.setattr(sys.modules["partrain.compare.run"], "SAFETY", 0.75)  # the figures below by hand at 75%
     # the first: 75% of a 10 s share at 10 ms a step of 64 samples: 48,000 samples, six epochs of 8,000
     assert plan_window(10.0, 0.01, 64, 0, 64) == (8000, 6, 7.5)
     # a later window with twice the share is capped at the first's 7.5 s: 3 epochs at 20 ms a step
