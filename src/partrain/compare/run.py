@@ -488,7 +488,8 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
 
 def runoff_epochs(leaders: list[Measurement], planned: dict[str, tuple[Candidate, int]]) -> dict[str, int]:
     """Each leader's epochs in a run-off round: as many as train, at the rate of its first window,
-    for as long as the longest of the leaders' first windows trained (at least its first window's).
+    for as long as the longest of the leaders' first windows trained (at least its first window's);
+    the run-off time-boxes its windows to that length and lets them run to twice these epochs.
 
     A window that ends above the target counts as never reaching it, and one shorter than a
     rival's time to the target says nothing of which is faster: the first round's windows train
