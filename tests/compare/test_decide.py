@@ -664,11 +664,10 @@ def test_repeats_that_spread_widely_make_a_tie():
 
 def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(monkeypatch):
     """`run_off` by hand: the leaders' first windows took 4 and 5 s in all, local SGD's 3 epochs training
-    8 s and allreduce's 2 epochs 10 s: every run-off window is time-boxed to 10 s, local SGD's at most
-    twice 4 epochs (3 x 10 / 8 = 3.75), allreduce's twice 2, and the round costs 4 x 4 / 3 + 5 = 10.33 s.
-    With 20 s left two rounds fit (4.5 s a window here), the second in the reverse order, each round on
-    the next seed for every leader (its curves starting from that seed's untrained loss); with 12 s one;
-    with 8 s none."""
+    8 s and allreduce's 2 epochs 10 s: local SGD's run-off windows train 4 epochs (3 x 10 / 8 = 3.75) and
+    cost 4 x 4 / 3 = 5.33 s, a round 10.33 s. With 20 s left two rounds fit (4.5 s a window here), the
+    second in the reverse order, each round on the next seed for every leader (its curves starting
+    from that seed's untrained loss); with 12 s one; with 8 s none."""
     import time
 
     from partrain.compare import run as run_module
@@ -679,8 +678,8 @@ def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(mon
     asked = []
     now = [100.0]
 
-    def fake_measure(job, cand, workers, epoch_samples, epochs, straggler, initial, seconds=None):
-        asked.append((cand.label, epoch_samples, epochs, job.seed, initial, seconds))
+    def fake_measure(job, cand, workers, epoch_samples, epochs, straggler, initial):
+        asked.append((cand.label, epoch_samples, epochs, job.seed, initial))
         now[0] += 4.5
         return _timed(cand.label, cand.strategy, 100.0, ((0.0, 2.0), (100.0 * epochs, 1.0)), (0.0, float(epochs)))
 
@@ -692,8 +691,8 @@ def test_the_run_off_repeats_the_leaders_first_windows_in_alternating_rounds(mon
     said = []
     run_module.run_off([allreduce, local, single], planned, job, 2, 100, 120.0, None, lambda seed: seed / 10, None,
                        said.append)
-    assert asked == [("localsgd H=8", 100, 8, 8, 0.8, 10.0), ("allreduce", 100, 4, 8, 0.8, 10.0),
-                     ("allreduce", 100, 4, 9, 0.9, 10.0), ("localsgd H=8", 100, 8, 9, 0.9, 10.0)]
+    assert asked == [("localsgd H=8", 100, 4, 8, 0.8), ("allreduce", 100, 2, 8, 0.8),
+                     ("allreduce", 100, 2, 9, 0.9), ("localsgd H=8", 100, 4, 9, 0.9)]
     assert len(allreduce.runoff) == len(local.runoff) == 2 and not single.runoff
     assert said[0] == "run-off: localsgd H=8, allreduce, their first windows again on new seeds, in alternating rounds"
     for left, rounds in ((12.0, 1), (8.0, 0)):
@@ -726,7 +725,7 @@ def test_a_later_run_off_round_races_the_leaders_as_they_stand_and_the_time_left
     windows = {"localsgd H=8": [(line, 8.0)] * 2, "diloco H=8": [(short, 9.0)], "hogwild": [(line, 9.0)] * 2}
     asked, now = [], [100.0]
 
-    def fake_measure(job, cand, workers, epoch_samples, epochs, straggler, initial, seconds=None):
+    def fake_measure(job, cand, workers, epoch_samples, epochs, straggler, initial):
         asked.append((cand.label, job.seed))
         now[0] += 4.5
         curve, seconds = windows[cand.label].pop(0)
@@ -852,12 +851,9 @@ def test_the_run_off_is_shown_in_its_own_table_and_in_the_json_csv_and_png(tmp_p
     assert open(paths["png"], "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_no_window_is_planned_longer_than_the_first_by_hand(monkeypatch):
+def test_no_window_is_planned_longer_than_the_first_by_hand():
     from partrain.compare.run import plan_window
 
-    import sys
-
-    monkeypatch.setattr(sys.modules["partrain.compare.run"], "SAFETY", 0.75)  # the figures below by hand at 75%
     # the first: 75% of a 10 s share at 10 ms a step of 64 samples: 48,000 samples, six epochs of 8,000
     assert plan_window(10.0, 0.01, 64, 0, 64) == (8000, 6, 7.5)
     # a later window with twice the share is capped at the first's 7.5 s: 3 epochs at 20 ms a step

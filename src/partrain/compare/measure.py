@@ -73,7 +73,6 @@ class Measurement:
     processes: int = 0
     steps: int = 0
     samples: int = 0
-    epochs: int = 0  # the epochs the window trained (a time box may end it before the epochs planned)
     window_s: float = math.nan  # the epochs' training seconds (worker 0)
     wall_s: float = 0.0  # the whole fit call: start-up, training, evaluations
     samples_per_s: float = math.nan  # steady state, after the warm-up steps
@@ -146,12 +145,10 @@ class Job:
 
 
 def measure(job: Job, candidate: Candidate, workers: int, epoch_samples: int, epochs: int,
-            straggler: Straggler | None = None, initial_loss: float = math.nan,
-            seconds: float | None = None) -> Measurement:
+            straggler: Straggler | None = None, initial_loss: float = math.nan) -> Measurement:
     """Train ``candidate`` for ``epochs`` epochs of ``epoch_samples`` training samples (a multiple of
     the global batch) and measure it (a failure is a `Measurement` with status ``failed`` and the
-    error's first line, never an exception). With ``seconds``, a time box: the window ends at the
-    epoch end nearest that many training seconds (`FitConfig.max_seconds`), ``epochs`` at most.
+    error's first line, never an exception).
 
     Every window of a comparison uses the same ``epoch_samples``: the loss curves of all
     strategies then have points at the same sample counts, compared without interpolation.
@@ -173,7 +170,7 @@ def measure(job: Job, candidate: Candidate, workers: int, epoch_samples: int, ep
                          straggler.slowdown if straggler else 1.0)
         try:
             result = fit(functools.partial(probed_model, job.model_fn, spec), data, job.optimizer_fn,
-                         strategy=strat, loss_fn=job.loss_fn, workers=n, epochs=epochs, max_seconds=seconds,
+                         strategy=strat, loss_fn=job.loss_fn, workers=n, epochs=epochs,
                          samples_per_epoch=epoch_samples, batch_size=job.batch_size, seed=job.seed, quiet=True,
                          checkpoint=False, return_state=False, timeout=job.timeout, threads=job.threads,
                          device=job.device, **job.fit_options)
@@ -220,7 +217,6 @@ def fill_from_history(m: Measurement, history: list[dict[str, Any]], records: li
     """The figures of a window from `fit`'s epoch rows and the probe's records."""
     rows = [r for r in history if r.get("samples")]
     m.samples = sum(int(r["samples"]) for r in rows)
-    m.epochs = len(rows)
     m.steps = int(rows[-1]["step"]) if rows else 0
     m.window_s = sum(float(r["seconds"]) for r in rows)
     steps = max(m.steps, 1)

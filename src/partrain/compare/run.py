@@ -95,25 +95,14 @@ PROBE_ROUNDS = 3
 PROBE_LOAD_LIMIT = 0.15
 #: start-up of one window (a process group, the model, the data) before the first one measured it
 FIRST_OVERHEAD_S = 0.8
-#: the share of a window's time its plan fills (its time box; the rest pays for start-up, evaluations,
-#: the time box's last half epoch, and the run-off). At 0.75 the time-boxed windows of ``partrain bench
-#: compare`` trained 4.5-5 s and left the run-off one round; untimed windows of whole epochs planned at
-#: 0.75 had trained 3-4.4 s
-SAFETY = 0.65
+#: the share of a window's time its plan fills (steps on a loaded machine run long as often as short)
+SAFETY = 0.75
 #: a window's step over its estimate, before one was measured
 FIRST_CORRECTION = 2.0
 #: a window whose minimum (`MIN_EPOCHS`) the first window's length leaves no room for is planned at that
 #: minimum only when it costs at most this many times that length (`plan_window`); a slower one keeps its
 #: calibration window as its measurement
 SLOW_STRETCH = 1.5
-#: a window trains until its time box (the first window's training seconds, or less where the budget
-#: left is short): the epoch end nearest it (`FitConfig.max_seconds`), at most this many times the
-#: epochs planned from its step's estimate. Windows of whole epochs planned from an estimate came out
-#: of unequal length, and a short one counts as never reaching the target: ``partrain bench
-#: compare``'s compute scenario, 2026-11-29, hogwild's window trained 3.07 s where the others
-#: trained 3.3-4.3 s, ended 16% above the target, and was neither ranked nor raced (on the runs
-#: to the target hogwild was the fastest)
-BOX_EPOCHS = 2
 #: a pipeline's step over a data-parallel one's, before one was measured (micro-batches, messages)
 PIPELINE_FACTOR = 2.0
 #: kept back from the windows for the end: the decision, and the files (a chart) when asked for
@@ -331,11 +320,10 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                 overheads.append(max(0.0, calib.wall_s - calib.window_s))
                 window -= calib.wall_s
             step = base * _correction(cand, n, learned)
-            limit = min(SAFETY * window, longest)  # the window's time box (`plan_window`'s cap)
             epoch_samples, epochs, train_s = plan_window(window, step, global_batch, epoch_samples,
                                                          batch_size * n, longest)
             if longest == math.inf and epochs:
-                longest = limit
+                longest = train_s
             steps = epochs * epoch_samples // global_batch
             if epochs < MIN_EPOCHS or steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
                 need_steps = max(MIN_EPOCHS * epoch_samples / global_batch, WARMUP_STEPS + MIN_MEASURED_STEPS)
@@ -353,15 +341,12 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                                                 f"left, {MIN_EPOCHS} epochs of at least "
                                                 f"{WARMUP_STEPS + MIN_MEASURED_STEPS} steps in all take ~{need:.1f} s"))
                 continue
-            boxed = train_s <= limit  # else its minimum, over the box: those epochs, however long
-            say(f"{_clock(started)} {cand.label}: " + (
-                f"epochs of {epoch_samples} samples for ~{limit:.1f} s (planned {epochs} epochs, {steps} steps)"
-                if boxed else f"{epochs} epochs of {epoch_samples} samples, {steps} steps (~{steps * step:.1f} s)"))
-            m = measure(job, cand, n, epoch_samples, epochs * BOX_EPOCHS if boxed else epochs, strag, initial,
-                        seconds=limit if boxed else None)
+            say(f"{_clock(started)} {cand.label}: {epochs} epochs of {epoch_samples} samples, {steps} steps "
+                f"(~{steps * step:.1f} s)")
+            m = measure(job, cand, n, epoch_samples, epochs, strag, initial)
             measurements.append(m)
             if m.ok:
-                planned_epochs[cand.label] = (cand, m.epochs)
+                planned_epochs[cand.label] = (cand, epochs)
                 overheads.append(max(0.0, m.wall_s - m.window_s))
                 if m.steps:
                     learned[cand.label] = m.window_s / m.steps / base
@@ -471,12 +456,8 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
         drawn = dataclasses.replace(job, seed=job.seed + r + 1)
         start = initial(drawn.seed)
         epochs_of = runoff_epochs(finalists, planned)
-        # every leader trains as long as the longest first window (the time boxes' ends fall apart by up
-        # to half an epoch)
-        box = max((m.window_s for m in finalists if m.window_s > 0), default=None)
         for m in finalists if r % 2 == 0 else finalists[::-1]:
-            window = measure(drawn, planned[m.label][0], workers, epoch_samples, epochs_of[m.label] * BOX_EPOCHS,
-                             straggler, start, seconds=box)
+            window = measure(drawn, planned[m.label][0], workers, epoch_samples, epochs_of[m.label], straggler, start)
             if window.ok:
                 simulate_link(window, bandwidth)
                 m.runoff.append(window)
@@ -488,8 +469,7 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
 
 def runoff_epochs(leaders: list[Measurement], planned: dict[str, tuple[Candidate, int]]) -> dict[str, int]:
     """Each leader's epochs in a run-off round: as many as train, at the rate of its first window,
-    for as long as the longest of the leaders' first windows trained (at least its first window's);
-    the run-off time-boxes its windows to that length and lets them run to twice these epochs.
+    for as long as the longest of the leaders' first windows trained (at least its first window's).
 
     A window that ends above the target counts as never reaching it, and one shorter than a
     rival's time to the target says nothing of which is faster: the first round's windows train
