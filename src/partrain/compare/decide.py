@@ -101,9 +101,9 @@ order, the same for all of them: on the first window's seed a synchronous strate
 repeat its loss curve sample for sample), and each one's time to the same target is the
 median of its windows (a window that never reached it counts as endless; when exactly half
 never did, as its whole length, a lower bound: `median_time`). Their spread is also the
-noise the ties below are judged by. A strategy whose only window ended just above the
-target, and came within `MIN_DEPTH` of it before the pick reached it, is raced as well
-(`unranked`): that close, it was cut short or missed by an evaluation's noise, not outrun.
+noise the ties below are judged by. A strategy whose only window never reached the target
+but came within `MIN_DEPTH` of it before the pick reached it is raced as well (`unranked`):
+that close, it was cut short or missed by an evaluation's noise, not outrun.
 
 **Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
 the first left out: 1.4826 x their median absolute deviation over their median, over the
@@ -752,8 +752,8 @@ def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_to
         return f"{m.status}: {m.reason}"
     if m.speed == 0:
         if unranked(m, pick, target):
-            low = min(v for _, v in m.curve) / target - 1
-            return (f"never reached the target loss in its window, but came within {max(low, 0.005):.0%} of it after "
+            above = max(min(v for _, v in m.curve) / target - 1, 0.01)  # under 1%: "within 1%", not "0%"
+            return (f"never reached the target loss in its window, but came within {above:.0%} of it after "
                     f"{near_miss_s(m, target):.3g} s, before the pick reached it ({pick.time_to_loss:.3g} s): these "
                     "windows cannot rank it")
         return "never reached the target loss in most of its windows" if m.runoff else \
