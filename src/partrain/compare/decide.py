@@ -441,9 +441,9 @@ def unranked(m: Measurement, pick: Measurement, target: float) -> bool:
 
 
 def near_miss_s(m: Measurement, target: float) -> float:
-    """The training seconds until ``m``'s window first came within `MIN_DEPTH` above ``target``
-    (NaN: never)."""
-    return time_to_reach(m.curve_s, [v for _, v in m.curve], (1 + MIN_DEPTH) * target)
+    """The training seconds until ``m``'s first window came within `MIN_DEPTH` above ``target``
+    (`times_to`: stretched by the what-if link like the pick's time it is held against; NaN: never)."""
+    return times_to(m, (1 + MIN_DEPTH) * target)[0]
 
 
 #: what a strategy does to the gradient, by `risk` (0: synchronous, the exact gradient)
