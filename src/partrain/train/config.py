@@ -120,11 +120,7 @@ class FitConfig:
         _positive("accumulate", self.accumulate, "number of micro-batches to accumulate")
         if self.max_steps is not None:
             _positive("max_steps", self.max_steps, "number of steps")
-        if self.max_seconds is not None and not (
-                isinstance(self.max_seconds, (int, float)) and not isinstance(self.max_seconds, bool)
-                and math.isfinite(self.max_seconds) and self.max_seconds > 0):
-            raise UsageError("Expected max_seconds to be a positive number of seconds or None. "
-                             f"Received: {self.max_seconds!r}")
+        _seconds_or_none("max_seconds", self.max_seconds)
         if self.samples_per_epoch is not None:
             _positive("samples_per_epoch", self.samples_per_epoch, "number of training samples per epoch")
         if self.out_dir is not None and not str(self.out_dir).strip():
@@ -139,11 +135,7 @@ class FitConfig:
         parse_schedule(self.lr_schedule, self.warmup_steps)
         if self.checkpoint_every is not None:
             _positive("checkpoint_every", self.checkpoint_every, "number of steps between checkpoints")
-        if self.checkpoint_seconds is not None and not (
-                isinstance(self.checkpoint_seconds, (int, float)) and math.isfinite(self.checkpoint_seconds)
-                and self.checkpoint_seconds > 0):
-            raise UsageError("Expected checkpoint_seconds to be a positive number of seconds or None. "
-                             f"Received: {self.checkpoint_seconds!r}")
+        _seconds_or_none("checkpoint_seconds", self.checkpoint_seconds)
         if self.early_stop is not None:
             _positive("early_stop", self.early_stop, "number of epochs without improvement")
         self.loader_settings().validate()
@@ -196,6 +188,12 @@ def split_options(config: FitConfig | None, launch_config: LaunchConfig | None,
     cfg.validate()
     launch_cfg.validate()
     return cfg, launch_cfg
+
+
+def _seconds_or_none(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value) or value <= 0):
+        raise UsageError(f"Expected {name} to be a positive number of seconds or None. Received: {value!r}")
 
 
 def _positive(name: str, value: Any, what: str) -> None:
