@@ -307,6 +307,28 @@ def test_the_bench_runs_more_of_the_strategies_its_runs_cannot_tell_from_the_fas
         ["a", "b"]
 
 
+def test_the_runs_disagreement_with_themselves_by_hand():
+    from types import SimpleNamespace
+
+    from partrain.bench.compare import self_miss
+
+    def run(t):  # reaches the target 0.5 after t seconds (the loss falls linearly from 1 to 0 over 2t)
+        return SimpleNamespace(curve=[(0.0, 1.0), (100.0, 0.0)], curve_s=[0.0, 2 * t], window_s=2 * t)
+
+    # a's runs take 1, 1, 2, 2 s, b's 1.4 s each: of the 6 equally likely halvings of a's runs, {1, 1} first
+    # picks a, 2 s on the other half (regret 2 / 1.4 - 1 = 0.43); {2, 2} first picks b, 1.4 s against a's
+    # 1 s there (0.4); the 4 mixed ones time a at 1.5 s on both halves and pick b, regret 0: 2 in 6 miss
+    runs = {"a": [run(1.0), run(1.0), run(2.0), run(2.0)], "b": [run(1.4)] * 4}
+    assert abs(self_miss(runs, 0.5, splits=3000) - 1 / 3) < 0.04
+    assert self_miss(runs, 0.5, splits=300) == self_miss(runs, 0.5, splits=300)  # seeded: a function of the runs
+    # b at 2.1 s: a is the pick of every half (at most 2 s) and its regret at most 2 / 2.1 - 1 < 0
+    assert self_miss({"a": runs["a"], "b": [run(2.1)] * 4}, 0.5) == 0.0
+    # a regret of 0.43 counts against a goal of 0.10, not of 0.5
+    assert self_miss(runs, 0.5, goal=0.5) == 0.0
+    assert math.isnan(self_miss({"a": runs["a"], "b": [run(1.4)]}, 0.5))  # one run: no halves
+    assert math.isnan(self_miss(runs, -1.0))  # no half reached the target (the losses end at 0)
+
+
 def test_a_reference_that_never_reached_the_target_is_said_so():
     from partrain.compare.decide import _why_faster
 
