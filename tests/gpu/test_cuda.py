@@ -84,6 +84,7 @@ from tests.nn.test_sync_batchnorm import (
 )
 from tests.population.test_population import CASES, SEED, batches, ref_step, reference
 from tests.population.test_population import small_cnn as member_cnn
+from tests.waiting import wait_until
 
 #: the device under test: cuda:0, or what $PARTRAIN_TEST_DEVICE names (``cpu`` for a dry run)
 DEVICE = torch.device(os.environ.get("PARTRAIN_TEST_DEVICE") or "cuda:0")
@@ -746,6 +747,30 @@ def test_online_training_with_the_model_on_the_device_equals_a_plain_cpu_loop_on
             assert got.output.device == torch.device("cpu")  # prediction_device's default: one copy a batch
             torch.testing.assert_close(got.output, expected[row], atol=F64_ATOL, rtol=0)
     assert_states_close({k: v.cpu() for k, v in model.inner.state_dict().items()}, ref.state_dict())
+
+
+def test_an_online_step_that_leaves_nothing_waiting_ends_after_its_update_on_the_device():
+    """At a low rate the step's record (and its seconds) comes after the device finished the update:
+    an optimizer whose step queues ~25 ms of device work after the update shows it, since a record
+    sent at the update's launch would find the device still busy."""
+    from partrain.stream import OnlineTrainer
+    from tests.stream.test_trainer import mlp64
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            out = super().step(closure)
+            keep_device_busy()
+            return out
+
+    model = mlp64().to(DEVICE)
+    done = []
+    trainer = OnlineTrainer(model, SlowSGD(model.parameters(), lr=0.1), "mse", on_step=lambda record: done.append(
+        torch.cuda.current_stream(DEVICE).query() if ON_CUDA else True))
+    for i in range(3):  # one at a time, the next after the last step's record: nothing waits behind a step
+        trainer.submit(torch.randn(6, dtype=torch.float64), torch.randn(2, dtype=torch.float64)).result(60)
+        wait_until(lambda n=i + 1: len(done) >= n, timeout=60, what="the step's record")
+    trainer.close()
+    assert done == [True] * 3
 
 
 def test_online_predictions_stay_on_the_device_when_asked():

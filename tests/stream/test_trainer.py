@@ -657,3 +657,33 @@ def test_bad_options_are_refused_in_one_line(options, message):
     with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
                        .replace(")", r"\)")):
         OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss, **options)
+
+
+def test_on_a_gpu_a_step_that_leaves_nothing_waiting_waits_for_its_update(monkeypatch):
+    """`_settle`: with the model on a GPU (faked: the stream's synchronize is counted), a step after
+    which no item waits waits for the device's update; one with items waiting does not (the next
+    step's copy waits for it); on the CPU nothing is waited for. tests/gpu checks it on a device."""
+    model = mlp64()
+    trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse")
+    waits = []
+
+    class Stream:
+        def synchronize(self):
+            waits.append(trainer._waiting)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    try:
+        trainer._settle()
+        assert waits == []  # the CPU: the update is done when the step's Python is
+        trainer.device = torch.device("cuda", 0)
+        trainer._settle()
+        assert waits == [0]
+        with trainer._lock:
+            trainer._waiting += 3
+        trainer._settle()
+        assert waits == [0]
+    finally:
+        with trainer._lock:
+            trainer._waiting = 0
+        trainer.device = torch.device("cpu")
+        trainer.close()

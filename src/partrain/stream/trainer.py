@@ -136,7 +136,11 @@ class StepRecord:
     loss: float  # the weighted mean loss of the update; NaN when nothing was labelled
     lr: float
     updated: bool
-    seconds: float  # the step's own work: stacking, forward, loss, backward, update (not answering callers)
+    #: the step's own work: stacking, forward, loss, backward, update (not answering callers). On a GPU
+    #: the update runs on after its launch; a step that leaves no item waiting waits for it (`_settle`),
+    #: so there its seconds hold the device's work too; with items waiting, the next step's forward
+    #: waits for it, and that step's seconds hold it
+    seconds: float
 
 
 SWITCH_INTERVAL = 0.001
@@ -601,6 +605,8 @@ class OnlineTrainer:
             else:
                 update = False
                 log.warning("non-finite loss %s at version %d: update skipped", loss_value, version)
+        if update:
+            self._settle()
         self._count_step(batch, labelled, n_replayed, update)
         seconds = time.perf_counter() - t0 - answering
         self.metrics.record_step(items=len(batch), loss=loss_value, lr=lr, version=self.version,
@@ -608,6 +614,24 @@ class OnlineTrainer:
         record = StepRecord(version, tuple([p.item_id for p in batch]), len(batch), len(labelled),
                             n_replayed, loss_value, lr, update, seconds)
         return predictions, record
+
+    def _settle(self) -> None:
+        """On a GPU, with no item waiting, wait for the update just launched before the step ends.
+
+        The predictions' copy off the device waits for the forward pass; the backward pass and the
+        optimizer's step are launched and run on after it. A step timed to their launch is a
+        forward pass and some Python: at a low rate, where the device is idle between steps, the
+        `StepRecord.seconds` of every step (and a latency held against one step's time) left out
+        most of its work. The wait costs nothing there: the next item's forward pass would queue
+        behind the update on the device anyway. With items waiting (saturation) there is no wait:
+        the host stacks the next batch while the device updates, and that step's copy waits for the
+        update instead, so its seconds hold it."""
+        if self.device.type != "cuda":
+            return
+        with self._lock:
+            idle = not self._waiting
+        if idle:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _delivered(self, output: Outputs, copy: bool) -> Outputs:
         """``output`` on `prediction_device` (one transfer per tensor for the whole batch); a copy
