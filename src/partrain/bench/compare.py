@@ -59,10 +59,10 @@ the two medians, combined), and ``regret_max_noise`` beside the goal: a regret o
 less than it is within what the runs can tell apart. And how far the runs can tell a 10%
 regret at all (`self_miss`, ``runs_self_miss`` per scenario, ``compare.runs_self_miss_max``
 beside the goal): each strategy's runs split at random into halves, the fastest by the first
-halves timed on the second; the share of the splits where that pick's regret is over 0.10. Half
-of a strategy's runs is 12-22 s of training, more than compare's windows give any strategy but
-its run-off's leaders; where the halves miss the goal often, a miss by compare is the runs'
-noise as much as its own. Every run shares one pool of processes, started before the first one.
+halves timed on the second; the share of the splits where that pick's regret is over 0.10.
+Half of a strategy's runs (two to four of 5 s) is 10-20 s of training, more than compare's
+windows give any strategy but its run-off's leaders; where the halves miss the goal often, a
+miss by compare is the runs' noise as much as its own. Every run shares one pool of processes, started before the first one.
 """
 
 from __future__ import annotations
