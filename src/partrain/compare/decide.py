@@ -105,6 +105,17 @@ noise the ties below are judged by. A strategy whose only window never reached t
 but came within `MIN_DEPTH` of it before the pick reached it is raced as well (`unranked`):
 that close, it was cut short or missed by an evaluation's noise, not outrun.
 
+**After a run-off the pick is one of the strategies it raced** (`raced`). The run-off chose
+its leaders for their first windows, which the host's drift and the seed's draw made fast as
+much as the strategies did; their medians over new seeds then come back toward their true
+times, while a strategy left out keeps its one window, a single draw of the same noise. A
+left-out strategy that comes level with the leaders after the run-off (within a rule's margin,
+or ahead) does so on unequal footing, and no rule picks it: its line says so instead, and
+the rules choose among the raced. (``partrain bench compare``'s compute
+scenario, 2026-12-04: hogwild's first window took 2.82 s and allreduce's 3.59; hogwild's
+second took 4.03, a median of 3.43, and rule 3 kept the unraced allreduce inside its 5%
+margin. The runs took allreduce 4.58 s and hogwild 3.29: regret 0.39.)
+
 **Ties**: a window's own noise is the spread of its epochs' seconds (equal samples each,
 the first left out: 1.4826 x their median absolute deviation over their median, over the
 square root of their number, see `window_noise`); a strategy repeated in the run-off takes
@@ -260,12 +271,13 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         return None
     ref = compare_losses(ok)
     target = set_speeds(ok)
-    by_label = {m.label: m for m in ok}
+    pickable = raced(ok)
+    by_label = {m.label: m for m in pickable}
     # a strategy that learns far worse per sample than the reference is not recommended on the
     # strength of a short window: the windows' target is shallow, and such a strategy (hogwild's
     # colliding updates on a dense model, stale gradients) levels off above where the others go on
-    parallel = [m for m in ok if m.workers > 1 and not converges_worse(m, ref)] or \
-        [m for m in ok if m.workers > 1]
+    parallel = [m for m in pickable if m.workers > 1 and not converges_worse(m, ref)] or \
+        [m for m in pickable if m.workers > 1]
     best = max(parallel, key=lambda m: m.speed) if parallel else None
     allreduce = by_label.get("allreduce")
     single = by_label.get("single")
@@ -311,15 +323,15 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
         # against allreduce or the reference; without either (a run-off between others), or when it never
         # reached the target (but for a straggler's, whose waiting is the reason), against the runner-up
         base = allreduce or ref
-        runner_up = max((m for m in ok if m is not best and m.speed > 0), key=lambda m: m.speed, default=None)
+        runner_up = max((m for m in pickable if m is not best and m.speed > 0), key=lambda m: m.speed, default=None)
         if runner_up is not None and (base is None or not (base.speed > 0 or straggler)):
             base = runner_up
         why = _why_faster(best, base, straggler)
     else:
-        pick = ok[0]
+        pick = pickable[0]
         why = "the only strategy that ran"
     tied, noise = [], math.nan
-    rivals = sorted((m for m in ok if m is not pick and m.speed == m.speed and (m in parallel or m.workers == 1)),
+    rivals = sorted((m for m in pickable if m is not pick and m.speed == m.speed and (m in parallel or m.workers == 1)),
                     key=lambda m: m.speed, reverse=True)
     by_depth = single_deep
     if not by_depth and pick.speed > 0 and math.isfinite(pick.speed):
@@ -428,6 +440,13 @@ def contenders(measurements: list[Measurement], most: int = RUNOFF_MOST) -> list
                   key=lambda m: m.time_to_loss if 0 < m.speed < math.inf else near_miss_s(m, target))
     close = ([pick] + [m for m in able if m is not pick])[:most]
     return close if len(close) >= 2 else []
+
+
+def raced(ok: list[Measurement]) -> list[Measurement]:
+    """The strategies the rule may pick among ``ok``: after a run-off (two or more of them repeated
+    their windows), those it raced; else all of them (see the module docstring)."""
+    leaders = [m for m in ok if m.runoff]
+    return leaders if len(leaders) >= 2 else ok
 
 
 def unranked(m: Measurement, pick: Measurement, target: float) -> bool:
@@ -765,6 +784,10 @@ def _why_not(m: Measurement, pick: Measurement, ref: Measurement | None, loss_to
     if ratio >= 1 and converges_worse(m, ref):
         reason = (f"its loss at equal samples is {m.loss_ratio - 1:.0%} above {ref.label}'s: it reached the "
                   "windows' target first, but is likely to level off above where the others go on")
+    elif ratio * (1 + TIE_FLOOR) >= 1 and pick.runoff and not m.runoff:
+        reason = (f"its one window reached the target in {m.time_to_loss:.3g} s, but the run-off did not race it "
+                  "(its first window was behind the leaders'): the leaders' times are medians over new seeds, "
+                  "this one is a single draw")
     elif deep is not None and deep[1] / deep[2] <= 1 + TIE_FLOOR:
         loss, mine, theirs = deep
         reason = (f"faster to the windows' target, but {mine / theirs:.2f}x the pick's speed to {loss:.4g}, the "
