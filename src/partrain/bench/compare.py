@@ -62,7 +62,8 @@ beside the goal): each strategy's runs split at random into halves, the fastest 
 halves timed on the second; the share of the splits where that pick's regret is over 0.10.
 Half of a strategy's runs (two to four of 5 s) is 10-20 s of training, more than compare's
 windows give any strategy but its run-off's leaders; where the halves miss the goal often, a
-miss by compare is the runs' noise as much as its own. Every run shares one pool of processes, started before the first one.
+miss by compare is the runs' noise as much as its own. Every run shares one pool of
+processes, started before the first one.
 """
 
 from __future__ import annotations
@@ -547,8 +548,8 @@ def self_miss(runs: dict[str, list[Any]], target: float, goal: float = REGRET_GO
     second the larger when their number is odd); the fastest strategy by its median time over the
     first halves (`times_to_target`, to ``target``) is timed on the second halves, and its regret
     there (`regret_of`) counted when over ``goal``. The share of the splits that counted so: 0 when
-    any half of the runs names a strategy within ``goal`` of the best on the other half, 0.5 when
-    the halves agree no better than a coin. NaN when a strategy has fewer than 2 runs, or no first
+    any half of the runs names a strategy within ``goal`` of the best on the other half, near 0.5
+    when the halves agree no better than a coin. NaN when a strategy has fewer than 2 runs, or no first
     half reached the target. The seeded draw makes the figure a function of the runs."""
     if not runs or any(len(rs) < 2 for rs in runs.values()):
         return math.nan
