@@ -28,6 +28,7 @@ from typing import Any
 from ._process import stop_processes
 from ._signals import signals_raise
 from .errors import Interrupted, UsageError, WorkerError, signal_name
+from .extras import MissingExtra, missing_extra, needs
 
 # subcommand -> module exposing register(subparsers)
 SUBCOMMANDS = {
@@ -106,15 +107,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"partrain {version()}")
     parser.add_argument("-v", "--verbose", action="store_true", help="show full tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in SUBCOMMANDS.values():
+    for command, module_name in SUBCOMMANDS.items():
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("partrain"):
-                continue  # subcommand not built yet
-            raise
+            missing = missing_extra(exc)
+            if missing is None:
+                raise
+            # a command module that imports its extra too early: the command still lists,
+            # and running it says which extra to install (tests/test_base_install.py guards
+            # that no module does)
+            register_missing(sub, command, missing)
+            continue
         module.register(sub)
     return parser
+
+
+def register_missing(sub: Any, command: str, missing: MissingExtra) -> None:
+    """A parser for ``command`` whose run says which extra it needs (its options need that extra too)."""
+
+    def refuse(args: argparse.Namespace) -> int:
+        raise missing
+
+    p = sub.add_parser(command, help=f"(needs the '{missing.extra}' extra)",
+                       description=needs(missing.extra), formatter_class=HelpFormatter)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=refuse)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,7 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     children = _Children()
     with signals_raise(take_over=True, on_signal=children.stop_now):
         try:
-            return int(args.func(args) or 0)
+            try:
+                return int(args.func(args) or 0)
+            except ModuleNotFoundError as exc:
+                missing = missing_extra(exc, getattr(args, "extra", None))
+                if missing is None:
+                    raise
+                raise missing from exc
         except UsageError as exc:
             if args.verbose:
                 raise

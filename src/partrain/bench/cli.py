@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from ..cli import HelpFormatter
+from ..cli import HelpFormatter, register_missing
 from ..errors import UsageError
+from ..extras import missing_extra
 from ..files import check_output_file
 from . import BENCHMARKS
+
+# the extra a benchmark's partrain side needs beyond the base install
+BENCHMARK_EXTRAS = {"serve": "serve", "rl": "rl", "stream": "stream"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,9 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name and exc.name.startswith("partrain"):
-                continue
-            raise
+            missing = missing_extra(exc, BENCHMARK_EXTRAS.get(name))
+            if missing is None:
+                raise
+            register_missing(names, name, missing)  # listed; running it names the extra
+            continue
         bp = names.add_parser(name, help=(module.__doc__ or name).strip().splitlines()[0],
                               description=module.__doc__,
                               formatter_class=_Formatter)
@@ -38,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         bp.add_argument("--json", metavar="FILE",
                         help="write every figure, and every goal with its target and verdict, to FILE")
         module.add_arguments(bp)
-        bp.set_defaults(func=_run(module))
+        bp.set_defaults(func=_run(module), extra=BENCHMARK_EXTRAS.get(name))
     p.set_defaults(func=_no_name)
 
 

@@ -55,7 +55,6 @@ import torch
 
 from ..rl.algorithms import PPO
 from ..rl.learner import percentile
-from ..rl.run import ACTOR_NICE
 from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
 
 ENV = "CartPole-v1"
@@ -257,6 +256,8 @@ def run(args: argparse.Namespace) -> Report:
     size, smoke = pick_size(args, FULL, QUICK, TOY)
     rounds = args.rounds or size.rounds
     solve_rounds = size.solve_rounds if args.solve_rounds is None else max(0, args.solve_rounds)
+    from ..rl.run import ACTOR_NICE  # the rl extra (the learner's HTTP app): only when this runs
+
     report = Report("rl", smoke=smoke)
     have_sb3 = size.sb3 and sb3_available()
     prev_threads = torch.get_num_threads()

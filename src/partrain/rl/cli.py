@@ -24,6 +24,7 @@ from typing import Any
 from ..cli import HelpFormatter
 from ..env import check_device
 from ..errors import UsageError
+from ..extras import needs
 
 DEFAULT_OUT = "rl-run"
 
@@ -33,8 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "rl", help="actor-learner reinforcement learning: a live model shared with actor processes",
         description="Actor-learner runtime: a learner trains on experience sent by actor processes and "
                     "publishes each update as a version; actors act with local copies of the policy or "
-                    "through the learner's batched inference. See docs/rl.md.",
+                    "through the learner's batched inference. See docs/rl.md. " + needs("rl"),
         formatter_class=HelpFormatter)
+    p.set_defaults(extra="rl")
     sub = p.add_subparsers(dest="rl_command", metavar="COMMAND", required=True)
 
     train = sub.add_parser("train", help="a learner plus N actor processes on a gymnasium environment",

@@ -58,7 +58,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .batcher import Batcher, BatcherClosed, QueueFull
-from .body import body_decoder
+from .body import DEFAULT_MAX_BODY_BYTES, body_decoder
 from .protocol import (
     HEADER,
     ProtocolError,
@@ -67,7 +67,6 @@ from .protocol import (
     encode_infer_response,
 )
 
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
 PATHS = ("/v2, /v2/health/live, /v2/health/ready, /v2/models, /v2/models/NAME[/versions/V], "
          ".../ready, .../infer, /v2/repository/index, /metrics")

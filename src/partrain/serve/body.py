@@ -18,6 +18,7 @@ import zlib
 
 from .protocol import ProtocolError
 
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # largest request body accepted, else 413
 ACCEPTED_ENCODINGS = "gzip"  # the Accept-Encoding value of a 415 answer
 _GZIP = ("gzip", "x-gzip")  # RFC 9110: x-gzip is gzip
 _GZIP_WBITS = 16 + zlib.MAX_WBITS  # zlib: expect a gzip header and trailer

@@ -9,8 +9,9 @@ import os
 from ..cli import HelpFormatter
 from ..env import check_device
 from ..errors import UsageError
-from .app import DEFAULT_MAX_BODY_BYTES
+from ..extras import needs
 from .batcher import make_policy
+from .body import DEFAULT_MAX_BODY_BYTES
 from .loading import load_models, model_names, parse_shape
 from .protocol import DATATYPES
 from .replicas import default_threads, run_server
@@ -25,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Serve one or more models over the Open Inference Protocol v2 REST API (KServe/Triton) "
             "with dynamic batching. MODEL is [name=]PATH where PATH is a checkpoint written by "
             "'partrain train', a TorchScript file or a torch.export .pt2 file, or module:factory. "
-            "See docs/serve-api.md."
+            "See docs/serve-api.md. " + needs("serve")
         ), formatter_class=HelpFormatter)
     p.add_argument("models", nargs="+", metavar="MODEL", help="[name=]checkpoint|torchscript|.pt2|module:factory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -60,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input-dtype", default=None, choices=sorted(DATATYPES),
                    help="input datatype for models that do not record it (default: the first layer's, "
                         "INT64 for Embedding, else FP32)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, extra="serve")
 
 
 def _positive(name: str, value: int | None) -> None:

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "every request got exactly one answer and, with --check MODEL, that every answer is right. "
         "Inputs are random, shaped by the model's metadata (-1 sizes become 1, or use --shape), or "
         "come from --npz. Exit status 1 when an answer is lost or wrong, or more requests fail than "
-        "--max-error-rate allows (default: any).",
+        "--max-error-rate allows (default: any). Needs the 'serve' extra: pip install 'partrain[serve]'.",
         epilog="Example: partrain loadtest http://127.0.0.1:8000 --model lenet --concurrency 16 "
         "--duration 10 --check partrain.bench.serve:lenet_factory",
         formatter_class=HelpFormatter)
@@ -78,7 +78,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "the clients (or the rate) are dealt out and the reports merged")
     p.add_argument("--json", metavar="FILE", help="write every figure to FILE as JSON (its directory must "
                    "exist; checked before the load starts)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, extra="serve")
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:

@@ -42,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Train MODEL online: each batch is every item that arrived while the previous step ran; each "
             "item gets the model's prediction (from the weights before the batch's update) and labelled "
             "items train the model. MODEL is a checkpoint (partrain train / partrain stream) or "
-            "module:factory. See docs/streaming.md."
+            "module:factory. See docs/streaming.md. MQTT and --metrics-port need the 'stream' extra: "
+            "pip install 'partrain[stream]'."
         ), formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL", help="checkpoint path or module:factory")
     src = p.add_argument_group("source")
