@@ -63,7 +63,7 @@ def _partrain(venv: Path, *args: str, cwd: Path | None = None) -> subprocess.Com
 
 def test_the_base_install_has_no_extra(base_venv: Path) -> None:
     """The premise of the tests below: nothing an extra installs came in with the base package."""
-    probe = "import importlib.util as u; print(*[m for m in %r if u.find_spec(m)])" % (EXTRA_MODULES,)
+    probe = f"import importlib.util as u; print(*[m for m in {EXTRA_MODULES!r} if u.find_spec(m)])"
     out = subprocess.run([str(base_venv / "bin" / "python"), "-c", probe], capture_output=True,
                          text=True, check=True, timeout=60)
     assert out.stdout.split() == []

@@ -59,6 +59,19 @@ def install_hint(extra: str) -> str:
     return f"pip install 'partrain[{extra}]'"
 
 
+def require(extra: str) -> None:
+    """Raise `MissingExtra` unless every module ``extra`` installs can be imported.
+
+    For a command whose extra is needed by other processes it starts (a benchmark's server)
+    rather than by itself: they would each fail later, with the line in their own output.
+    """
+    import importlib.util
+
+    for module in sorted(m for m in set(MODULE_EXTRAS) | set(_ALSO.get(extra, ())) if provides(extra, m)):
+        if importlib.util.find_spec(module) is None:
+            raise MissingExtra(extra, module)
+
+
 def needs(extra: str) -> str:
     """The sentence a command's ``--help`` ends with when the command needs ``extra``."""
     return f"Needs the '{extra}' extra: {install_hint(extra)}."

@@ -7,7 +7,7 @@ import importlib
 
 from ..cli import HelpFormatter, register_missing
 from ..errors import UsageError
-from ..extras import missing_extra
+from ..extras import missing_extra, require
 from ..files import check_output_file
 from . import BENCHMARKS
 
@@ -60,6 +60,8 @@ def _run(module):  # noqa: ANN001, ANN202
     def run(args: argparse.Namespace) -> int:
         if args.json is not None:
             check_output_file(args.json, "--json")  # before the run: its figures must not be lost
+        if args.extra is not None:
+            require(args.extra)  # its servers and learners are other processes: say it here, once
         report = module.run(args)
         report.finish()
         report.write_json(args.json)
