@@ -53,7 +53,7 @@ def files(tmp_path):
     (tmp_path / "ckpt.pt").write_text("not a checkpoint")
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.csv").write_text("epoch\n1\n")
-    from partrain.train.checkpoint import save_checkpoint
+    from partrain.checkpoint import save_checkpoint
 
     save_checkpoint(str(tmp_path / "done.pt"), {"model": {}, "model_spec": {"name": "cnn"}, "epoch": 1, "step": 9})
     return tmp_path
@@ -135,7 +135,7 @@ def test_train_user_model_and_data_from_modules(tmp_path, capsys):
 
 
 def test_default_train_reaches_high_accuracy_and_checkpoint_reloads(tmp_path, capsys, monkeypatch):
-    from partrain.train.checkpoint import load_model
+    from partrain.checkpoint import load_model
 
     monkeypatch.setenv("PARTRAIN_CORES", "2")  # the default, one worker per core, bounded on any host
     code = main(["train", "--quiet", "--epochs", "4", "--out", str(tmp_path)])
@@ -151,7 +151,7 @@ def test_config_repeats_a_run_bit_for_bit_and_runs_are_never_overwritten(tmp_pat
     """No --out: runs/train, then runs/train-2 (said in one line); --config takes every option but the output."""
     import torch
 
-    from partrain.train.checkpoint import load_checkpoint
+    from partrain.checkpoint import load_checkpoint
 
     monkeypatch.chdir(tmp_path)
     first = ["train", "--quiet", "--workers", "2", "--threads", "1", "--epochs", "1", "--model", "mlp",

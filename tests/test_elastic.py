@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from partrain.checkpoint import load_checkpoint
 from partrain.cli import main
-from partrain.train.checkpoint import load_checkpoint
 
 from .test_signals import _alive, _stat
 from .waiting import wait_until

@@ -792,8 +792,8 @@ def test_partrain_stream_on_the_device_trains_as_on_the_cpu(tmp_path, monkeypatc
     """``partrain stream --device cuda``: the same JSON-lines items in the same batches of 16 give the
     CPU run's weights (float32, a 3-to-1 linear model: rounding apart), the summary names the device,
     and the checkpoint resumes on it."""
+    from partrain.checkpoint import load_checkpoint
     from partrain.cli import main
-    from partrain.train.checkpoint import load_checkpoint
     from tests.stream.test_cli import FACTORY, write_items
 
     (tmp_path / "stream_cli_model.py").write_text(FACTORY)

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import partrain
+from partrain.checkpoint import load_checkpoint, save_checkpoint
 from partrain.errors import UsageError
 from partrain.models import cnn
 from partrain.nn import (
@@ -40,7 +41,6 @@ from partrain.nn import (
     unfreeze,
 )
 from partrain.strategies import get_strategy
-from partrain.train.checkpoint import load_checkpoint, save_checkpoint
 
 OPTIMIZERS = {
     "sgd_momentum_wd": functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, weight_decay=0.1),

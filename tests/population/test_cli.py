@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from partrain.checkpoint import load_checkpoint, load_model
 from partrain.cli import main
 from partrain.data.datasets import DataSpec, load_dataset
-from partrain.train.checkpoint import load_checkpoint, load_model
 
 
 def run(tmp_path, *extra: str) -> int:

@@ -17,12 +17,12 @@ import httpx
 import pytest
 import torch
 
+from partrain.checkpoint import load_checkpoint
 from partrain.rl import ActorCritic, Learner, LearnerServer, connect
 from partrain.rl.envs import EnvRunner
 from partrain.rl.learner import ACTIVE_WITHIN, ExperienceFull, StaleWeights, TrainingDone
 from partrain.rl.wire import CONTENT_TYPE, Segment, decode_weights, encode_segment
 from partrain.serve.protocol import HEADER, decode_infer_response, encode_request
-from partrain.train.checkpoint import load_checkpoint
 from tests.waiting import wait_until
 
 TOKEN = "s3cret"

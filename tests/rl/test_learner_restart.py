@@ -19,8 +19,8 @@ import threading
 import pytest
 import torch
 
+from partrain.checkpoint import load_checkpoint
 from partrain.rl import ActorCritic, Learner, LearnerServer
-from partrain.train.checkpoint import load_checkpoint
 from tests.waiting import wait_until
 
 pytest.importorskip("gymnasium")

@@ -21,9 +21,9 @@ import httpx
 import pytest
 import torch
 
+from partrain.checkpoint import save_checkpoint
 from partrain.serve import ServedModel, TensorSpec, create_app
 from partrain.serve.protocol import HEADER, decode_response, encode_request
-from partrain.train.checkpoint import save_checkpoint
 
 from ..waiting import async_wait_until
 from .conftest import TestClient

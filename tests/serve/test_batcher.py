@@ -17,6 +17,7 @@ from collections import deque
 import pytest
 import torch
 
+from partrain.batching import Pending, batch_key
 from partrain.serve import (
     AdaptivePolicy,
     Batcher,
@@ -26,7 +27,6 @@ from partrain.serve import (
     collect_batch,
     make_policy,
 )
-from partrain.serve.batcher import Pending, batch_key
 
 from ..waiting import async_wait_until, wait_until
 

@@ -24,13 +24,13 @@ import pytest
 import torch
 from torch import nn
 
+from partrain.checkpoint import save_checkpoint
 from partrain.cli import main
 from partrain.errors import UsageError
 from partrain.models import cnn
 from partrain.serve import create_app
 from partrain.serve.loading import Preprocess, load_model_spec
 from partrain.serve.protocol import HEADER, decode_response, encode_request
-from partrain.train.checkpoint import save_checkpoint
 
 from .conftest import TestClient
 

@@ -231,7 +231,7 @@ def test_whole_run_is_bounded(serve):
 
 
 def test_npz_inputs_and_checkpoint_reference(serve, tmp_path):
-    from partrain.train.checkpoint import save_checkpoint
+    from partrain.checkpoint import save_checkpoint
 
     model = tiny_model()
     save_checkpoint(str(tmp_path / "tiny.pt"), {

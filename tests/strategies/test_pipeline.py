@@ -32,16 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from partrain.checkpoint import load_checkpoint, load_model
 from partrain.cli import main
 from partrain.env import DistEnv
 from partrain.errors import UsageError, WorkerError
 from partrain.launch import launch
 from partrain.models import mlp
+from partrain.nn.split import balance, stage_ranks
 from partrain.strategies import get_strategy, parse_options
-from partrain.strategies._pipeline_split import balance, stage_ranks
 from partrain.strategies._pipeline_trace import culprit
 from partrain.strategies.pipeline import SCHEDULES, Pipeline
-from partrain.train.checkpoint import load_checkpoint, load_model
 from partrain.train.loop import fit
 from tests.helpers import (
     assert_history_matches,

@@ -1,6 +1,6 @@
 """The Batcher's faces for online training: submit_threadsafe, run_batch, evict_oldest, overlap_answers.
 
-These generalise `partrain.serve.batcher.Batcher` for `OnlineTrainer` (they are
+These generalise `partrain.batching.Batcher` for `OnlineTrainer` (they are
 tested here, next to their user; tests/serve covers the serving path). The
 reference is the model run on each request alone; every wait is on a condition
 (an Event the model waits for, a future's result with a bound).
@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from partrain.serve.batcher import Batcher, BatcherClosed, Evicted
+from partrain.batching import Batcher, BatcherClosed, Evicted
 
 from ..waiting import wait_until
 

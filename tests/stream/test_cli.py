@@ -22,8 +22,8 @@ import threading
 import pytest
 import torch
 
+from partrain.checkpoint import load_checkpoint
 from partrain.cli import main
-from partrain.train.checkpoint import load_checkpoint
 
 from ..waiting import wait_until
 from .conftest import free_port

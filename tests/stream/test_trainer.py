@@ -26,8 +26,8 @@ import pytest
 import torch
 from torch import nn
 
+from partrain.batching import BatcherClosed, Evicted, QueueFull
 from partrain.errors import UsageError
-from partrain.serve.batcher import BatcherClosed, Evicted, QueueFull
 from partrain.stream import DuplicateItem, OnlineTrainer, Prediction, TrainerClosed
 from partrain.stream.metrics import COLUMNS, LATENCY_BUCKETS, StreamMetrics
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from partrain.checkpoint import load_checkpoint
 from partrain.errors import UsageError, WorkerError
-from partrain.train.checkpoint import load_checkpoint
 from partrain.train.loop import fit
 from tests.helpers import assert_states_close, sgd
 from tests.train.test_tasks import COMMON, no_launch, regression64, regressor64

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from partrain.checkpoint import load_checkpoint
 from partrain.env import DistEnv
 from partrain.strategies.local_sgd import LocalSGD
 from partrain.strategies.single import Single
-from partrain.train.checkpoint import load_checkpoint
 from partrain.train.loop import fit, restore
 from partrain.train.schedule import Schedule
 from tests.helpers import assert_states_close, sgd, small_cnn

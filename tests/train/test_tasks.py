@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from partrain.checkpoint import load_checkpoint, load_model
 from partrain.errors import UsageError, WorkerError
-from partrain.train.checkpoint import load_checkpoint, load_model
 from partrain.train.loop import fit
 from partrain.train.task import Task
 from tests.helpers import F64_ATOL, assert_states_close, epoch_order, sgd, torch_threads

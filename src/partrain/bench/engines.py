@@ -289,7 +289,7 @@ def _back(watch: _Watch, killed: dict[str, float]) -> None:
 
 def _checkpoint_step(path: str, mtime: float) -> int | None:
     """The optimizer step of the checkpoint at ``path`` if it is still the one of ``mtime``."""
-    from ..train.checkpoint import load_checkpoint
+    from ..checkpoint import load_checkpoint
 
     step = load_checkpoint(path)["step"]
     return int(step) if os.stat(path).st_mtime == mtime else None

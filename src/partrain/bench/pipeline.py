@@ -137,7 +137,7 @@ class _RawVariant:
     def __init__(self, env: Any, model_fn: Any, m: int, x: torch.Tensor, y: torch.Tensor) -> None:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        from ..strategies._pipeline_split import chunk_ranges, plan_cuts, sequential_children
+        from ..nn.split import chunk_ranges, plan_cuts, sequential_children
 
         children = sequential_children(model_fn())
         cuts = plan_cuts(children, STAGES, "params")

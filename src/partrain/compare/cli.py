@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
     from ..data.datasets import DataSpec, load_dataset, num_classes, sample_shape
     from ..models import MODELS, model_kwargs_for
+    from ..optim import make_optimizer
     from ..train.cli import _shape, build_cli_model
-    from ..train.optim import make_optimizer
     from .options import parse_bandwidth, parse_budget, parse_links, parse_straggler
     from .report import format_result, to_json
     from .run import CANDIDATES, OVER_BUDGET, compare

@@ -705,7 +705,7 @@ def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[s
 
     import torch.distributed as dist
 
-    from ..train.task import to_device
+    from ..batch import to_device
 
     device = strategy.device  # the windows' device (`Job.device`): the probe times the same work
     model, train_ds, _, task = _inspect(job)

@@ -3,7 +3,7 @@
 One padding rule for the project: `pad_cat` pads every tensor's trailing dimensions up to
 the largest among them (at the end, with ``pad_value``) and concatenates along dim 0.
 Training batches variable-length samples with it (`PadCollate`), and the serving batcher
-(`partrain.serve.batcher.stack_batch`) batches requests of different shapes with it.
+(`partrain.batching.stack_batch`) batches requests of different shapes with it.
 
 A padded batch travels as a dict, so `fit` calls the model as ``model(x=..., lengths=...)``
 (and ``mask=...`` with ``PadCollate(mask=True)``): a model takes the lengths to ignore

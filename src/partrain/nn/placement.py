@@ -23,7 +23,7 @@ from torch import nn
 
 from .._tree import map_tensors
 from ..errors import UsageError
-from ..strategies._pipeline_split import chunk_ranges, plan_cuts, sequential_children
+from .split import chunk_ranges, plan_cuts, sequential_children
 
 
 class PlacedSequential(nn.Module):

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from ..checkpoint import save_checkpoint
 from ..data.datasets import preprocessing
 from ..models import build_model
-from ..train.checkpoint import save_checkpoint
 from .pbt import PBT
 from .population import Population
 from .prepare import Prepared, checkpoint_path, prepare, split_validation

@@ -144,7 +144,7 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _train(args: argparse.Namespace, learner: Any, server: Any, prog: str, idle_timeout: float | None) -> int:
-    from ..train.metrics import MetricsWriter
+    from ..metrics import MetricsWriter
     from .run import curve_rows, format_row, summary
 
     writer = MetricsWriter(args.out, resume=args.resume)

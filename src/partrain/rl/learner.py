@@ -35,9 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import _stats
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..errors import UsageError
-from ..train.checkpoint import load_checkpoint, save_checkpoint
-from ..train.optim import keep_run_settings
+from ..optim import keep_run_settings
 from .algorithms import Algorithm, VTrace, default_optimizer
 from .envs import sample_actions
 from .wire import Segment, encode_weights, stack_segments

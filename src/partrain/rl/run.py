@@ -176,7 +176,7 @@ def _num(x: float) -> str:
 
 
 def curve_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The learner's reports in `partrain.train.metrics.MetricsWriter`'s shape (``epoch`` = report)."""
+    """The learner's reports in `partrain.metrics.MetricsWriter`'s shape (``epoch`` = report)."""
     rows = []
     for i, r in enumerate(history, 1):
         rows.append({"epoch": i, "seconds": r["seconds"], "frames": r["frames"], "version": r["version"],

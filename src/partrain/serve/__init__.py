@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .batcher import (
+from ..batching import (
     AdaptivePolicy,
     Batcher,
     BatcherClosed,

@@ -57,7 +57,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from .batcher import Batcher, BatcherClosed, QueueFull
+from ..batching import Batcher, BatcherClosed, QueueFull
 from .body import DEFAULT_MAX_BODY_BYTES, body_decoder
 from .protocol import (
     HEADER,

@@ -6,11 +6,11 @@ import argparse
 import functools
 import os
 
+from ..batching import make_policy
 from ..cli import HelpFormatter
 from ..env import check_device
 from ..errors import UsageError
 from ..extras import needs
-from .batcher import make_policy
 from .body import DEFAULT_MAX_BODY_BYTES
 from .loading import load_models, model_names, parse_shape
 from .protocol import DATATYPES

@@ -313,8 +313,8 @@ def model_from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
     current directory or the spec's ``path``); its weights must fit (`fit_weights`);
     a ``preprocess`` entry wraps the model in `Preprocess`.
     """
+    from ..checkpoint import fit_weights, load_checkpoint
     from ..models import build_model
-    from ..train.checkpoint import fit_weights, load_checkpoint
 
     state = load_checkpoint(path)
     spec = state.get("model_spec")

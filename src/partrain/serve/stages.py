@@ -39,7 +39,7 @@ from torch import nn
 from .._process import process_context, stop_processes, unblock_interrupts, watch_parent
 from .._signals import install_in_worker
 from ..errors import UsageError, error_line
-from ..strategies._pipeline_split import chunk_ranges, plan_cuts, sequential_children
+from ..nn.split import chunk_ranges, plan_cuts, sequential_children
 
 #: the wire: int64 header [kind, dtype, ndim, *shape padded to MAX_DIMS]
 MAX_DIMS = 8

@@ -16,9 +16,9 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
 
 from .._tree import map_tensors
+from ..batch import describe
 from ..errors import UsageError, error_line
-from ..train.task import describe
-from ._pipeline_split import SCHEDULES, as_args
+from ..nn.split import SCHEDULES, as_args
 from ._pipeline_wire import broadcast_tensor, recv_tensors, send_tensors
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError, error_line
-from ._pipeline_split import balance
+from ..nn.split import balance
 
 
 def call_order(model: nn.Module, args: Sequence[Any]) -> list[tuple[str, nn.Module]]:

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..batch import describe
 from ..errors import UsageError
-from ..train.task import describe
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool]

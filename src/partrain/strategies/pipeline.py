@@ -57,11 +57,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .. import comm
+from ..batch import batch_size
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
-from ..train.task import batch_size
-from ._pipeline_optim import StageOptimizer, keep_stage_params, recv_object, send_object
-from ._pipeline_split import (
+from ..nn.split import (
     SCHEDULES,
     as_args,
     chunk_ranges,
@@ -72,6 +71,7 @@ from ._pipeline_split import (
     sequential_children,
     stage_ranks,
 )
+from ._pipeline_optim import StageOptimizer, keep_stage_params, recv_object, send_object
 from ._pipeline_trace import split_points, trace_stages
 from .base import Strategy, register
 

@@ -3,7 +3,7 @@
 `OnlineTrainer` takes items from any thread or event loop (`OnlineTrainer.submit`,
 `OnlineTrainer.consume` for an iterator, `OnlineTrainer.aconsume` for an async
 one) and trains on them in dequeue-all batches on the project's one dynamic
-batcher (`partrain.serve.batcher.Batcher`). `MqttSource` (the ``stream`` extra,
+batcher (`partrain.batching.Batcher`). `MqttSource` (the ``stream`` extra,
 paho-mqtt) feeds it from an MQTT broker and answers predictions on a reply topic.
 See docs/streaming.md.
 """

@@ -140,8 +140,8 @@ def load_model(spec: str) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, A
 
 def run(args: argparse.Namespace) -> int:
     from .._process import tune_allocator
+    from ..optim import make_optimizer
     from ..serve.loading import parse_shape
-    from ..train.optim import make_optimizer
     from .codec import Codec
     from .options import parse_lr_schedule
     from .trainer import SWITCH_INTERVAL, OnlineTrainer

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..batching import Policy
 from ..errors import UsageError
-from ..serve.batcher import Policy
 from ..train.task import NAMED_LOSSES
 
 # --------------------------------------------------------------------------- loss

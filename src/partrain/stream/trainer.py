@@ -8,7 +8,7 @@ batch is labelled, by one optimizer update. The *version* of the weights is the
 number of updates applied to them.
 
 The queue, the batching and the padding are the project's one dynamic batcher
-(`partrain.serve.batcher.Batcher`): producers hand items over with
+(`partrain.batching.Batcher`): producers hand items over with
 `Batcher.submit_threadsafe`, the batcher's own thread (``inline``: the one
 thread that collects a batch also runs its step, with no hand-off between
 threads per step) runs one step at a time, and items arriving during a step
@@ -41,9 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..env import check_cuda_device
-from ..errors import UsageError, error_line
-from ..serve.batcher import (
+from ..batching import (
     Batcher,
     BatcherClosed,
     Inputs,
@@ -54,8 +52,10 @@ from ..serve.batcher import (
     split_outputs,
     stack_batch,
 )
-from ..train.checkpoint import fit_weights, load_checkpoint, save_checkpoint
-from ..train.optim import keep_run_settings, setting_change, setting_text
+from ..checkpoint import fit_weights, load_checkpoint, save_checkpoint
+from ..env import check_cuda_device
+from ..errors import UsageError, error_line
+from ..optim import keep_run_settings, setting_change, setting_text
 from .metrics import StreamMetrics, plot_curves, prometheus_collector, serve_prometheus
 from .options import MinBatchPolicy, check_overflow, parse_lr_schedule, resolve_loss, weighted_loss
 from .replay import Remembered, ReplayBuffer

@@ -11,16 +11,16 @@ from typing import Any
 
 from torch import nn
 
+from ..checkpoint import load_checkpoint
 from ..cli import HelpFormatter
 from ..data.datasets import DataSpec, load_dataset, num_classes, preprocessing, sample_shape
 from ..data.pipeline import LOADERS
 from ..env import available_cores, external_launcher, global_rank_from_environ, gpus_for
 from ..errors import UsageError
 from ..models import MODELS, build_model, model_kwargs_for
+from ..optim import OPTIMIZERS, make_optimizer
 from ..strategies.base import available, get_strategy, parse_options
-from .checkpoint import load_checkpoint
 from .config import ON_NAN
-from .optim import OPTIMIZERS, make_optimizer
 from .task import LOSSES, PRECISIONS, Task
 
 DEFAULT_OUT = "runs/train"

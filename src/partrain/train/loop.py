@@ -48,20 +48,21 @@ from torch.optim import Optimizer
 from torch.utils.data import Dataset, TensorDataset
 
 from .._process import start_server_early
+from ..batch import batch_size, describe, tensors_of, to_device
+from ..checkpoint import fit_weights, load_checkpoint, save_checkpoint
 from ..data.bucketing import BucketBatchSampler, lengths_of
 from ..data.generated import Generated, GeneratedSampler
 from ..data.pipeline import Feeder, InlineBatches
 from ..env import available_cores, external_launcher, global_rank_from_environ
 from ..errors import UsageError, first_line
 from ..launch import launch, starts_processes
+from ..metrics import MetricsWriter, StepTimes
 from ..nn.freeze import freeze_state_dict, load_freeze_state_dict
+from ..optim import keep_run_settings
 from ..strategies.base import Strategy, get_strategy
 from ..strategies.parameter_server import is_ps_state, ps_optimizer_states
-from .checkpoint import fit_weights, load_checkpoint, save_checkpoint
 from .compiling import FusedStep, compile_model, compile_settings, fused_blocker, optimizer_blocker
 from .config import FitConfig, LaunchConfig, split_options
-from .metrics import MetricsWriter, StepTimes
-from .optim import keep_run_settings
 from .prepare import (
     DataArg,
     check_model_takes,
@@ -74,7 +75,7 @@ from .prepare import (
     write_config,
 )
 from .schedule import Schedule, parse_schedule
-from .task import LossFn, MetricFn, Task, batch_size, describe, tensors_of, to_device
+from .task import LossFn, MetricFn, Task
 
 SchedulerFn = Callable[[Optimizer], Any]
 

@@ -22,12 +22,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from ..batch import describe, split_batch
 from ..data.datasets import DataSpec, load_dataset, preprocessing
 from ..data.generated import Generated
 from ..data.pipeline import collate
 from ..errors import UsageError, first_line
 from .config import FitConfig
-from .task import Task, describe, split_batch
+from .task import Task
 
 #: files a run writes in its directory: their presence means the directory holds a run
 RUN_FILES = ("checkpoint.pt", "best.pt", "metrics.csv", "metrics.jsonl", "config.json", "curves.png")

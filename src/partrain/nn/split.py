@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..batch import describe
 from ..errors import UsageError
-from ..train.task import describe
 
 #: how a model is cut when no names are given
 BALANCE = ("params", "time")

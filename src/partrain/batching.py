@@ -32,7 +32,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from ..data.padding import pad_cat
+from .data.padding import pad_cat
 
 Inputs = Union[Tensor, tuple[Tensor, ...]]  # noqa: UP007 - runtime alias, py3.10
 Outputs = Union[Tensor, tuple[Tensor, ...]]  # noqa: UP007 - runtime alias, py3.10

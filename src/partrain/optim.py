@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from ..errors import UsageError
+from .errors import UsageError
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 

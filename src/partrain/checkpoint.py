@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import UsageError, error_line
+from .errors import UsageError, error_line
 
 FORMAT = "partrain/1"
 
@@ -102,7 +102,7 @@ def load_model(path: str) -> tuple[nn.Module, dict[str, Any]]:
 
     Returns the model in eval mode and the checkpoint's ``model_spec``.
     """
-    from ..models import build_model
+    from .models import build_model
 
     state = load_checkpoint(path)
     spec = state.get("model_spec")

@@ -63,7 +63,7 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
-                from ..errors import UsageError
+                from .errors import UsageError
 
                 raise UsageError("Expected the tensorboard package for tensorboard=True (pip install "
                                  f"'partrain[tensorboard]'). Received: {exc}") from None
