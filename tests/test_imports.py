@@ -22,5 +22,5 @@ def test_strategy_classes_are_importable_from_partrain_strategies():
 def test_fit_pieces_are_importable_from_partrain():
     from partrain.train.task import Task
 
-    assert partrain.fit.__module__ == "partrain.train.loop"
+    assert partrain.fit.__module__ == "partrain.train.fit"
     assert partrain.FitConfig().on_nan == "stop" and Task("mse").loss_name == "mse"

@@ -203,7 +203,7 @@ def test_partrain_train_on_a_gpu_machine_defaults_to_one_worker_per_gpu(one_fake
         seen.update(kwargs)
         raise SystemExit(0)
 
-    monkeypatch.setattr("partrain.train.loop.fit", fake_fit)
+    monkeypatch.setattr("partrain.train.fit.fit", fake_fit)
     monkeypatch.setattr(train_cli, "available_cores", lambda: 16)
     from partrain.cli import main
 

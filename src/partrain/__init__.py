@@ -19,8 +19,16 @@ __all__ = ["DistEnv", "FitConfig", "LaunchConfig", "RunResult", "Strategy", "Usa
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy: the training loop pulls in more modules
-    if name in ("fit", "RunResult", "FitConfig", "LaunchConfig"):
-        from .train import loop
+    if name == "fit":
+        from .train.fit import fit
 
-        return getattr(loop, name)
+        return fit
+    if name == "RunResult":
+        from .train.result import RunResult
+
+        return RunResult
+    if name in ("FitConfig", "LaunchConfig"):
+        from .train import config
+
+        return getattr(config, name)
     raise AttributeError(name)

@@ -35,7 +35,7 @@ import torch
 
 from .comm import all_gather_object, broadcast_object
 from .errors import UsageError
-from .train.loop import RunResult
+from .train.result import RunResult
 
 __all__ = ["MODEL_FILE", "HISTORY_FILE", "report", "load_result"]
 

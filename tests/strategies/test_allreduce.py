@@ -22,7 +22,7 @@ import functools
 import pytest
 
 from partrain.errors import UsageError
-from partrain.train.loop import fit
+from partrain.train.fit import fit
 from tests.helpers import (
     assert_history_matches,
     assert_states_close,

@@ -17,7 +17,7 @@ import torch
 from partrain import launch
 from partrain.errors import UsageError, WorkerError
 from partrain.strategies.hogwild import Hogwild, _init_state, check_one_host, shm_dir
-from partrain.train.loop import fit
+from partrain.train.fit import fit
 from tests.helpers import sgd, small_mlp
 
 

@@ -26,7 +26,7 @@ from partrain.env import DistEnv
 from partrain.errors import UsageError
 from partrain.strategies import get_strategy, parse_options
 from partrain.strategies.local_sgd import LocalSGD
-from partrain.train.loop import fit
+from partrain.train.fit import fit
 from tests.helpers import (
     DIGITS64_TRAIN,
     assert_history_matches,

@@ -47,7 +47,7 @@ from partrain.models import cnn
 from partrain.strategies import get_strategy, parse_options
 from partrain.strategies._ps_wire import LocalPipe, frame, plan_shards, split_frame
 from partrain.strategies.parameter_server import ParameterServer, ps_optimizer_states
-from partrain.train.loop import fit
+from partrain.train.fit import fit
 from tests.helpers import (
     assert_history_matches,
     assert_states_close,

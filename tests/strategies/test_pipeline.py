@@ -42,7 +42,7 @@ from partrain.nn.split import balance, stage_ranks
 from partrain.strategies import get_strategy, parse_options
 from partrain.strategies._pipeline_trace import culprit
 from partrain.strategies.pipeline import SCHEDULES, Pipeline
-from partrain.train.loop import fit
+from partrain.train.fit import fit
 from tests.helpers import (
     assert_history_matches,
     assert_states_close,

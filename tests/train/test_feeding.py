@@ -31,7 +31,7 @@ from examples.lstm_variable_length import LstmClassifier, data
 from torch.utils.data import Dataset
 
 from partrain.data import LoaderError, PadCollate
-from partrain.train.loop import fit
+from partrain.train.fit import fit
 from tests.helpers import assert_states_close, sgd
 from tests.train.test_tasks import regression64, regressor64
 from tests.waiting import wait_until
@@ -141,7 +141,7 @@ def nan_target():
 
 
 def test_a_non_finite_loss_stops_a_fused_epoch_before_any_checkpoint(tmp_path):
-    from partrain.train.loop import NonFiniteError
+    from partrain.train.guard import NonFiniteError
 
     with pytest.raises(NonFiniteError, match=r"Non-finite loss in epoch 1 between optimizer steps 1 and 6 "):
         fit(regressor64, nan_target, sgd, data_on_device=True, compile="aot_eager", drop_last=True,
@@ -168,7 +168,7 @@ def test_a_failing_loader_stops_fit_with_its_traceback():
 SCRIPT = textwrap.dedent("""
     import os, sys, torch
     from torch.utils.data import Dataset
-    from partrain.train.loop import fit
+    from partrain.train.fit import fit
 
     class Slow(Dataset):
         def __len__(self):
@@ -247,7 +247,7 @@ def test_an_lstm_on_variable_length_sequences_trains_under_allreduce_with_2_work
 
 
 def test_the_epoch_line_says_when_the_input_pipeline_is_the_bottleneck():
-    from partrain.train.loop import _summary
+    from partrain.train.report import summary as _summary
 
     row = {"epoch": 1, "train_loss": 0.5, "test_loss": 0.4, "samples_per_s": 100.0, "time_data": 3.0,
            "time_compute": 1.0, "time_comm": 0.0, "loader": "threads x2, prefetch 4",
@@ -309,7 +309,7 @@ def test_bad_feeding_arguments_to_fit_are_one_line_before_any_worker(options, li
     from partrain.errors import UsageError
     from tests.train.test_tasks import no_launch
 
-    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    monkeypatch.setattr("partrain.train.fit.launch", no_launch)
     with pytest.raises(UsageError) as info:
         fit(regressor64, map_style, sgd, **dict(ONE, **options))
     assert str(info.value).startswith(line)
@@ -334,7 +334,7 @@ def test_short_epochs_walk_through_the_data_on_every_feeding_path(tmp_path):
     plain = fit(regressor64, regression64, sgd, **ONE)
     assert_states_close(whole.model_state, plain.model_state, atol=0.0)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("partrain.train.loop.launch", no_launch)
+        mp.setattr("partrain.train.fit.launch", no_launch)
         with pytest.raises(UsageError, match=r"^Expected samples_per_epoch with a Dataset of samples; a batch "
                                              r"generator sets its own epoch\. Received: samples_per_epoch=40 with "
                                              r"a Generated"):

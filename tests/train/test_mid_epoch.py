@@ -15,7 +15,7 @@ from torch import nn
 
 from partrain.checkpoint import load_checkpoint
 from partrain.errors import UsageError, WorkerError
-from partrain.train.loop import fit
+from partrain.train.fit import fit
 from tests.helpers import assert_states_close, sgd
 from tests.train.test_tasks import COMMON, no_launch, regression64, regressor64
 
@@ -60,7 +60,7 @@ def test_a_run_resumed_from_the_middle_of_an_epoch_equals_an_uninterrupted_one(t
     assert ckpt["within_epoch"]["rng"].shape[0] == 2  # one random state per worker
     monkeypatch.delenv(FAIL_AT)
     with monkeypatch.context() as m:  # refused in the calling process, before any worker starts
-        m.setattr("partrain.train.loop.launch", no_launch)
+        m.setattr("partrain.train.fit.launch", no_launch)
         with pytest.raises(UsageError, match=r"^Expected 2 workers to resume a mid-epoch checkpoint \(its random "
                                              r"states are per worker\)\. Received: 1$"):
             fit(FailsOnCall, regression64, sgd, out_dir=part, resume="auto", **{**RUN, "workers": 1})
@@ -72,7 +72,7 @@ def test_a_run_resumed_from_the_middle_of_an_epoch_equals_an_uninterrupted_one(t
 
 
 def test_asynchronous_strategies_refuse_mid_epoch_checkpoints_before_spawning(monkeypatch):
-    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    monkeypatch.setattr("partrain.train.fit.launch", no_launch)
     with pytest.raises(UsageError, match=r"Received: strategy 'hogwild', which checkpoints at epoch ends only"):
         fit(FailsOnCall, regression64, sgd, strategy="hogwild", **RUN)
 
@@ -122,7 +122,7 @@ def test_the_worker_count_check_before_launch_counts_a_pipelines_replicas(tmp_pa
     fit(regressor64, regression64, sgd, out_dir=part, max_steps=16, checkpoint_every=1, strategy="single",
         workers=1, **run)
     assert len(load_checkpoint(os.path.join(part, "checkpoint.pt"))["within_epoch"]["rng"]) == 1
-    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    monkeypatch.setattr("partrain.train.fit.launch", no_launch)
     with pytest.raises(AssertionError, match="a process was started"):  # accepted: on to the launch
         fit(regressor64, regression64, sgd, out_dir=part, resume="auto", strategy="pipeline", workers=2, **run)
     with pytest.raises(UsageError, match=r"^Expected 1 workers to resume a mid-epoch checkpoint \(its random "

@@ -18,7 +18,8 @@ from partrain.checkpoint import load_checkpoint
 from partrain.env import DistEnv
 from partrain.strategies.local_sgd import LocalSGD
 from partrain.strategies.single import Single
-from partrain.train.loop import fit, restore
+from partrain.train.fit import fit
+from partrain.train.resume import restore
 from partrain.train.schedule import Schedule
 from tests.helpers import assert_states_close, sgd, small_cnn
 
@@ -101,7 +102,8 @@ def _sgd_checkpoint(model, **settings):
 
 
 def _parts(opt, cls=SGD, scheduler=None, schedule=None):
-    return SimpleNamespace(optimizer=opt, scheduler=scheduler, schedule=schedule or Schedule(), optimizer_class=cls)
+    return SimpleNamespace(optimizer=opt, scheduler=scheduler, schedule=schedule or Schedule(), optimizer_class=cls,
+                           lengths=None)
 
 
 def test_a_resume_takes_this_runs_optimizer_settings_and_says_which(capsys):

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from partrain.checkpoint import load_checkpoint, load_model
 from partrain.errors import UsageError, WorkerError
-from partrain.train.loop import fit
+from partrain.train.fit import fit
 from partrain.train.task import Task
 from tests.helpers import F64_ATOL, assert_states_close, epoch_order, sgd, torch_threads
 
@@ -155,7 +155,7 @@ def test_a_mean_reduced_torch_loss_is_used_per_sample_exactly():
     ("hinge", "Expected a loss among"),
 ])
 def test_a_whole_batch_loss_is_refused_before_spawning(loss_fn, expected, monkeypatch):
-    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    monkeypatch.setattr("partrain.train.fit.launch", no_launch)
     with pytest.raises(UsageError) as e:
         fit(regressor64, regression64, sgd, epochs=1, loss_fn=loss_fn, **COMMON)
     assert expected in str(e.value) and len(str(e.value).splitlines()) == 1
@@ -276,7 +276,7 @@ def test_variable_length_samples_need_a_collate_fn_and_train_with_one():
 
 
 def test_labels_beyond_the_model_outputs_are_refused_before_spawning(monkeypatch):
-    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    monkeypatch.setattr("partrain.train.fit.launch", no_launch)
 
     def data():
         return TensorDataset(torch.randn(20, 6), torch.arange(20) % 5)
@@ -389,7 +389,7 @@ def test_a_task_object_carries_target_key_and_metrics():
 def test_resuming_with_weights_of_another_shape_names_the_tensors(tmp_path, monkeypatch):
     out = str(tmp_path / "run")
     fit(regressor64, regression64, sgd, epochs=1, out_dir=out, **COMMON)
-    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    monkeypatch.setattr("partrain.train.fit.launch", no_launch)
     with pytest.raises(UsageError) as e:
         fit(wider, regression64, sgd, epochs=2, out_dir=out, resume="auto", **COMMON)
     assert str(e.value).endswith("Received: 3 mismatched tensors (0.weight: checkpoint (12, 6) vs model (20, 6); "
@@ -402,7 +402,7 @@ def wider() -> nn.Module:
 
 
 def test_a_lambda_loss_is_named_in_one_line(monkeypatch):
-    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    monkeypatch.setattr("partrain.train.fit.launch", no_launch)
     with pytest.raises(UsageError, match=r"^Expected loss_fn to be picklable \(a module-level function"):
         fit(regressor64, regression64, sgd, epochs=1, loss_fn=lambda out, y: (out.squeeze(1) - y) ** 2, **COMMON)
 

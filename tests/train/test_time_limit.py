@@ -8,7 +8,8 @@ import math
 import pytest
 
 from partrain.errors import UsageError
-from partrain.train.loop import fit, time_is_up
+from partrain.train.fit import fit
+from partrain.train.stopping import time_is_up
 from tests.helpers import assert_states_close, sgd
 from tests.train.test_tasks import COMMON, no_launch, regression64, regressor64
 
@@ -49,7 +50,7 @@ def test_a_limit_longer_than_the_run_changes_nothing():
 
 @pytest.mark.parametrize("value", [0, -1.0, math.inf, math.nan, True, "10"])
 def test_a_bad_limit_is_one_line_before_any_process_starts(value, monkeypatch):
-    monkeypatch.setattr("partrain.train.loop.launch", no_launch)
+    monkeypatch.setattr("partrain.train.fit.launch", no_launch)
     with pytest.raises(UsageError, match=r"^Expected max_seconds to be a positive number of seconds or None\. "
                                          r"Received: "):
         fit(regressor64, regression64, sgd, epochs=2, max_seconds=value, **COMMON)

@@ -57,7 +57,7 @@ from torch.utils.data import TensorDataset
 from ..errors import UsageError
 from ..models import cnn
 from ..strategies import get_strategy
-from ..train.loop import fit
+from ..train.fit import fit
 from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
 
 FIGURES = ("samples_per_s", "time_to_target", "bytes_per_sample", "final_test_loss", "final_test_accuracy")

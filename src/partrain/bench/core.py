@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..data.datasets import synthetic
 from ..env import available_cores
 from ..models import cnn
-from ..train.loop import fit
+from ..train.fit import fit
 from .harness import Report, Spread, alternate, paired_ratio, pick_size, positive_int
 
 

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from ..data import BucketBatchSampler, PadCollate, Sequences
 from ..data.padding import padding_fraction
 from ..data.sharding import ShardedBatchSampler
-from ..train.loop import fit
+from ..train.fit import fit
 from .harness import (
     Report,
     Spread,

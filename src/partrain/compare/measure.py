@@ -155,7 +155,7 @@ def measure(job: Job, candidate: Candidate, workers: int, epoch_samples: int, ep
     Whole epochs, not ``max_steps``: workers that claim batches (asynchronous strategies) count
     their own steps, and `fit` would stop them in different epochs.
     """
-    from ..train.loop import fit
+    from ..train.fit import fit
 
     n = candidate.workers or workers
     strat = candidate.build()
@@ -198,7 +198,7 @@ def window_data(data: Any, test_samples: int) -> tuple[Dataset, Dataset | None]:
 
     In-memory tensors stay a `TensorDataset` (`fit` indexes them directly); others a `Subset`.
     """
-    from ..train.loop import resolve_data
+    from ..train.prepare import resolve_data
 
     train, test = resolve_data(data)
     if test is not None and len(test) > test_samples:  # type: ignore[arg-type]

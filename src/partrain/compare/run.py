@@ -494,7 +494,7 @@ def round_cost(leaders: list[Measurement], planned: dict[str, tuple[Candidate, i
 #: on a loaded machine, which would otherwise land in the first window of each process)
 #: what a window's process imports, at warm-up instead of inside a window or the host probe.
 #: torch._dynamo: torch's first optimizer in a process imports it (1.5-2 s on a 2-core host)
-WORKER_MODULES = ("partrain.train.loop", "torch.nn.parallel", "partrain.strategies.allreduce",
+WORKER_MODULES = ("partrain.train.trainer", "torch.nn.parallel", "partrain.strategies.allreduce",
                   "partrain.strategies.local_sgd", "partrain.strategies.hogwild",
                   "partrain.strategies.parameter_server", "partrain.strategies.pipeline", "partrain.compare.probe",
                   "tqdm", "torch._dynamo")
@@ -506,7 +506,7 @@ def warm_up(strategy: Any, data: Any) -> None:
 
     for name in WORKER_MODULES:
         importlib.import_module(name)
-    from ..train.loop import resolve_data
+    from ..train.prepare import resolve_data
 
     resolve_data(data)  # (launch waits for every rank's gloo mesh before the job runs: no barrier here)
 
@@ -555,7 +555,8 @@ def applicable(labels: Sequence[str] | None, model: nn.Module, workers: int, bat
 
 def _inspect(job: Job) -> tuple[nn.Module, Any, Any, Any]:
     """The model (built as worker 0 builds it), the data and the task, checked before anything runs."""
-    from ..train.loop import _task_from, check_model_takes, resolve_data
+    from ..train.fit import _task_from
+    from ..train.prepare import check_model_takes, resolve_data
 
     for name, fn in (("model_fn", job.model_fn), ("optimizer_fn", job.optimizer_fn)):
         if not callable(fn):
@@ -624,15 +625,11 @@ def _training_step(net: nn.Module, opt: Any, task: Any, inputs: Any, target: Any
 
 
 def _ddp(model: nn.Module, group: Any) -> nn.Module:
-    """A copy of ``model`` (on its device) wrapped in DDP over ``group`` as the ``allreduce`` strategy wraps it."""
-    from torch.nn.parallel import DistributedDataParallel
-
+    """A copy of ``model`` (on its device) in DDP over ``group``, wrapped by the ``allreduce`` strategy
+    the windows run (its defaults: buckets, buffer switch, gradient views; `AllReduce.wrap`)."""
     from ..strategies.allreduce import AllReduce
 
-    device = next(model.parameters()).device
-    return DistributedDataParallel(copy.deepcopy(model).train(), process_group=group,
-                                   device_ids=[device] if device.type == "cuda" else None,
-                                   bucket_cap_mb=AllReduce().bucket_cap_mb, gradient_as_bucket_view=True)
+    return AllReduce().wrap(copy.deepcopy(model).train(), group)
 
 
 def _fenced(fn: Callable[[], Any], device: torch.device) -> Callable[[], None]:

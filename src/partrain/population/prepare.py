@@ -194,7 +194,7 @@ def split_validation(train: TensorDataset, fraction: float, seed: int) -> tuple[
 
 def check_model_output(model: nn.Module, train: TensorDataset, classes: int, name: str, dataset: str) -> None:
     """The model takes two training samples and returns class scores for every label."""
-    from ..train.loop import check_model_takes
+    from ..train.prepare import check_model_takes
 
     check_model_takes(model, train, f"model {name!r}", f"dataset {dataset!r}")
     model.eval()

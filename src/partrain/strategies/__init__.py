@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .base import Strategy, available, get_strategy, parse_options, register
+from .base import StepPlan, Strategy, available, get_strategy, parse_options, register
 
 _CLASSES = {
     "Single": "single",
@@ -20,7 +20,7 @@ _CLASSES = {
     "Pipeline": "pipeline",
 }
 
-__all__ = ["Strategy", "available", "get_strategy", "parse_options", "register", *_CLASSES]
+__all__ = ["StepPlan", "Strategy", "available", "get_strategy", "parse_options", "register", *_CLASSES]
 
 
 def __getattr__(name: str) -> Any:

@@ -32,6 +32,7 @@ from .base import Strategy, register
 class AllReduce(Strategy):
     name = "allreduce"
     checkpoints_within_epoch = True
+    fuses_steps = True
 
     def __init__(self, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True) -> None:
@@ -62,6 +63,29 @@ class AllReduce(Strategy):
         )
         ddp.register_comm_hook(self, _timed_allreduce)
         return ddp, optimizer
+
+    def wrap(self, model: nn.Module, group: Any = None) -> DistributedDataParallel:
+        """``model`` (on its device) in DDP as `prepare` wraps it, over ``group`` (None: the
+        default group): this strategy's buckets, buffer switch and gradient views, with DDP's own
+        all-reduce (no timing hook; the caller may register its own). For code that inspects or
+        times this strategy's DDP without training through it: ``partrain compare``'s host probe
+        reads its bucket layout and its bookkeeping."""
+        kwargs: dict[str, Any] = {}
+        # torch 2.13 renamed broadcast_buffers; older releases only know the old name
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+            kwargs["forward_sync_buffers"] = self.broadcast_buffers
+        else:
+            kwargs["broadcast_buffers"] = self.broadcast_buffers
+        device = next(model.parameters()).device
+        return DistributedDataParallel(
+            model,
+            device_ids=[device] if device.type == "cuda" else None,
+            process_group=group,
+            bucket_cap_mb=self.bucket_cap_mb,
+            find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            **kwargs,
+        )
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

@@ -29,6 +29,7 @@ import inspect
 import math
 from abc import ABC
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -45,6 +46,38 @@ from ..nn.freeze import keep_frozen
 
 WORKER = "worker"
 
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the training loop asks of one micro-batch, as one object (`Strategy.train_step`).
+
+    ``loss_fn(output, y)`` returns per-sample losses; the backward pass runs on
+    ``loss.sum() * loss_scale`` (the loop's normalisation by the global batch). ``update``:
+    the last micro-batch of an accumulation window, so gradients are exchanged and the
+    optimizer steps. ``forward_fn(model, x)`` calls the model (default ``model(x)``).
+    ``before_update()`` runs between the exchange and the step (clipping, the NaN policy);
+    when it returns False the step's gradient is dropped.
+    """
+
+    loss_fn: LossFn
+    loss_scale: float = 1.0
+    update: bool = True
+    forward_fn: Callable[[nn.Module, Any], Any] | None = None
+    before_update: Callable[[], bool] | None = None
+
+    @classmethod
+    def of(cls, plan: StepPlan | LossFn, **options: Any) -> StepPlan:
+        """``plan`` itself, or a plan for a bare loss function and keyword options
+        (``train_step(model, opt, x, y, loss_fn, loss_scale=...)``, as scripts call it)."""
+        if isinstance(plan, StepPlan):
+            if options:
+                raise UsageError(f"Expected a StepPlan or a loss function with options. Received: a StepPlan "
+                                 f"and {sorted(options)}")
+            return plan
+        return cls(plan, **options)
+
 
 class Strategy(ABC):
     """How one training loop runs on many processes. Subclasses set ``name``."""
@@ -60,6 +93,9 @@ class Strategy(ABC):
     #: every worker holds the same parameters after every step, so a checkpoint within an
     #: epoch resumes exactly (`fit`'s checkpoint_every); not so for asynchronous or local steps
     checkpoints_within_epoch: ClassVar[bool] = False
+    #: one worker's whole step (forward, backward, update) may run as one compiled function:
+    #: nothing moves between processes outside ``optimizer.step()`` (`partrain.train.compiling`)
+    fuses_steps: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.env = DistEnv()
@@ -166,29 +202,27 @@ class Strategy(ABC):
                                    shuffle=shuffle, seed=seed, drop_last=drop_last, dataset_size=dataset_size)
 
     def train_step(self, model: nn.Module, optimizer: Optimizer, x: Any, y: Any,
-                   loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float = 1.0,
-                   update: bool = True, forward_fn: Callable[[nn.Module, Any], Any] | None = None,
-                   before_update: Callable[[], bool] | None = None) -> tuple[Any, torch.Tensor]:
-        """One micro-batch: forward, per-sample loss, backward of ``loss.sum() * loss_scale``.
+                   plan: StepPlan | LossFn, **options: Any) -> tuple[Any, torch.Tensor]:
+        """One micro-batch: forward, per-sample loss, backward of ``loss.sum() * plan.loss_scale``.
 
-        ``x`` is whatever the model takes (``forward_fn(model, x)`` calls it; default
-        ``model(x)``), ``loss_fn(output, y)`` returns per-sample losses. With ``update`` (the
-        last micro-batch of an accumulation window) the gradients are exchanged and the
-        optimizer steps; without, the micro-batch runs under `no_sync` - the forward pass too,
-        since DDP decides there whether the backward communicates. ``before_update()`` runs
-        between the exchange and the step (gradient clipping, finiteness checks); when it
-        returns False the step's gradient is dropped (the optimizer still steps, with no
-        gradient, so every worker's step count stays the same). Returns the output and the
-        per-sample losses, detached. A strategy that schedules forward and backward itself (a
-        pipeline's micro-batches across stages) overrides this; the others differ in what
+        ``plan`` is a `StepPlan` (or a bare loss function, with the plan's fields as keyword
+        options). ``x`` is whatever the model takes. With ``plan.update`` (the last micro-batch
+        of an accumulation window) the gradients are exchanged and the optimizer steps;
+        without, the micro-batch runs under `no_sync` - the forward pass too, since DDP decides
+        there whether the backward communicates. When ``plan.before_update()`` returns False the
+        step's gradient is dropped (the optimizer still steps, with no gradient, so every
+        worker's step count stays the same). Returns the output and the per-sample losses,
+        detached. A strategy that schedules forward and backward itself (a pipeline's
+        micro-batches across stages) overrides this; the others differ in what
         ``optimizer.step()`` does.
         """
-        with contextlib.nullcontext() if update else self.no_sync(model):
-            out = forward_fn(model, x) if forward_fn is not None else model(x)
-            per_sample = loss_fn(out, y)
-            (per_sample.sum() * loss_scale).backward()
-        if update:
-            if before_update is not None and not before_update():
+        plan = StepPlan.of(plan, **options)
+        with contextlib.nullcontext() if plan.update else self.no_sync(model):
+            out = plan.forward_fn(model, x) if plan.forward_fn is not None else model(x)
+            per_sample = plan.loss_fn(out, y)
+            (per_sample.sum() * plan.loss_scale).backward()
+        if plan.update:
+            if plan.before_update is not None and not plan.before_update():
                 optimizer.zero_grad(set_to_none=True)
             self.optimizer_step(optimizer)
         return detach(out), per_sample.detach()
@@ -250,6 +284,15 @@ class Strategy(ABC):
         leave unused, for the line a resume prints; None when every part is used."""
         return None
 
+    @classmethod
+    def optimizer_state_in(cls, state: Any, numels: list[int]) -> dict[int, dict[str, Any]] | None:
+        """The optimizer's per-parameter state that this strategy's checkpoint entry ``state``
+        holds in place of the checkpoint's ``optimizer`` entry (a parameter server keeps it on
+        its servers), as in ``optimizer.state_dict()["state"]``, for another strategy to resume
+        with. None: the checkpoint's ``optimizer`` entry has it. ``numels``: the sizes of the
+        resuming optimizer's parameters."""
+        return None
+
     def adopt_optimizer_state(self, state: dict[str, Any] | None) -> None:
         """A checkpoint another strategy wrote: the optimizer has just loaded ``state`` (its
         ``state_dict()``, the whole model's). A strategy that keeps the optimizer state
@@ -283,6 +326,12 @@ def register(cls: type[Strategy]) -> type[Strategy]:
         raise TypeError(f"{cls.__name__} needs a non-empty name")
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def strategy_class(name: str) -> type[Strategy] | None:
+    """The registered class named ``name`` (None: no such strategy)."""
+    _load_builtin()
+    return _REGISTRY.get(name)
 
 
 def available() -> list[str]:

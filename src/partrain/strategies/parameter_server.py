@@ -94,6 +94,11 @@ class ParameterServer(Strategy):
 
     name = "ps"
 
+    @classmethod
+    def optimizer_state_in(cls, state: Any, numels: list[int]) -> dict[int, dict[str, Any]] | None:
+        """The optimizer state this strategy's checkpoint keeps on its servers (`ps_optimizer_states`)."""
+        return ps_optimizer_states(state, numels) if is_ps_state(state) else None
+
     def __init__(self, servers: int = 1, staleness: float = 0, backup_workers: int = 0,
                  staleness_lr: bool = False, overlap: bool = False, colocate: bool = False) -> None:
         super().__init__()

@@ -73,7 +73,7 @@ from ..nn.split import (
 )
 from ._pipeline_optim import StageOptimizer, keep_stage_params, recv_object, send_object
 from ._pipeline_trace import split_points, trace_stages
-from .base import Strategy, register
+from .base import LossFn, StepPlan, Strategy, register
 
 if TYPE_CHECKING:  # the runtime imports torch.distributed.pipelining: seconds, paid by a pipeline only
     from ._pipeline_runtime import Runtime
@@ -235,12 +235,11 @@ class Pipeline(Strategy):
 
     # ----- one training step ------------------------------------------------------------
     def train_step(self, model: nn.Module, optimizer: Optimizer, x: Any, y: Any,
-                   loss_fn: Callable[[Any, Any], torch.Tensor], *, loss_scale: float = 1.0,
-                   update: bool = True, forward_fn: Callable[[nn.Module, Any], Any] | None = None,
-                   before_update: Callable[[], bool] | None = None) -> tuple[Any, torch.Tensor]:
+                   plan: StepPlan | LossFn, **options: Any) -> tuple[Any, torch.Tensor]:
         """One global batch through the pipeline on every stage (each stage calls this with the
         same ``x`` and ``y``); see `Strategy.train_step` for the arguments. Returns the output
         and per-sample losses on every stage (sent from the last)."""
+        plan = StepPlan.of(plan, **options)
         module = _pipeline_module(model)
         runtime = module._ensure_cut(x)
         if not runtime.trimmed:  # by now the caller dropped the whole model it handed to prepare
@@ -249,12 +248,12 @@ class Pipeline(Strategy):
             runtime.trimmed = True
         n = batch_size(y, x)
         if n > 0:
-            out, per_sample = runtime.run(x, y, n, loss_fn, loss_scale, forward_fn)
+            out, per_sample = runtime.run(x, y, n, plan.loss_fn, plan.loss_scale, plan.forward_fn)
         else:  # a replica's share of the last global batch can be empty: it still all-reduces
             out, per_sample = runtime.empty_output(), torch.zeros(0, dtype=torch.float64, device=self.device)
-        if update:
+        if plan.update:
             self._exchange_gradients(runtime)
-            if not self._agree(before_update):
+            if not self._agree(plan.before_update):
                 optimizer.zero_grad(set_to_none=True)
             self.optimizer_step(optimizer)
         return out, per_sample

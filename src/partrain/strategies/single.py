@@ -14,6 +14,7 @@ class Single(Strategy):
     name = "single"
     max_workers = 1
     checkpoints_within_epoch = True
+    fuses_steps = True
 
     def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         if env.world_size != 1:

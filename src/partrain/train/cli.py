@@ -158,8 +158,8 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .loop import check_model_takes, fit
-    from .prepare import check_run_dir, numbered_dir
+    from .fit import fit
+    from .prepare import check_model_takes, check_run_dir, numbered_dir
 
     if args.config:
         _apply_config(args)

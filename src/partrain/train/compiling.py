@@ -97,8 +97,9 @@ def fused_blocker(strategy: Any, model: nn.Module, cfg: Any) -> str | None:
     gradient exchange between workers, accumulation windows, clipping, skipping steps,
     buffers the forward updates (BatchNorm's running statistics), bf16 autocast.
     """
-    if strategy.name not in ("single", "allreduce") or strategy.num_workers != 1:
-        return f"strategy {strategy.name!r} with {strategy.num_workers} workers (one worker of single/allreduce only)"
+    if not strategy.fuses_steps or strategy.num_workers != 1:
+        return (f"strategy {strategy.name!r} with {strategy.num_workers} workers (one worker of a strategy "
+                "whose step stays in one process: single, allreduce)")
     if cfg.accumulate != 1:
         return f"accumulate={cfg.accumulate}"
     if cfg.clip_grad is not None:
