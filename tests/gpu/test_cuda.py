@@ -60,7 +60,7 @@ from partrain.launch import check_arguments
 from partrain.models import cnn
 from partrain.nn import SyncBatchNorm, convert_sync_batchnorm, place
 from partrain.population import Population
-from partrain.train.loop import fit
+from partrain.train.fit import fit
 from tests.helpers import (
     F64_ATOL,
     assert_history_matches,
