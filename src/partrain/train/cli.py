@@ -11,7 +11,6 @@ from typing import Any
 
 from torch import nn
 
-from ..checkpoint import load_checkpoint
 from ..cli import HelpFormatter
 from ..data.datasets import DataSpec, load_dataset, num_classes, preprocessing, sample_shape
 from ..data.pipeline import LOADERS
@@ -159,7 +158,7 @@ def _shape(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from .fit import fit
-    from .prepare import check_model_takes, check_run_dir, numbered_dir
+    from .prepare import check_run_dir, first_batch, numbered_dir
 
     if args.config:
         _apply_config(args)
@@ -178,14 +177,11 @@ def run(args: argparse.Namespace) -> int:
     train_ds, _ = load_dataset(spec)  # here first: bad data is one line before any process starts
     shape, outputs = sample_shape(train_ds), num_classes(train_ds)
     kwargs = model_kwargs_for(args.model, shape, outputs) if args.model in MODELS else {}
-    model = build_cli_model(args.model, kwargs)
-    task = check_model_takes(model, train_ds, f"model {args.model!r}", f"dataset {args.dataset!r}",
-                             Task(args.loss, precision=args.precision))
+    # fit checks the model against the data, the optimizer settings and the checkpoint, once
+    task = Task(args.loss, precision=args.precision)
+    task.resolve(first_batch(train_ds, task.collate_fn))  # the task's kind, for the model spec
     optimizer_fn = functools.partial(make_optimizer, args.optimizer, lr=args.lr, momentum=args.momentum,
                                      weight_decay=args.weight_decay)
-    optimizer_fn(model.parameters())  # bad optimizer settings: one line, before any process starts
-    if args.sync_bn:
-        build_cli_model(args.model, kwargs, sync_bn=True)  # fails here if the conversion cannot apply
     out = args.out
     one_launcher = external_launcher() is None and args.nnodes == 1  # not torchrun/srun/PyTorchJob, one node
     if out is None:  # a numbered directory only where one process decides it for the whole job
@@ -197,11 +193,6 @@ def run(args: argparse.Namespace) -> int:
     if resume == "auto":
         candidate = os.path.join(out, "checkpoint.pt")
         resume = "auto" if os.path.exists(candidate) else None
-    if resume:
-        ckpt = load_checkpoint(os.path.join(out, "checkpoint.pt") if resume == "auto" else resume)
-        spec_in = ckpt.get("model_spec") or {}
-        if spec_in and spec_in.get("name") != args.model:
-            raise UsageError(f"Expected --model {spec_in.get('name')!r} to resume {resume!r}. Received: --model {args.model!r}")
     if one_launcher or (global_rank_from_environ() == 0 and args.node_rank == 0):
         check_run_dir(out, resume=bool(args.resume), overwrite=args.overwrite, label="--out")
     model_spec = {"name": args.model, "kwargs": kwargs, "input_shape": list(shape), "task": task.kind}

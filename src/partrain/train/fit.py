@@ -43,9 +43,10 @@ from torch.utils.data import Dataset, TensorDataset
 from .._process import start_server_early
 from ..checkpoint import fit_weights, load_checkpoint
 from ..data.bucketing import lengths_of
+from ..data.datasets import DataSpec
 from ..data.generated import Generated
 from ..env import external_launcher, global_rank_from_environ
-from ..errors import UsageError
+from ..errors import UsageError, first_line
 from ..launch import launch, starts_processes
 from ..strategies.base import Strategy, get_strategy
 from .config import FitConfig, LaunchConfig, split_options
@@ -117,6 +118,8 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         candidate = os.path.join(cfg.out_dir or ".", "checkpoint.pt")
         cfg.resume = candidate if os.path.exists(candidate) else None
     ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None  # one line when unreadable
+    if ckpt is not None:
+        _same_model(ckpt, cfg.model_spec, cfg.resume or "")
     if _is_first_process(launch_cfg) and cfg.out_dir:  # under torchrun every rank runs this: one judges
         # resume="auto" continues whatever is there: a restart before the first checkpoint starts again
         check_run_dir(cfg.out_dir, resume=auto or cfg.resume is not None, overwrite=cfg.overwrite)
@@ -156,7 +159,8 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         model = model_fn()
     if not isinstance(model, nn.Module):
         raise UsageError(f"Expected model_fn to return a torch.nn.Module. Received: {type(model).__name__}")
-    task = check_model_takes(model, train_ds, task=task)
+    task = check_model_takes(model, train_ds, _model_name(cfg.model_spec), _data_name(data), task=task)
+    _check_optimizer(optimizer_fn, model)
     _check_monitor(cfg, task, has_test=test_ds is not None and len(test_ds) > 0)  # type: ignore[arg-type]
     if ckpt is not None:
         fit_weights(model, ckpt["model"], f"the model of model_fn to resume {cfg.resume!r}")
@@ -172,6 +176,33 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
     if result is not None:
         result.model_fn = model_fn
     return result
+
+
+def _same_model(ckpt: dict[str, Any], spec: dict[str, Any] | None, path: str) -> None:
+    """A checkpoint resumes the model it was written by (when both name theirs)."""
+    old, new = (ckpt.get("model_spec") or {}).get("name"), (spec or {}).get("name")
+    if old and new and old != new:
+        raise UsageError(f"Expected the model {old!r} (the checkpoint's) to resume {path!r}. Received: model {new!r}")
+
+
+def _model_name(spec: dict[str, Any] | None) -> str:
+    """How error lines name the model: by its spec's name when the caller gave one (the CLI's --model)."""
+    return f"model {spec['name']!r}" if spec and spec.get("name") else "model"
+
+
+def _data_name(data: Any) -> str:
+    return f"dataset {data.name!r}" if isinstance(data, DataSpec) else "dataset"
+
+
+def _check_optimizer(optimizer_fn: Callable[..., Optimizer], model: nn.Module) -> None:
+    """Bad optimizer settings (a NaN lr, a negative momentum) are one line here, not one per worker."""
+    try:
+        optimizer_fn(model.parameters())
+    except UsageError:
+        raise
+    except (ValueError, TypeError) as exc:  # torch.optim's own checks of its settings
+        raise UsageError(f"Expected optimizer_fn to build an optimizer of the model's parameters. Received: "
+                         f"{type(exc).__name__}: {first_line(exc)}") from None
 
 
 def _check_feeding(cfg: FitConfig, train_ds: Dataset, task: Task) -> None:
