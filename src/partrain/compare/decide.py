@@ -138,8 +138,10 @@ strategy cost 0.16 and 0.45 of regret in two and gained nothing in any.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..scaling import Link, allreduce_seconds
@@ -259,9 +261,242 @@ def waiting_share(m: Measurement) -> float:
     return max(m.comm_s, m.simulated_comm_s) / step if step > 0 else math.nan
 
 
+@dataclass(frozen=True)
+class Context:
+    """What every rule of `recommend` reads, worked out once from the measurements.
+
+    ``pickable`` are the strategies the rule may pick (`raced`); ``parallel`` the multi-worker ones
+    among them that do not learn far worse per sample than the reference ``ref``
+    (`converges_worse`; all of them when every one does), ``best`` the fastest of those;
+    ``allreduce`` and ``single`` are looked up among ``pickable``. ``target`` is the loss the
+    speeds time to (NaN: no loss curves, the speeds are samples/s)."""
+
+    ref: Measurement | None
+    target: float
+    pickable: list[Measurement]
+    parallel: list[Measurement]
+    best: Measurement | None
+    allreduce: Measurement | None
+    single: Measurement | None
+    straggler: bool
+    comm_floor: float
+    margin: float
+
+    @classmethod
+    def of(cls, ok: list[Measurement], *, straggler: bool, comm_floor: float, margin: float) -> Context:
+        """The context of ``ok`` (the measurements that ran, with ``effective_samples_per_s`` set): sets
+        their ``loss_ratio`` and speeds as a side effect (`compare_losses`, `set_speeds`)."""
+        ref = compare_losses(ok)
+        target = set_speeds(ok)
+        pickable = raced(ok)
+        by_label = {m.label: m for m in pickable}
+        # a strategy that learns far worse per sample than the reference is not recommended on the
+        # strength of a short window: the windows' target is shallow, and such a strategy (hogwild's
+        # colliding updates on a dense model, stale gradients) levels off above where the others go on
+        parallel = [m for m in pickable if m.workers > 1 and not converges_worse(m, ref)] or \
+            [m for m in pickable if m.workers > 1]
+        best = max(parallel, key=lambda m: m.speed) if parallel else None
+        return cls(ref, target, pickable, parallel, best, by_label.get("allreduce"), by_label.get("single"),
+                   straggler, comm_floor, margin)
+
+    def rivals(self, pick: Measurement) -> list[Measurement]:
+        """The strategies ``pick`` is held against, fastest first: the others the rule may pick (one
+        process, or a parallel strategy that does not learn far worse), with a speed."""
+        return sorted((m for m in self.pickable if m is not pick and m.speed == m.speed
+                       and (m in self.parallel or m.workers == 1)), key=lambda m: m.speed, reverse=True)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A recommendation as the rules build it: the pick, the reason so far, and the parts worded
+    last: ``rival`` (its speed against the pick's is added in parentheses) and ``tail`` (closes the
+    reason). ``by_depth``: the pick was decided at a loss deeper than the target (a tie at the
+    target then does not reopen it)."""
+
+    pick: Measurement
+    why: str
+    rival: Measurement | None = None
+    tail: str = ""
+    by_depth: bool = False
+    tied: tuple[str, ...] = ()
+    noise: float = math.nan
+
+    def words(self) -> str:
+        """The whole reason: ``why``, the rival's speed, the tail."""
+        why = self.why
+        if self.rival is not None:
+            why += f" ({self.rival.label}: {self.rival.speed / self.pick.speed:.2f}x its speed)"
+        return why + self.tail
+
+
+def one_process_catches_up_at_depth(ctx: Context) -> Draft | None:
+    """Rule 2 at depth. Fires when the best parallel strategy beat one process by more than
+    `TIE_FLOOR` at the target, but at the deepest loss both reached in every window (`at_depth`) its
+    lead is gone (under the floor) and has shrunk by more than the pair's noise (`pair_noise`): a
+    parallel strategy's larger global batch makes fast early progress and learns less per sample
+    later, and the loss a user trains to is deeper than any window's."""
+    single, best = ctx.single, ctx.best
+    if single is None or best is None or not single.speed * (1 + TIE_FLOOR) < best.speed:
+        return None
+    deep = at_depth(single, best, ctx.target)
+    if deep is None:
+        return None
+    loss, mine, theirs = deep
+    if not (theirs >= mine / (1 + TIE_FLOOR) and best.speed > single.speed * mine / theirs * (1 + pair_noise(single, best))):
+        return None
+    why = (f"one process catches up with depth: {_overtaken(best, single, ctx.target, loss, theirs, mine)}"
+           + (" (one process learns more per sample)" if best.loss_vs_single > 1 else "")
+           + ": parallelism does not pay at the loss you train to")
+    return Draft(single, why, by_depth=True)
+
+
+def one_process_is_enough(ctx: Context) -> Draft | None:
+    """Rule 2. Fires when one process ran and no parallel strategy is faster than it by more than
+    `TIE_FLOOR` (or none ran): parallelism must pay for its processes. The words say which case it
+    is: the only strategy, no parallel one reached the target, one process faster outright, or a
+    parallel lead under the floor."""
+    single, best = ctx.single, ctx.best
+    if single is None or not (best is None or single.speed * (1 + TIE_FLOOR) >= best.speed):
+        return None
+    if best is None:
+        return Draft(single, "the only strategy that ran")
+    if best.speed == 0 < single.speed:
+        return Draft(single, "no parallel strategy reached the target loss (in most of its windows): parallelism "
+                     "does not pay here")
+    if single.speed >= best.speed:
+        return Draft(single, "one process reaches the loss sooner than the best parallel strategy", best,
+                     ": parallelism does not pay here")
+    return Draft(single, f"one process does as well with fewer processes (no parallel strategy is {TIE_FLOOR:.0%} "
+                 "faster): parallelism does not pay here")
+
+
+def allreduce_within_margin(ctx: Context) -> Draft | None:
+    """Rule 3. Fires when ``allreduce`` beats one process (or none ran) and no parallel strategy is
+    more than ``margin`` faster to the target: it keeps the exact gradient and needs no tuning. A
+    lead inside the windows' noise but over the margin is the tie rule's, not this one's."""
+    allreduce, best, single = ctx.allreduce, ctx.best, ctx.single
+    if allreduce is None or best is None or not (single is None or allreduce.speed > single.speed) or \
+            not best.speed <= allreduce.speed * (1 + ctx.margin):
+        return None
+    rival = None if best is allreduce else best
+    lead = f"{ctx.margin:.0%} faster"
+    if waiting_share(allreduce) < ctx.comm_floor:
+        return Draft(allreduce, f"communication and waiting are only {waiting_share(allreduce):.0%} of its step, and "
+                     f"no other strategy is {lead}", rival, ": allreduce keeps the exact gradient of the global batch")
+    return Draft(allreduce, f"no other strategy is {lead}", rival,
+                 "; allreduce keeps the exact gradient of the global batch")
+
+
+def fastest_parallel(ctx: Context) -> Draft | None:
+    """Rule 4. Fires when a parallel strategy ran (and rules 2 and 3 did not): the fastest of them.
+    The reason holds it against allreduce or the reference; without either (a run-off between
+    others), or when that never reached the target (but for a straggler's, whose waiting is the
+    reason), against the runner-up (`_why_faster`)."""
+    best = ctx.best
+    if best is None:
+        return None
+    base = ctx.allreduce or ctx.ref
+    runner_up = max((m for m in ctx.pickable if m is not best and m.speed > 0), key=lambda m: m.speed, default=None)
+    if runner_up is not None and (base is None or not (base.speed > 0 or ctx.straggler)):
+        base = runner_up
+    return Draft(best, _why_faster(best, base, ctx.straggler))
+
+
+def only_strategy(ctx: Context) -> Draft:
+    """The last resort: no rule above fired (no parallel strategy and no one process to pick among
+    the rule's), so the first strategy the rule may pick is the one that ran."""
+    return Draft(ctx.pickable[0], "the only strategy that ran")
+
+
+def overtaken_at_depth(ctx: Context, draft: Draft) -> Draft | None:
+    """Rule 5. Fires when the pick (not already decided at depth) reached the target and a rival is
+    faster by more than the pair's noise (plus ``margin`` when rule 3 kept allreduce) at the
+    deepest loss both reached in every window (`_overtaker`): the one with the largest lead there
+    takes the pick. The windows' target is shallow; the loss a user trains to is deeper."""
+    pick = draft.pick
+    if draft.by_depth or not (pick.speed > 0 and math.isfinite(pick.speed)):
+        return None
+    kept = ctx.margin if pick is ctx.allreduce else 0.0
+    overtaker = _overtaker(pick, ctx.rivals(pick), ctx.target, kept)
+    if overtaker is None:
+        return None
+    new, loss, mine, theirs = overtaker
+    return Draft(new, f"it catches up with depth: {_overtaken(pick, new, ctx.target, loss, mine, theirs)}",
+                 by_depth=True)
+
+
+def tie_within_noise(ctx: Context, draft: Draft) -> Draft | None:
+    """Ties. Fires when the pick (not decided at depth) reached the target and the runner-up's speed
+    lies within the pair's noise (`pair_noise`) of it, or the pick ranked first only by a lower bound
+    against a parallel rival whose time was measured (`_measured_rival`): the two are named as
+    tied, and between two parallel strategies (allreduce kept by rule 3's margin aside) the one whose
+    test loss was lower over the time both trained takes the pick (`ahead_over_time`); a safer
+    runner-up (`risk`) is named. When the pick is clear, the noise it was judged within is still
+    recorded (``Recommendation.noise``)."""
+    pick = draft.pick
+    rivals = ctx.rivals(pick)
+    if not rivals or draft.by_depth or not (pick.speed > 0 and math.isfinite(pick.speed)):
+        return None
+    # a pick whose time is a lower bound is not ranked above a parallel rival whose time was measured
+    measured = _measured_rival(pick, rivals) if pick is not ctx.allreduce else None
+    second = measured or rivals[0]
+    noise = pair_noise(pick, second)
+    if measured is None and not abs(second.speed / pick.speed - 1) <= noise:
+        return dataclasses.replace(draft, noise=noise)
+    return _tied(ctx, draft, second, measured, noise)
+
+
+def _tied(ctx: Context, draft: Draft, second: Measurement, measured: Measurement | None, noise: float) -> Draft:
+    """The words of `tie_within_noise` once it fired: the times to the target cannot tell ``draft``'s
+    pick and ``second`` apart (``measured``: the rival whose measured time the pick's bound met)."""
+    pick, why, rival, tail = draft.pick, draft.why, draft.rival, draft.tail
+    # between two parallel strategies, the one whose test loss was lower over the time both trained
+    # (allreduce is the pick here only by rule 3's margin, which a tie does not overrule)
+    ahead = ahead_over_time(pick, second) if second.workers > 1 < pick.workers and pick is not ctx.allreduce \
+        else None
+    if measured is not None:  # what was said of the pick's speed rested on its bound (or ranked it below)
+        why, rival, tail = "", None, ""
+    if ahead is not None:
+        span, mine, theirs = ahead
+        if theirs < mine:
+            pick, second, mine, theirs = second, pick, theirs, mine
+            why, rival, tail = "", None, ""
+        lead = 1 - mine / theirs
+        why = (f"{why + '; ' if why else ''}over the {span:.3g} s both trained in every window, its test loss "
+               + (f"averaged {lead:.0%} below {second.label}'s: ahead for most of the way, not only at the target"
+                  if lead >= TIE_FLOOR else f"averaged within {TIE_FLOOR:.0%} of {second.label}'s: a tie the "
+                  "whole way"))
+    elif second.workers == 1 < pick.workers:  # rule 2's floor, not the noise, decided this one
+        why, rival, tail = (f"the faster of the two in these windows, by more than the {TIE_FLOOR:.0%} "
+                            "parallelism must pay for its processes"), None, ""
+    if risk(second) < risk(pick) and second.workers > 1:
+        why += f"; {second.label} is the safer choice: it {RISKS[risk(second)]}"
+    if rival is second:
+        rival = None  # the tie's own words give its speed
+    if measured is None:
+        why = (f"tied with {second.label} ({second.speed / pick.speed:.2f}x its speed, within the windows' "
+               f"noise of {noise:.0%}); {why}")
+    elif measured is pick:
+        why = (f"tied with {second.label}, whose {second.time_to_loss:.3g} s to the target is {LOWER_BOUND}, "
+               f"against this one's measured {pick.time_to_loss:.3g} s: the times cannot rank the two; {why}")
+    else:
+        why = (f"tied with {second.label}: its own {pick.time_to_loss:.3g} s to the target is {LOWER_BOUND}, "
+               f"{second.label}'s {second.time_to_loss:.3g} s was measured: the times cannot rank the two; {why}")
+    return Draft(pick, why, rival, tail, draft.by_depth, (second.label,), noise)
+
+
+#: rules 2-4 and the last resort, in order: the first that fires picks (the module docstring)
+PICK_RULES: tuple[Callable[[Context], Draft | None], ...] = (
+    one_process_catches_up_at_depth, one_process_is_enough, allreduce_within_margin, fastest_parallel, only_strategy)
+#: then each of these, in order, may revise the pick (rule 5 at depth, the ties)
+REVISIONS: tuple[Callable[[Context, Draft], Draft | None], ...] = (overtaken_at_depth, tie_within_noise)
+
+
 def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_floor: float = COMM_FLOOR,
               margin: float = MARGIN, loss_tolerance: float = LOSS_TOLERANCE) -> Recommendation | None:
-    """The rule of the module docstring over measurements with ``effective_samples_per_s`` set.
+    """The rule of the module docstring over measurements with ``effective_samples_per_s`` set: the
+    first of `PICK_RULES` that fires picks, each of `REVISIONS` may then revise the pick, and every
+    other strategy gets its line (`_why_not`).
 
     ``straggler``: a worker was slowed on purpose, so a synchronous strategy's waiting is
     the straggler's doing (the reasons say so), not the network's.
@@ -269,129 +504,14 @@ def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_
     ok = [m for m in measurements if m.ok and m.effective_samples_per_s == m.effective_samples_per_s]
     if not ok:
         return None
-    ref = compare_losses(ok)
-    target = set_speeds(ok)
-    pickable = raced(ok)
-    by_label = {m.label: m for m in pickable}
-    # a strategy that learns far worse per sample than the reference is not recommended on the
-    # strength of a short window: the windows' target is shallow, and such a strategy (hogwild's
-    # colliding updates on a dense model, stale gradients) levels off above where the others go on
-    parallel = [m for m in pickable if m.workers > 1 and not converges_worse(m, ref)] or \
-        [m for m in pickable if m.workers > 1]
-    best = max(parallel, key=lambda m: m.speed) if parallel else None
-    allreduce = by_label.get("allreduce")
-    single = by_label.get("single")
-    # a reason that names a rival's speed against the pick's: `why`, the rival's figure, then `tail`
-    rival: Measurement | None = None
-    tail = ""
-    # rule 2 at depth: one process against the best parallel strategy at the deepest loss both reached
-    deep = at_depth(single, best, target) if single is not None and best is not None and \
-        single.speed * (1 + TIE_FLOOR) < best.speed else None
-    single_deep = deep is not None and deep[2] >= deep[1] / (1 + TIE_FLOOR) and \
-        best.speed > single.speed * deep[1] / deep[2] * (1 + pair_noise(single, best))
-    if single is not None and (best is None or single.speed * (1 + TIE_FLOOR) >= best.speed or single_deep):
-        pick = single
-        if single_deep:
-            loss, mine, theirs = deep
-            why = (f"one process catches up with depth: {_overtaken(best, single, target, loss, theirs, mine)}"
-                   + (" (one process learns more per sample)" if best.loss_vs_single > 1 else "")
-                   + ": parallelism does not pay at the loss you train to")
-        elif best is None:
-            why = "the only strategy that ran"
-        elif best.speed == 0 < single.speed:
-            why = "no parallel strategy reached the target loss (in most of its windows): parallelism does not pay here"
-        elif single.speed >= best.speed:
-            why, rival, tail = ("one process reaches the loss sooner than the best parallel strategy", best,
-                                ": parallelism does not pay here")
-        else:
-            why = (f"one process does as well with fewer processes (no parallel strategy is {TIE_FLOOR:.0%} faster): "
-                   "parallelism does not pay here")
-    elif allreduce is not None and best is not None and (
-            single is None or allreduce.speed > single.speed) and \
-            best.speed <= allreduce.speed * (1 + margin):
-        pick = allreduce
-        rival = None if best is allreduce else best
-        lead = f"{margin:.0%} faster"
-        if waiting_share(allreduce) < comm_floor:
-            why = (f"communication and waiting are only {waiting_share(allreduce):.0%} of its step, and no other "
-                   f"strategy is {lead}")
-            tail = ": allreduce keeps the exact gradient of the global batch"
-        else:
-            why, tail = f"no other strategy is {lead}", "; allreduce keeps the exact gradient of the global batch"
-    elif best is not None:
-        pick = best
-        # against allreduce or the reference; without either (a run-off between others), or when it never
-        # reached the target (but for a straggler's, whose waiting is the reason), against the runner-up
-        base = allreduce or ref
-        runner_up = max((m for m in pickable if m is not best and m.speed > 0), key=lambda m: m.speed, default=None)
-        if runner_up is not None and (base is None or not (base.speed > 0 or straggler)):
-            base = runner_up
-        why = _why_faster(best, base, straggler)
-    else:
-        pick = pickable[0]
-        why = "the only strategy that ran"
-    tied, noise = [], math.nan
-    rivals = sorted((m for m in pickable if m is not pick and m.speed == m.speed and (m in parallel or m.workers == 1)),
-                    key=lambda m: m.speed, reverse=True)
-    by_depth = single_deep
-    if not by_depth and pick.speed > 0 and math.isfinite(pick.speed):
-        # the pick's rank at depth: a rival faster beyond the windows' noise (and allreduce's margin, when
-        # rule 3 kept it) at the deepest loss both reached takes its place
-        kept = margin if pick is allreduce else 0.0
-        overtaker = _overtaker(pick, rivals, target, kept)
-        if overtaker is not None:
-            new, loss, mine, theirs = overtaker
-            why, rival, tail = f"it catches up with depth: {_overtaken(pick, new, target, loss, mine, theirs)}", \
-                None, ""
-            pick, by_depth = new, True
-    if rivals and not by_depth and pick.speed > 0 and math.isfinite(pick.speed):
-        second = rivals[0]
-        # a pick whose time is a lower bound is not ranked above a parallel rival whose time was measured
-        measured = _measured_rival(pick, rivals) if pick is not allreduce else None
-        second = measured or second
-        noise = pair_noise(pick, second)
-        if measured is not None or abs(second.speed / pick.speed - 1) <= noise:
-            # the times to the target cannot tell them apart: between two parallel strategies, the one whose
-            # test loss was lower over the time both trained (allreduce is the pick here only by rule 3's
-            # margin, which a tie does not overrule)
-            ahead = ahead_over_time(pick, second) if second.workers > 1 < pick.workers and pick is not allreduce \
-                else None
-            if measured is not None:  # what was said of the pick's speed rested on its bound (or ranked it below)
-                why, rival, tail = "", None, ""
-            if ahead is not None:
-                span, mine, theirs = ahead
-                if theirs < mine:
-                    pick, second, mine, theirs = second, pick, theirs, mine
-                    why, rival, tail = "", None, ""
-                lead = 1 - mine / theirs
-                why = (f"{why + '; ' if why else ''}over the {span:.3g} s both trained in every window, its test loss "
-                       + (f"averaged {lead:.0%} below {second.label}'s: ahead for most of the way, not only at the target"
-                          if lead >= TIE_FLOOR else f"averaged within {TIE_FLOOR:.0%} of {second.label}'s: a tie the "
-                          "whole way"))
-            elif second.workers == 1 < pick.workers:  # rule 2's floor, not the noise, decided this one
-                why, rival, tail = (f"the faster of the two in these windows, by more than the {TIE_FLOOR:.0%} "
-                                    "parallelism must pay for its processes"), None, ""
-            if risk(second) < risk(pick) and second.workers > 1:
-                why += f"; {second.label} is the safer choice: it {RISKS[risk(second)]}"
-            if rival is second:
-                rival = None  # the tie's own words give its speed
-            tied = [second.label]
-            if measured is None:
-                why = (f"tied with {second.label} ({second.speed / pick.speed:.2f}x its speed, within the windows' "
-                       f"noise of {noise:.0%}); {why}")
-            elif measured is pick:
-                why = (f"tied with {second.label}, whose {second.time_to_loss:.3g} s to the target is {LOWER_BOUND}, "
-                       f"against this one's measured {pick.time_to_loss:.3g} s: the times cannot rank the two; {why}")
-            else:
-                why = (f"tied with {second.label}: its own {pick.time_to_loss:.3g} s to the target is {LOWER_BOUND}, "
-                       f"{second.label}'s {second.time_to_loss:.3g} s was measured: the times cannot rank the two; "
-                       f"{why}")
-    if rival is not None:
-        why += f" ({rival.label}: {rival.speed / pick.speed:.2f}x its speed)"
-    why += tail
-    others = {m.label: _why_not(m, pick, ref, loss_tolerance, target) for m in measurements
+    ctx = Context.of(ok, straggler=straggler, comm_floor=comm_floor, margin=margin)
+    draft = next(d for d in (rule(ctx) for rule in PICK_RULES) if d is not None)
+    for revise in REVISIONS:
+        draft = revise(ctx, draft) or draft
+    pick = draft.pick
+    others = {m.label: _why_not(m, pick, ctx.ref, loss_tolerance, ctx.target) for m in measurements
               if m.label != pick.label}
-    return Recommendation(pick.label, why, others, tied, noise)
+    return Recommendation(pick.label, draft.words(), others, list(draft.tied), draft.noise)
 
 
 #: a tie decided within windows' noise at least this large is flagged as unsure (`unsure_warning`)
