@@ -141,6 +141,17 @@ def resolve_callable(spec: str, what: str, path: str | None = None) -> Callable[
     return fn
 
 
+def build_named_model(name: str, kwargs: dict[str, Any], sync_bn: bool = False) -> nn.Module:
+    """``build_model(name, **kwargs)``, with SyncBatchNorm when asked: the model factory the
+    commands send to their workers (here, not beside the command, so a worker imports no CLI)."""
+    model = build_model(name, **kwargs)
+    if sync_bn:
+        from .nn import convert_sync_batchnorm
+
+        model = convert_sync_batchnorm(model)
+    return model
+
+
 def build_model(name: str, *, _path: str | None = None, **kwargs: Any) -> nn.Module:
     """Build a model from a built-in name or ``module:function`` (found in ``_path`` too)."""
     if name in MODELS:

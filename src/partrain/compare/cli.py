@@ -61,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from ..data.datasets import DataSpec, load_dataset, num_classes, sample_shape
-    from ..models import MODELS, model_kwargs_for
+    from ..models import MODELS, build_named_model, model_kwargs_for
     from ..optim import make_optimizer
-    from ..train.cli import _shape, build_cli_model
+    from ..train.cli import _shape
     from .options import parse_bandwidth, parse_budget, parse_links, parse_straggler
     from .report import format_result, to_json
     from .run import CANDIDATES, OVER_BUDGET, compare
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         out = numbered_dir(DEFAULT_OUT, OUT_FILES)
         if out != DEFAULT_OUT and not args.json:
             _progress(f"{DEFAULT_OUT} holds a comparison; writing {out} (--out DIR to choose)")
-    result = compare(functools.partial(build_cli_model, args.model, kwargs), spec, optimizer_fn,
+    result = compare(functools.partial(build_named_model, args.model, kwargs), spec, optimizer_fn,
                      strategies=strategies, workers=args.workers, budget=args.budget, batch_size=args.batch_size,
                      loss_fn=args.loss, straggler=args.straggler, bandwidth=args.bandwidth, links=args.links,
                      out_dir=out, threads=args.threads, timeout=args.timeout, seed=args.seed,

@@ -9,14 +9,12 @@ import os
 import sys
 from typing import Any
 
-from torch import nn
-
 from ..cli import HelpFormatter
 from ..data.datasets import DataSpec, load_dataset, num_classes, preprocessing, sample_shape
 from ..data.pipeline import LOADERS
 from ..env import available_cores, external_launcher, global_rank_from_environ, gpus_for
 from ..errors import UsageError
-from ..models import MODELS, build_model, model_kwargs_for
+from ..models import MODELS, build_named_model, model_kwargs_for
 from ..optim import OPTIMIZERS, make_optimizer
 from ..strategies.base import available, get_strategy, parse_options
 from .config import ON_NAN
@@ -136,16 +134,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, _parser=p)
 
 
-def build_cli_model(name: str, kwargs: dict[str, Any], sync_bn: bool = False) -> nn.Module:
-    """Model factory used in the workers (module-level so it pickles)."""
-    model = build_model(name, **kwargs)
-    if sync_bn:
-        from ..nn import convert_sync_batchnorm
-
-        model = convert_sync_batchnorm(model)
-    return model
-
-
 def _shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(v) for v in text.split(","))
@@ -202,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     if pre is not None:
         model_spec["preprocess"] = pre
     result = fit(
-        functools.partial(build_cli_model, args.model, kwargs, args.sync_bn),
+        functools.partial(build_named_model, args.model, kwargs, args.sync_bn),
         spec,
         optimizer_fn,
         strategy=strategy, loss_fn=args.loss, workers=workers, epochs=args.epochs, batch_size=args.batch_size,
