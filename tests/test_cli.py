@@ -33,7 +33,7 @@ def test_train_options_are_frozen():
     flags = sorted(opt for a in sub._actions for opt in a.option_strings if opt.startswith("--"))
     assert flags == sorted([
         "--help", "--strategy", "--strategy-opt", "--workers", "--threads", "--backend", "--device", "--timeout",
-        "--nnodes", "--node-rank", "--master-addr", "--master-port", "--model", "--dataset",
+        "--nnodes", "--node-rank", "--master-addr", "--master-port", "--model", "--dataset", "--target",
         "--synthetic-samples", "--synthetic-shape", "--synthetic-classes", "--test-fraction", "--sync-bn",
         "--epochs", "--batch-size", "--accumulate", "--lr", "--scale-lr", "--optimizer", "--momentum",
         "--weight-decay", "--max-steps", "--max-seconds", "--samples-per-epoch", "--seed", "--out", "--resume", "--quiet",

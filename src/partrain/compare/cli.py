@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
     compare_device(args.device, default_workers(args.workers))  # before the data loads
     spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
-                    classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed)
+                    classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed, target=args.target)
     train_ds, _ = load_dataset(spec)
     kwargs = model_kwargs_for(args.model, sample_shape(train_ds), num_classes(train_ds)) \
         if args.model in MODELS else {}

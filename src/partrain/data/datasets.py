@@ -1,4 +1,4 @@
-"""Datasets by name: the bundled digits, synthetic data, ``.npz`` files, ``module:function``.
+"""Datasets by name: the bundled digits, synthetic data, ``.npz`` and ``.csv`` files, ``module:function``.
 
 Every loader returns ``(train, test)`` as ``TensorDataset``s of float32 inputs and
 targets: int64 class labels, or float32 values for regression (an ``.npz`` whose ``y``
@@ -34,6 +34,8 @@ class DataSpec:
     classes: int = 10
     test_fraction: float = 0.2
     seed: int = 0
+    #: a ``.csv`` file's target column, by name (None: the last column)
+    target: str | None = None
 
     def load(self) -> tuple[Dataset, Dataset]:
         return load_dataset(self)
@@ -118,6 +120,66 @@ def load_npz(path: str, test_fraction: float = 0.2, seed: int = 0) -> tuple[Tens
     return _split(x, y, test_fraction, seed)
 
 
+def load_csv(path: str, target: str | None = None, test_fraction: float = 0.2,
+             seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """A ``.csv`` file with a header: numeric feature columns and one target column (``target``
+    by name; default the last). The target is class labels when its values are integers or
+    words (words are numbered in sorted order), else float values to predict (regression).
+    Empty cells and cells that are not numbers in a feature column are one line naming the
+    row and column."""
+    import csv
+
+    if not os.path.exists(path):
+        raise UsageError(f"Expected an existing .csv file with a header row. Received: {path!r} (no such file)")
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            rows = [row for row in csv.reader(f) if any(cell.strip() for cell in row)]
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise UsageError(f"Expected {path!r} to be a readable UTF-8 .csv file. Received: {type(exc).__name__}: "
+                         f"{exc}") from None
+    if len(rows) < 2 or len(rows[0]) < 2:
+        raise UsageError(f"Expected {path!r} to hold a header row, at least two columns and at least one row of "
+                         f"data. Received: {len(rows)} row(s) of {len(rows[0]) if rows else 0} column(s)")
+    header = [h.strip() for h in rows[0]]
+    column = len(header) - 1 if target is None else header.index(target) if target in header else None
+    if column is None:
+        raise UsageError(f"Expected a target column among {header} in {path!r}. Received: target={target!r}")
+    features, labels = [], []
+    for line, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise UsageError(f"Expected {len(header)} cells in every row of {path!r} (the header's). Received: "
+                             f"{len(row)} in line {line}")
+        values = []
+        for i, cell in enumerate(row):
+            if i == column:
+                continue
+            try:
+                values.append(float(cell))
+            except ValueError:
+                raise UsageError(f"Expected numeric features in {path!r}. Received: {cell!r} in line {line}, "
+                                 f"column {header[i]!r}") from None
+        features.append(values)
+        labels.append(row[column].strip())
+    x = torch.tensor(features, dtype=torch.float32)
+    return _split(x, _csv_target(labels, path, header[column]), test_fraction, seed)
+
+
+def _csv_target(cells: list[str], path: str, name: str) -> torch.Tensor:
+    """Class labels (integers as they are, words numbered in sorted order) or float values."""
+    if any(c == "" for c in cells):
+        raise UsageError(f"Expected a value in every row of the target column {name!r} of {path!r}. Received: "
+                         f"{cells.count('')} empty cell(s)")
+    try:
+        values = [float(c) for c in cells]
+    except ValueError:
+        names = sorted(set(cells))
+        index = {n: i for i, n in enumerate(names)}
+        return torch.tensor([index[c] for c in cells], dtype=torch.int64)
+    if all(v.is_integer() and v >= 0 for v in values) and all("." not in c and "e" not in c.lower() for c in cells):
+        return torch.tensor([int(v) for v in values], dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.float32)
+
+
 def load_dataset(spec: DataSpec | str) -> tuple[Dataset, Dataset]:
     """Resolve a dataset spec: ``digits``, ``synthetic``, ``path.npz`` or ``module:function``."""
     if isinstance(spec, str):
@@ -129,6 +191,8 @@ def load_dataset(spec: DataSpec | str) -> tuple[Dataset, Dataset]:
         return synthetic(spec.samples, spec.shape, spec.classes, spec.test_fraction, spec.seed)
     if name.endswith(".npz"):
         return load_npz(name, spec.test_fraction, spec.seed)
+    if name.endswith(".csv"):
+        return load_csv(name, spec.target, spec.test_fraction, spec.seed)
     if ":" in name:
         from ..models import resolve_callable
 
@@ -141,7 +205,8 @@ def load_dataset(spec: DataSpec | str) -> tuple[Dataset, Dataset]:
             f"Expected {name!r} to return a Dataset or a (train, test) pair. Received: {type(out).__name__}"
         )
     raise UsageError(
-        f"Expected a dataset among 'digits', 'synthetic', a path ending in .npz, or 'module:function'. Received: {name!r}"
+        f"Expected a dataset among 'digits', 'synthetic', a path ending in .npz or .csv, or 'module:function'. "
+        f"Received: {name!r}"
     )
 
 

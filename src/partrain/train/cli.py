@@ -28,7 +28,11 @@ NOT_REPEATED = ("out", "overwrite", "resume", "config", "quiet")
 def add_model_data_arguments(d: argparse._ArgumentGroup) -> None:
     """The model and data options (``partrain train`` and ``partrain compare`` share them)."""
     d.add_argument("--model", default="cnn", help=f"one of {', '.join(MODELS)} or module:function")
-    d.add_argument("--dataset", default="digits", help="digits, synthetic, a .npz file with x/y, or module:function")
+    d.add_argument("--dataset", default="digits",
+                   help="digits, synthetic, a .npz file with x/y, a .csv file with a header, or module:function")
+    d.add_argument("--target", default=None, metavar="COLUMN",
+                   help="the target column of a .csv --dataset (default: the last); integers or words are classes, "
+                        "other numbers values to predict")
     d.add_argument("--synthetic-samples", type=int, default=4096, help="samples of --dataset synthetic")
     d.add_argument("--synthetic-shape", default="1,8,8", help="sample shape of --dataset synthetic")
     d.add_argument("--synthetic-classes", type=int, default=10, help="classes of --dataset synthetic")
@@ -161,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.test_fraction < 1:
         raise UsageError(f"Expected 0 < --test-fraction < 1. Received: {args.test_fraction}")
     spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
-                    classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed)
+                    classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed,
+                    target=args.target)
     train_ds, _ = load_dataset(spec)  # here first: bad data is one line before any process starts
     shape, outputs = sample_shape(train_ds), num_classes(train_ds)
     kwargs = model_kwargs_for(args.model, shape, outputs) if args.model in MODELS else {}

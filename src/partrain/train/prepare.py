@@ -37,11 +37,18 @@ DataArg = DataSpec | str | Callable[[], Any] | tuple[Dataset, Dataset]
 
 
 def resolve_data(data: DataArg, test_fraction: float = 0.2, seed: int = 0) -> tuple[Dataset, Dataset | None]:
-    """``(train, test)`` from a name, a `DataSpec`, a pair, or a function returning either a
-    pair or one dataset (split ``test_fraction`` for evaluation)."""
+    """``(train, test)`` from a name, a `DataSpec`, a ``(train, test)`` pair of datasets, an
+    ``(x, y)`` pair of arrays or tensors (Keras' and scikit-learn's way), or a function
+    returning a pair or one dataset (one dataset or ``(x, y)`` is split ``test_fraction``
+    for evaluation)."""
     if isinstance(data, (DataSpec, str)):
         return load_dataset(data)
+    if isinstance(data, tuple) and len(data) == 2 and _is_array(data[0]) and _is_array(data[1]):
+        return _split_one(arrays_dataset(*data), test_fraction, seed)
     if isinstance(data, tuple) and len(data) == 2:
+        if not all(d is None or isinstance(d, Dataset) for d in data):
+            raise UsageError("Expected data as (train, test) datasets or (x, y) arrays. Received: a pair of "
+                             f"{type(data[0]).__name__} and {type(data[1]).__name__}")
         return data
     if isinstance(data, Dataset):
         return _split_one(data, test_fraction, seed)
@@ -55,6 +62,29 @@ def resolve_data(data: DataArg, test_fraction: float = 0.2, seed: int = 0) -> tu
                          f"Received: {describe(out)}")
     raise UsageError("Expected data as a dataset name, DataSpec, a Dataset, (train, test) or a function. "
                      f"Received: {type(data).__name__}")
+
+
+def _is_array(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor) or type(obj).__module__ == "numpy" and hasattr(obj, "shape")
+
+
+def arrays_dataset(x: Any, y: Any) -> TensorDataset:
+    """``(x, y)`` arrays or tensors as a dataset: float32 inputs (float64 stays float64; 1-D
+    ``x`` is one feature per sample); integer targets are class labels (int64), floating ones
+    values to predict."""
+    try:
+        xt, yt = torch.as_tensor(x), torch.as_tensor(y)
+    except (TypeError, ValueError, RuntimeError) as exc:  # object or string arrays
+        raise UsageError(f"Expected numeric arrays or tensors x and y. Received: {first_line(exc)}") from None
+    if xt.dim() < 1 or yt.dim() < 1 or len(xt) != len(yt):
+        raise UsageError(f"Expected x shaped (N, ...) and y shaped (N, ...). Received: x {tuple(xt.shape)}, "
+                         f"y {tuple(yt.shape)}")
+    if xt.dtype == torch.bool or xt.is_complex():
+        raise UsageError(f"Expected numeric inputs x. Received dtype {xt.dtype}")
+    dtype = torch.float64 if xt.dtype == torch.float64 else torch.float32  # float64 stays (exact tests)
+    xt = (xt.unsqueeze(1) if xt.dim() == 1 else xt).to(dtype)
+    yt = yt.to(dtype) if yt.is_floating_point() else yt.long()
+    return TensorDataset(xt, yt)
 
 
 def _split_one(ds: Dataset, test_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
