@@ -874,7 +874,7 @@ def test_the_run_off_is_shown_in_its_own_table_and_in_the_json_csv_and_png(tmp_p
 
 
 def test_no_window_is_planned_longer_than_the_first_by_hand():
-    from partrain.compare.run import plan_window
+    from partrain.compare.plan import plan_window
 
     # the first: 75% of a 10 s share at 10 ms a step of 64 samples: 48,000 samples, six epochs of 8,000
     assert plan_window(10.0, 0.01, 64, 0, 64) == (8000, 6, 7.5)
@@ -894,7 +894,7 @@ def test_no_window_is_planned_longer_than_the_first_by_hand():
 
 
 def test_every_leader_of_a_run_off_round_trains_as_long_as_the_longest_first_window():
-    from partrain.compare.run import round_cost, runoff_epochs
+    from partrain.compare.plan import round_cost, runoff_epochs
 
     # hogwild's 7 epochs trained 3.0 s (3.6 s in all), DiLoCo's 9 epochs 3.9 s (4.4 s in all): hogwild's run-off
     # windows get 7 x 3.9 / 3.0 = 9.1 -> 9 epochs, and cost 3.6 x 9 / 7; DiLoCo's are its first's

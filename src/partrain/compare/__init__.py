@@ -2,7 +2,8 @@
 
 - `compare` (`run.py`) runs each applicable strategy for a window sized from the budget,
   through `partrain.fit` (`measure.py`), with hooks on the model for steady-state timing,
-  memory and an injected straggler (`probe.py`);
+  memory and an injected straggler (`probe.py`); `plan.py` sizes each window from the budget
+  (`WindowPlanner`) and each run-off round;
 - `recommend` (`decide.py`) turns the measurements, and a what-if link, into advice;
 - `partrain.scaling` holds the communication model the prediction fits;
 - `report.py` prints the table and writes compare.json, compare.csv and compare.png.

@@ -26,7 +26,8 @@ learning never reaches it), stretched by the what-if link's slowdown; without lo
 or when no window learned that much (windows too short to learn: their times to a loss
 barely under the untrained one are noise), the samples/s under the what-if link.
 
-**The rule** (`recommend`):
+**The rule** (`recommend`; each numbered rule is a function of its own, run in order:
+`PICK_RULES`, the first that fires picks, then `REVISIONS`):
 
 1. The loss at equal samples is shown, and names the cause when an asynchronous or
    local-update strategy loses by more than ``loss_tolerance``. One that loses by more than

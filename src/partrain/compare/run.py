@@ -10,7 +10,8 @@ made from the one-worker step, the straggler's slowdown and the bytes on the pro
 link). Its window is then as many whole epochs (of the same size for every strategy) as
 the rest of its share pays for, at least `MIN_EPOCHS` and that many steps: the warm-up steps are left out of the throughput, so every
 measured step is past the first collective, DDP's buckets and the allocator's growth. A
-strategy whose share cannot pay for that is skipped and says so.
+strategy whose share cannot pay for that is skipped and says so. The plans are
+`partrain.compare.plan`'s (`WindowPlanner`); this module runs the windows it plans.
 
 No window is planned longer than the first: every strategy's window then covers about the
 same training time, as the runs of ``partrain bench compare`` do, and the common target
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from .. import comm
 from .._process import start_server_early
 from ..errors import UsageError
 from ..pool import WorkerPool
@@ -48,11 +50,8 @@ from ..scaling import Constants, Link, samples_per_s, step_seconds
 from . import hostload
 from .decide import Recommendation, contenders, half_never, recommend, set_speeds, simulate_link
 from .measure import (
-    FIRST_EPOCHS,
     MIN_EPOCHS,
-    MIN_MEASURED_STEPS,
     TEST_SAMPLES,
-    WARMUP_STEPS,
     Candidate,
     Job,
     Measurement,
@@ -61,6 +60,14 @@ from .measure import (
     sync_period,
 )
 from .options import Straggler, parse_bandwidth, parse_budget, parse_links, parse_straggler
+from .plan import (
+    CALIBRATION_STEPS,
+    SLOW_STRETCH,
+    WindowPlan,
+    WindowPlanner,
+    round_cost,
+    runoff_epochs,
+)
 
 PIPELINE = Candidate("pipeline", "pipeline", {"stages": 2, "microbatches": 4})
 CANDIDATES: tuple[Candidate, ...] = (
@@ -93,18 +100,6 @@ PROBE_ROUNDS = 3
 #: h = 1.60 where the same scenario's probes measured 1.02-1.13, and the 2-worker prediction missed
 #: by 39%
 PROBE_LOAD_LIMIT = 0.15
-#: start-up of one window (a process group, the model, the data) before the first one measured it
-FIRST_OVERHEAD_S = 0.8
-#: the share of a window's time its plan fills (steps on a loaded machine run long as often as short)
-SAFETY = 0.75
-#: a window's step over its estimate, before one was measured
-FIRST_CORRECTION = 2.0
-#: a window whose minimum (`MIN_EPOCHS`) the first window's length leaves no room for is planned at that
-#: minimum only when it costs at most this many times that length (`plan_window`); a slower one keeps its
-#: calibration window as its measurement
-SLOW_STRETCH = 1.5
-#: a pipeline's step over a data-parallel one's, before one was measured (micro-batches, messages)
-PIPELINE_FACTOR = 2.0
 #: kept back from the windows for the end: the decision, and the files (a chart) when asked for
 FINISH_S = 0.3
 FILES_S = 1.5
@@ -234,17 +229,104 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
         threads: intra-op threads per process (default: the cores divided among the workers,
             the same for every strategy, ``single`` included, so the one-worker figures are a
             worker's).
+
+    The steps: check the options (`_checked_options`), inspect the model and data (`_inspect_job`),
+    start the processes, measure a window of each strategy (`_measure_windows`), race the leaders
+    (`run_off`), decide (`_decide`) and predict (`_predict`).
     """
     from ..env import available_cores
     from .report import write_outputs
 
     started = time.perf_counter()
     say = progress or (lambda _text: None)
+    budget_s, strag, bw, link_speeds, n = _checked_options(budget, straggler, bandwidth, links, workers, batch_size,
+                                                           scale)
+    device = compare_device(device, n, say)
+    if n > 1:  # the fork server imports torch while this process times a step and checks the model
+        start_server_early()
+    per_process = threads or max(1, available_cores() // n)
+    job = Job(model_fn, data, optimizer_fn, batch_size=batch_size, loss_fn=loss_fn, seed=seed,
+              threads=per_process, timeout=timeout, device=device)
+    seen = _inspect_job(job, strategies, n, device)
+    session = Session(job, n, budget_s, started, FINISH_S + (FILES_S if out_dir else 0.0), strag, seen.initial, say)
+    result = CompareResult(list(seen.skipped), None, budget_s, 0.0, n, batch_size, seen.model_bytes, strag, bw)
+    processes = max([c.build().extra_processes(c.workers or n) + (c.workers or n) for c in seen.chosen] + [2])
+    pool = WorkerPool.current()
+    own_pool = pool is None or pool.processes < processes
+    with WorkerPool(processes) if own_pool else contextlib.nullcontext():
+        if n > 1:  # starts every process the windows need (counted in the budget)
+            _start_processes(session, processes, result)
+        planner = WindowPlanner(len(seen.chosen), n, batch_size, seen.step_guess, seen.model_bytes, strag)
+        _measure_windows(session, planner, result, seen.chosen)
+        for m in result.measurements:
+            simulate_link(m, bw)
+        if len(seen.chosen) >= RUNOFF_MIN_STRATEGIES and budget_s >= RUNOFF_MIN_BUDGET_S:
+            run_off(result.measurements, planner.planned, job, n, planner.epoch_samples, session.deadline, strag,
+                    lambda seed: initial_loss(build_model(job, seed), seen.held_out, seen.task, limit=TEST_SAMPLES),
+                    bw, session.say_at)
+    _decide(result, strag)
+    _predict(result, link_speeds, scale)
+    if out_dir:
+        result.files = write_outputs(result, out_dir)
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+@dataclass(frozen=True)
+class Session:
+    """What every step of one comparison shares, fixed once its options are checked: the job, the
+    parallel strategies' ``workers``, the budget and when it started, the seconds kept back at the
+    end (``finish_s``: the decision, the files), the injected straggler, the untrained loss every
+    curve starts from (``initial``), and where progress lines go."""
+
+    job: Job
+    workers: int
+    budget_s: float
+    started: float
+    finish_s: float
+    straggler: Straggler | None
+    initial: float
+    say: Callable[[str], None]
+
+    @property
+    def deadline(self) -> float:
+        """The clock (`time.perf_counter`) by which the windows must be done."""
+        return self.started + self.budget_s - self.finish_s
+
+    def left_s(self) -> float:
+        """The budget's seconds left for the windows."""
+        return self.budget_s - (time.perf_counter() - self.started) - self.finish_s
+
+    def say_at(self, text: str) -> None:
+        """A progress line, after the seconds since the comparison started."""
+        self.say(f"{_clock(self.started)} {text}")
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """What `compare` learns of the model and the data before any window runs: the strategies to
+    run (``chosen``) and those that do not apply (``skipped``, with their reasons), the model's
+    bytes, the held-out samples the windows evaluate and the task, the untrained loss on them
+    (every curve's first point), and a first guess of one training step's seconds."""
+
+    chosen: list[Candidate]
+    skipped: list[Measurement]
+    model_bytes: int
+    held_out: Any
+    task: Any
+    initial: float
+    step_guess: float
+
+
+def _checked_options(budget: str | float, straggler: str | Straggler | None, bandwidth: str | float | None,
+                     links: str | list[float], workers: int | None, batch_size: int,
+                     scale: Sequence[int]) -> tuple[float, Straggler | None, float | None, list[float], int]:
+    """The options parsed and checked, each bad one one line: ``(budget seconds, straggler,
+    bandwidth, link speeds, workers)``."""
     budget_s = parse_budget(budget)
     strag = parse_straggler(straggler)
     bw = parse_bandwidth(bandwidth)
     link_speeds = parse_links(links)
-    cores = available_cores()
     n = default_workers(workers)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UsageError(f"Expected a positive number of workers. Received: workers={workers!r}")
@@ -255,149 +337,113 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
                          f"Received: worker={strag.worker}")
     if any(isinstance(w, bool) or not isinstance(w, int) or w < 1 for w in scale):
         raise UsageError(f"Expected worker counts >= 1 to predict. Received: {list(scale)}")
-    device = compare_device(device, n, say)
-    if n > 1:  # the fork server imports torch while this process times a step and checks the model
-        start_server_early()
-    per_process = threads or max(1, cores // n)
-    job = Job(model_fn, data, optimizer_fn, batch_size=batch_size, loss_fn=loss_fn, seed=seed,
-              threads=per_process, timeout=timeout, device=device)
+    return budget_s, strag, bw, link_speeds, n
+
+
+def _inspect_job(job: Job, strategies: Sequence[str] | None, workers: int, device: str | None) -> Inspection:
+    """Check the model and the data (`_inspect`), choose the strategies that apply (`applicable`),
+    and take the untrained loss and one step's time here."""
     model, train_ds, test_ds, task = _inspect(job)
-    model_bytes = parameter_bytes(model)
-    chosen, skipped = applicable(strategies, model, n, batch_size, device)
+    chosen, skipped = applicable(strategies, model, workers, job.batch_size, device)
     # the first point of every loss curve: the held-out samples the windows evaluate
     held_out = test_ds if test_ds is not None else train_ds
     initial = initial_loss(model, held_out, task, limit=TEST_SAMPLES)
-    step_guess = _time_steps(model, train_ds, task, optimizer_fn, batch_size, per_process)
-    measurements: list[Measurement] = list(skipped)
-    result = CompareResult(measurements, None, budget_s, 0.0, n, batch_size, model_bytes, strag, bw)
-    processes = max([c.build().extra_processes(c.workers or n) + (c.workers or n) for c in chosen] + [2])
-    pool = WorkerPool.current()
-    own_pool = pool is None or pool.processes < processes
-    with WorkerPool(processes) if own_pool else contextlib.nullcontext():
-        if n > 1:  # starts every process the windows need (counted in the budget)
-            from ..launch import launch
-
-            launch(warm_up, job.data, workers=processes, strategy="allreduce", timeout=timeout,
-                   threads=per_process)
-            result.startup_s = time.perf_counter() - started
-            say(f"{_clock(started)} processes ready")
-        overheads: list[float] = []
-        finish = FINISH_S + (FILES_S if out_dir else 0.0)
-        learned: dict[str, float] = {}  # label -> measured step over estimated step
-        epoch_samples = 0  # set by the first window: the same epoch for every strategy
-        planned_epochs: dict[str, tuple[Candidate, int]] = {}  # label -> what its (full) window ran
-        longest = math.inf  # the training seconds the first window was planned for: no window plans more
-        for i, cand in enumerate(chosen):
-            workers_c = cand.workers or n
-            global_batch = batch_size * workers_c
-            if workers_c > 1 and result.link is None:
-                # the host's constants, probed just before the first multi-worker window (after single's):
-                # on a machine whose load drifts, close in time to the windows they predict
-                single = result.measurement("single")
-                guess = batch_size / single.samples_per_s if single is not None and single.ok and \
-                    single.samples_per_s > 0 else step_guess
-                probe_quietly(result, job, n, guess, timeout, per_process,
-                              seconds=min(HOST_PROBE_S, HOST_PROBE_SHARE * budget_s))
-                say(f"{_clock(started)} host probe{'s' if result.probes > 1 else ''}: local link {result.link[0] / 1e6:,.0f} MB/s, latency "
-                    f"{result.link[1] * 1e6:.0f} us, {len(result.buckets)} bucket(s); {n} workers at once step "
-                    f"{result.host_factor:.2f}x slower than one (h); o = {result.ddp_overhead_s * 1e3:.2f} ms, "
-                    f"c = {result.contention_s * 1e3:.2f} ms")
-            left = budget_s - (time.perf_counter() - started) - finish
-            overhead = statistics.median(overheads) if overheads else FIRST_OVERHEAD_S
-            window = left / (len(chosen) - i) - overhead
-            base = _estimate_step(cand, n, result, step_guess, model_bytes, strag)
-            calib = None
-            if window > (WARMUP_STEPS + MIN_MEASURED_STEPS) * base * _correction(cand, n, learned):
-                # a short calibration window: fixed per-step costs (Python, hooks, messages, a server's
-                # round trip) make a guess from one process's step unreliable
-                steps = WARMUP_STEPS + MIN_MEASURED_STEPS
-                calib = measure(job, cand, n, steps * global_batch, 1, strag, initial)
-                if not calib.ok:  # the window would fail alike
-                    measurements.append(calib)
-                    continue
-                steady = global_batch / calib.samples_per_s if calib.samples_per_s > 0 else math.nan
-                learned[cand.label] = (steady if steady == steady else calib.window_s / max(calib.steps, 1)) / base
-                overheads.append(max(0.0, calib.wall_s - calib.window_s))
-                window -= calib.wall_s
-            step = base * _correction(cand, n, learned)
-            epoch_samples, epochs, train_s = plan_window(window, step, global_batch, epoch_samples,
-                                                         batch_size * n, longest)
-            if longest == math.inf and epochs:
-                longest = train_s
-            steps = epochs * epoch_samples // global_batch
-            if epochs < MIN_EPOCHS or steps < WARMUP_STEPS + MIN_MEASURED_STEPS:
-                need_steps = max(MIN_EPOCHS * epoch_samples / global_batch, WARMUP_STEPS + MIN_MEASURED_STEPS)
-                need = need_steps * step / SAFETY
-                if calib is not None:  # no room for more: the calibration window is the measurement
-                    measurements.append(calib)
-                    slow = need_steps * step > SLOW_STRETCH * longest
-                    say(f"{_clock(started)} {cand.label}: {calib.samples_per_s:,.0f} samples/s (the calibration "
-                        + (f"window: {MIN_EPOCHS} epochs would train ~{need_steps * step:.1f} s, over {SLOW_STRETCH:g}x "
-                           f"the first window's {longest:.1f} s" if slow else "window: no budget left for a longer one")
-                        + ")")
-                    continue
-                measurements.append(Measurement(cand.label, cand.strategy, dict(cand.options), workers_c,
-                                                status="skipped", reason=f"{OVER_BUDGET}: {max(window, 0):.1f} s "
-                                                f"left, {MIN_EPOCHS} epochs of at least "
-                                                f"{WARMUP_STEPS + MIN_MEASURED_STEPS} steps in all take ~{need:.1f} s"))
-                continue
-            say(f"{_clock(started)} {cand.label}: {epochs} epochs of {epoch_samples} samples, {steps} steps "
-                f"(~{steps * step:.1f} s)")
-            m = measure(job, cand, n, epoch_samples, epochs, strag, initial)
-            measurements.append(m)
-            if m.ok:
-                planned_epochs[cand.label] = (cand, epochs)
-                overheads.append(max(0.0, m.wall_s - m.window_s))
-                if m.steps:
-                    learned[cand.label] = m.window_s / m.steps / base
-                say(f"{_clock(started)} {cand.label}: {m.samples_per_s:,.0f} samples/s "
-                    f"({m.window_s:.1f} s window, {m.wall_s:.1f} s in all)")
-            else:
-                say(f"{_clock(started)} {cand.label}: {m.status}: {m.reason}")
-        for m in measurements:
-            simulate_link(m, bw)
-        if len(chosen) >= RUNOFF_MIN_STRATEGIES and budget_s >= RUNOFF_MIN_BUDGET_S:
-            run_off(measurements, planned_epochs, job, n, epoch_samples, started + budget_s - finish, strag,
-                    lambda seed: initial_loss(build_model(job, seed), held_out, task, limit=TEST_SAMPLES),
-                    bw, lambda text: say(f"{_clock(started)} {text}"))
-    result.recommendation = recommend(measurements, straggler=strag is not None)
-    result.target_loss = set_speeds([m for m in measurements if m.ok])
-    _predict(result, link_speeds, scale)
-    if out_dir:
-        result.files = write_outputs(result, out_dir)
-    result.elapsed_s = time.perf_counter() - started
-    return result
+    step_guess = _time_steps(model, train_ds, task, job.optimizer_fn, job.batch_size, job.threads)
+    return Inspection(chosen, skipped, parameter_bytes(model), held_out, task, initial, step_guess)
 
 
-def plan_window(window_s: float, step_s: float, global_batch: int, epoch_samples: int, unit: int,
-                longest_s: float = math.inf) -> tuple[int, int, float]:
-    """The plan of one window: ``(epoch_samples, epochs, training seconds)``.
+def _start_processes(session: Session, processes: int, result: CompareResult) -> None:
+    """Start every process the windows need, each importing what they use and loading the data
+    (`warm_up`): counted in the budget, as ``result.startup_s``."""
+    from ..launch import launch
 
-    The window trains for `SAFETY` of its share ``window_s`` (a window longer than estimated
-    eats the next ones' time), at most ``longest_s`` (the first window's plan), in whole epochs
-    at ``step_s`` per step of ``global_batch``. The first window (``epoch_samples`` 0) sets the
-    epoch: `FIRST_EPOCHS` of its plan, a multiple of ``unit`` (every global batch: each epoch is
-    whole steps). When the cap, not the share, leaves no room for the minimum (`MIN_EPOCHS`,
-    and the warm-up and measured steps), the minimum is planned if the share pays for it and it
-    costs at most `SLOW_STRETCH` times the cap. Zero epochs: not even that pays for one.
+    job = session.job
+    launch(warm_up, job.data, workers=processes, strategy="allreduce", timeout=job.timeout, threads=job.threads)
+    result.startup_s = time.perf_counter() - session.started
+    session.say_at("processes ready")
 
-    A strategy whose minimum costs more than that takes samples at under 1 / (`SLOW_STRETCH` x
-    `FIRST_EPOCHS` / `MIN_EPOCHS`) of the first window's rate (one process's), and can reach the
-    target first only by learning several times more per sample than one process; its window
-    would take the time of a run-off round (``partrain bench compare``, 2026-11-28: the pipeline
-    of the comm, straggler and split scenarios, 0.15-0.30x the pick's speed, trained 5.5-10.3 s
-    where the first window trained 3.5-4 s, while the leaders' second run-off round, 9-13 s, did
-    not fit in what was left)."""
-    train_s = min(SAFETY * window_s, longest_s)
-    planned = train_s / step_s * global_batch if step_s > 0 and window_s > 0 else 0.0
-    if not epoch_samples:
-        epoch_samples = max(1, round(planned / FIRST_EPOCHS / unit)) * unit
-    epochs = int(planned // epoch_samples)
-    least = max(MIN_EPOCHS, math.ceil((WARMUP_STEPS + MIN_MEASURED_STEPS) * global_batch / epoch_samples))
-    cost = least * epoch_samples / global_batch * step_s
-    if epochs < least and train_s < SAFETY * window_s and cost <= SAFETY * window_s and cost <= SLOW_STRETCH * train_s:
-        epochs = least
-    return epoch_samples, epochs, epochs * epoch_samples / global_batch * step_s
+
+def _measure_windows(session: Session, planner: WindowPlanner, result: CompareResult,
+                     chosen: list[Candidate]) -> None:
+    """The first round: each strategy of ``chosen`` in turn, the host probed just before the first
+    multi-worker one (`_probe_once`), a window of each into ``result.measurements``
+    (`_measure_strategy`)."""
+    for index, cand in enumerate(chosen):
+        if (cand.workers or session.workers) > 1 and result.link is None:
+            _probe_once(session, planner, result)
+        _measure_strategy(session, planner, result, cand, index)
+
+
+def _probe_once(session: Session, planner: WindowPlanner, result: CompareResult) -> None:
+    """The host's constants (`probe_quietly`), probed just before the first multi-worker window
+    (after single's): on a machine whose load drifts, close in time to the windows they predict."""
+    job, n = session.job, session.workers
+    single = result.measurement("single")
+    guess = job.batch_size / single.samples_per_s if single is not None and single.ok and \
+        single.samples_per_s > 0 else planner.step_guess
+    probe_quietly(result, job, n, guess, job.timeout, job.threads,
+                  seconds=min(HOST_PROBE_S, HOST_PROBE_SHARE * session.budget_s))
+    session.say_at(f"host probe{'s' if result.probes > 1 else ''}: local link {result.link[0] / 1e6:,.0f} MB/s, "
+                   f"latency {result.link[1] * 1e6:.0f} us, {len(result.buckets)} bucket(s); {n} workers at once "
+                   f"step {result.host_factor:.2f}x slower than one (h); o = {result.ddp_overhead_s * 1e3:.2f} ms, "
+                   f"c = {result.contention_s * 1e3:.2f} ms")
+
+
+def _measure_strategy(session: Session, planner: WindowPlanner, result: CompareResult, cand: Candidate,
+                      index: int) -> None:
+    """One strategy's window: a calibration window when its share pays for one, then the window
+    `WindowPlanner.plan` sizes from what is left; one short of the minimum keeps the calibration
+    window as the measurement, or is skipped as over budget (`_short_of_minimum`)."""
+    job, n = session.job, session.workers
+    window = planner.share_s(index, session.left_s())
+    base = planner.estimate_step(cand, result)
+    calib = None
+    if planner.calibrates(cand, window, base):
+        calib = measure(job, cand, n, CALIBRATION_STEPS * planner.global_batch(cand), 1, session.straggler,
+                        session.initial)
+        if not calib.ok:  # the window would fail alike
+            result.measurements.append(calib)
+            return
+        planner.learn_calibration(cand, calib, base)
+        window -= calib.wall_s
+    plan = planner.plan(cand, window, base)
+    if not plan.fits:
+        result.measurements.append(_short_of_minimum(session, planner, cand, plan, calib, window))
+        return
+    session.say_at(f"{cand.label}: {plan.epochs} epochs of {plan.epoch_samples} samples, {plan.steps} steps "
+                   f"(~{plan.steps * plan.step_s:.1f} s)")
+    m = measure(job, cand, n, plan.epoch_samples, plan.epochs, session.straggler, session.initial)
+    result.measurements.append(m)
+    if m.ok:
+        planner.learn_window(cand, m, plan.epochs, base)
+        session.say_at(f"{cand.label}: {m.samples_per_s:,.0f} samples/s ({m.window_s:.1f} s window, "
+                       f"{m.wall_s:.1f} s in all)")
+    else:
+        session.say_at(f"{cand.label}: {m.status}: {m.reason}")
+
+
+def _short_of_minimum(session: Session, planner: WindowPlanner, cand: Candidate, plan: WindowPlan,
+                      calib: Measurement | None, window_s: float) -> Measurement:
+    """The measurement of a strategy whose window ``plan`` falls short of the minimum: its calibration
+    window when it ran one (no room for more), else a skip whose reason begins `OVER_BUDGET`."""
+    if calib is not None:
+        slow = planner.too_slow(plan)
+        trained = plan.least_steps * plan.step_s
+        session.say_at(f"{cand.label}: {calib.samples_per_s:,.0f} samples/s (the calibration "
+                       + (f"window: {MIN_EPOCHS} epochs would train ~{trained:.1f} s, over {SLOW_STRETCH:g}x "
+                          f"the first window's {planner.longest:.1f} s" if slow
+                          else "window: no budget left for a longer one") + ")")
+        return calib
+    return Measurement(cand.label, cand.strategy, dict(cand.options), cand.workers or session.workers,
+                       status="skipped", reason=f"{OVER_BUDGET}: {max(window_s, 0):.1f} s left, {MIN_EPOCHS} epochs of "
+                       f"at least {CALIBRATION_STEPS} steps in all take ~{plan.least_s:.1f} s")
+
+
+def _decide(result: CompareResult, straggler: Straggler | None) -> None:
+    """The recommendation (`recommend`) and the target loss every strategy was timed to
+    (`set_speeds`), into ``result``."""
+    result.recommendation = recommend(result.measurements, straggler=straggler is not None)
+    result.target_loss = set_speeds([m for m in result.measurements if m.ok])
 
 
 def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate, int]], job: Job, workers: int,
@@ -465,29 +511,6 @@ def run_off(measurements: list[Measurement], planned: dict[str, tuple[Candidate,
                     f"({window.window_s:.1f} s window), lowest test loss {min(v for _, v in window.curve):.4g}")
             else:
                 say(f"run-off round {r + 1}: {m.label}: {window.status}: {window.reason}")
-
-
-def runoff_epochs(leaders: list[Measurement], planned: dict[str, tuple[Candidate, int]]) -> dict[str, int]:
-    """Each leader's epochs in a run-off round: as many as train, at the rate of its first window,
-    for as long as the longest of the leaders' first windows trained (at least its first window's).
-
-    A window that ends above the target counts as never reaching it, and one shorter than a
-    rival's time to the target says nothing of which is faster: the first round's windows train
-    in whole epochs planned from a calibration's step time, and come out of unequal length
-    (``partrain bench compare``'s compute scenario, 2026-11-29: hogwild's 7 epochs trained 3.0 s,
-    DiLoCo's 9 epochs 3.9 s; on the run-off's seeds hogwild's 2.9-second windows ended at 0.42
-    and 0.41, above the target 0.347, and its median became "never" where its first window had
-    been the fastest; the runs to the target had hogwild the fastest, DiLoCo 1.21x its time)."""
-    longest = max((m.window_s for m in leaders if m.window_s > 0), default=0.0)  # (NaN: not measured)
-    return {m.label: max(planned[m.label][1], round(planned[m.label][1] * longest / m.window_s))
-            if m.window_s > 0 else planned[m.label][1] for m in leaders}
-
-
-def round_cost(leaders: list[Measurement], planned: dict[str, tuple[Candidate, int]]) -> float:
-    """What a run-off round of ``leaders`` costs: each one's first window's whole time (start-up
-    and evaluations included), stretched by its `runoff_epochs` over its first's."""
-    epochs = runoff_epochs(leaders, planned)
-    return sum(m.wall_s * epochs[m.label] / max(1, planned[m.label][1]) for m in leaders)
 
 
 #: what the windows import in the workers: imported once, up front, by every process (seconds each
@@ -698,7 +721,6 @@ def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[s
       of its own process and with a communication hook that only averages the buckets, while
       the others wait: the step with DDP's bookkeeping and no communication.
     """
-    import datetime
 
     import torch.distributed as dist
 
@@ -712,8 +734,7 @@ def _probe_in_worker(strategy: Any, job: Job, steps: int, rounds: int) -> dict[s
     inputs, target = to_device(task.split(batch), device)
     sizes = _bucket_sizes(model, inputs, target, task, group)
     # every process takes part in creating every group; each one's own holds only itself
-    timeout = datetime.timedelta(seconds=strategy.timeout)
-    own = [dist.new_group([r], timeout=timeout) for r in range(dist.get_world_size())][dist.get_rank()]
+    own = [comm.new_group([r], timeout=strategy.timeout) for r in range(dist.get_world_size())][dist.get_rank()]
     wrapped = _ddp(model, own)
     wrapped.register_comm_hook(float(dist.get_world_size(group)), _averaging_hook)
     ddp = _fenced(_training_step(wrapped, job.optimizer_fn(wrapped.parameters()), task, inputs, target), device)
@@ -825,33 +846,6 @@ def probe_host(result: CompareResult, job: Job, workers: int, step_guess: float,
     result.contention_s = max(0.0, med["synced"] - med["together"] - med["reduce"])
     result.ddp_overhead_s = max(0.0, med["ddp"] - med["alone"])
     result.probe = med
-
-
-def _correction(c: Candidate, n: int, learned: dict[str, float]) -> float:
-    """What the estimate of a window's step is multiplied by: what the same strategy's (else the
-    slowest other's) window measured over its estimate; before any, `FIRST_CORRECTION`. Several
-    processes on few cores, and a pipeline's many small messages, make steps slower than one
-    process's step plus the link's transfer time."""
-    factor = learned.get(c.label, max(learned.values(), default=FIRST_CORRECTION))
-    return factor * (PIPELINE_FACTOR if c.strategy == "pipeline" and c.label not in learned else 1.0)
-
-
-def _estimate_step(c: Candidate, n: int, result: CompareResult, guess: float, model_bytes: int,
-                   straggler: Straggler | None) -> float:
-    """The wall seconds one optimizer step of ``c`` should take (to size its window)."""
-    single = result.measurement("single")
-    step = guess
-    if single is not None and single.ok and single.samples_per_s > 0:
-        step = result.batch_size / single.samples_per_s
-    if straggler is not None and (c.workers or n) > 1:
-        step *= straggler.slowdown  # every worker runs max_steps: the window ends with the slowest
-    if result.link is not None and (c.workers or n) > 1 and c.strategy in ("allreduce", "ps", "localsgd"):
-        # the scaling model's step with h = 1 (the correction learns the rest) and one server shard
-        here = Constants(step, result.batch_size, float(model_bytes), 1.0, max(1, len(result.buckets)),
-                         result.contention_s, result.ddp_overhead_s)
-        step = step_seconds(c.strategy, n, here, Link(*result.link), period=sync_period(c.options),
-                            shards=1)
-    return step
 
 
 def local_host_factor(m: Measurement, here: Constants, link: Link) -> float:

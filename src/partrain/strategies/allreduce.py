@@ -14,7 +14,6 @@ did *not* overlap with compute); ``comm_bytes`` the bytes all-reduced.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,6 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from .._compat import ddp_buffer_sync
 from .base import Strategy, register
 
 
@@ -46,21 +46,7 @@ class AllReduce(Strategy):
         model, optimizer = super().prepare(model, optimizer)
         if self.num_workers == 1:
             return model, optimizer  # nothing to synchronise: skip DDP's bookkeeping
-        kwargs: dict[str, Any] = {}
-        # torch 2.13 renamed broadcast_buffers; older releases only know the old name
-        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-            kwargs["forward_sync_buffers"] = self.broadcast_buffers
-        else:
-            kwargs["broadcast_buffers"] = self.broadcast_buffers
-        ddp = DistributedDataParallel(
-            model,
-            device_ids=[self.device] if self.device.type == "cuda" else None,
-            process_group=self.group,
-            bucket_cap_mb=self.bucket_cap_mb,
-            find_unused_parameters=self.find_unused_parameters,
-            gradient_as_bucket_view=self.gradient_as_bucket_view,
-            **kwargs,
-        )
+        ddp = self.wrap(model, self.group)
         ddp.register_comm_hook(self, _timed_allreduce)
         return ddp, optimizer
 
@@ -70,12 +56,6 @@ class AllReduce(Strategy):
         all-reduce (no timing hook; the caller may register its own). For code that inspects or
         times this strategy's DDP without training through it: ``partrain compare``'s host probe
         reads its bucket layout and its bookkeeping."""
-        kwargs: dict[str, Any] = {}
-        # torch 2.13 renamed broadcast_buffers; older releases only know the old name
-        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-            kwargs["forward_sync_buffers"] = self.broadcast_buffers
-        else:
-            kwargs["broadcast_buffers"] = self.broadcast_buffers
         device = next(model.parameters()).device
         return DistributedDataParallel(
             model,
@@ -84,7 +64,7 @@ class AllReduce(Strategy):
             bucket_cap_mb=self.bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
-            **kwargs,
+            **ddp_buffer_sync(self.broadcast_buffers),  # its name depends on torch's version
         )
 
     @contextlib.contextmanager
