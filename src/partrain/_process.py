@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import comm
 from .env import DistEnv, external_job
 from .errors import UsageError
 from .host_exchange import pid_alive
@@ -57,8 +58,8 @@ def run_in_process(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Str
         if store is None:  # torchrun, srun, PyTorchJob, Ray: the job's store (join_store)
             store = join_store(env, timeout)
         if not dist.is_initialized():
-            dist.init_process_group(env.backend, store=store, rank=env.rank, world_size=env.world_size,
-                                    timeout=datetime.timedelta(seconds=timeout))
+            comm.init_process_group(env.backend, store=store, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout)
             own_group = True
             if env.backend == "gloo":
                 # gloo connects every pair when the group is made; a rank whose body needs no
@@ -78,6 +79,7 @@ def run_in_process(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Str
         finally:
             if own_group and dist.is_initialized():
                 dist.destroy_process_group()
+                comm.forget_groups()
 
 
 def check_existing_group(env: DistEnv) -> None:

@@ -7,6 +7,7 @@ initialized process group they act as the identity (world of one).
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -14,6 +15,41 @@ import torch
 import torch.distributed as dist
 
 Group = Any  # torch.distributed.ProcessGroup | None (None = the default group)
+
+# the collective timeout (seconds) of each process group partrain made, by group: a helper
+# that waits outside c10d (a shared-memory exchange) bounds its wait by the same number
+_TIMEOUTS: dict[Any, float] = {}
+
+
+def init_process_group(backend: str, *, timeout: float, **options: Any) -> None:
+    """``torch.distributed.init_process_group`` with ``timeout`` seconds, recorded (`group_timeout`)."""
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **options)
+    _TIMEOUTS[dist.group.WORLD] = float(timeout)
+
+
+def new_group(ranks: Sequence[int], *, timeout: float, **options: Any) -> Any:
+    """``torch.distributed.new_group`` with ``timeout`` seconds, recorded (`group_timeout`)."""
+    group = dist.new_group(list(ranks), timeout=datetime.timedelta(seconds=timeout), **options)
+    _TIMEOUTS[group] = float(timeout)
+    return group
+
+
+def group_timeout(group: Group = None) -> float:
+    """The collective timeout of ``group`` in seconds: the one partrain made it with; for a
+    group made elsewhere what torch keeps (`partrain._compat.process_group_timeout`), else
+    torch's default."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg in _TIMEOUTS:
+        return _TIMEOUTS[pg]
+    from ._compat import process_group_timeout
+
+    seconds = process_group_timeout(pg)
+    return seconds if seconds is not None else dist.default_pg_timeout.total_seconds()
+
+
+def forget_groups() -> None:
+    """Drop the recorded timeouts (the default group was destroyed)."""
+    _TIMEOUTS.clear()
 
 
 def is_distributed() -> bool:

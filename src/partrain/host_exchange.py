@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import datetime
 import errno
 import mmap
 import os
@@ -55,6 +54,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .comm import group_timeout
 
 Group = Any  # torch.distributed.ProcessGroup | None (None = the default group)
 
@@ -115,16 +116,6 @@ class _Semaphores:
 
 
 _SEM_FAILED = ctypes.c_void_p(-1).value
-
-
-def _timeout_of(group: Group) -> float:
-    """The group's collective timeout in seconds (torch's default where it cannot be read)."""
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        timeout = pg._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        timeout = dist.default_pg_timeout
-    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
 
 
 class HostExchange:
@@ -195,7 +186,7 @@ class HostExchange:
                 _close(sems, *opened)
             return None
         handles, view = opened
-        return cls(sems, world, rank, handles, view, _timeout_of(group))
+        return cls(sems, world, rank, handles, view, group_timeout(group))
 
     @staticmethod
     def _create(sems: _Semaphores, token: int, world: int, size: int) -> tuple[list[int], mmap.mmap] | None:

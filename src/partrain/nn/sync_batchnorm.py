@@ -45,7 +45,6 @@ never a hang.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import numpy as np
@@ -56,6 +55,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm, _LazyNormBase
 
+from .._compat import all_gather_into, batchnorm_takes_bias
 from ..errors import UsageError
 from ..host_exchange import HostExchange
 
@@ -72,8 +72,6 @@ _GATHER_MAX_RANKS = 8
 # gloo ranks that all share this host exchange through shared memory (`HostExchange`)
 _HOST_EXCHANGE = True
 
-# recent torch releases let an affine batch norm go without bias (``bias=False``)
-_HAS_BIAS_OPTION = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 
 def _group_size(group: Group) -> int:
@@ -115,7 +113,7 @@ class SyncBatchNorm(_BatchNorm):
             raise UsageError(f"Expected a positive number of features. Received: num_features={num_features!r}")
         extra: dict[str, Any] = {}
         if not bias:
-            if not _HAS_BIAS_OPTION:
+            if not batchnorm_takes_bias():
                 raise UsageError("Expected bias=True: this torch release has no batch norm without bias. "
                                  "Received: bias=False")
             extra["bias"] = False
@@ -240,8 +238,7 @@ def _all_gather_flat(t: torch.Tensor, group: Group) -> torch.Tensor:
         if rows is not None:
             return rows
     out = torch.empty(world * t.numel(), dtype=t.dtype, device=t.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch < 2.13
-    gather(out, t, group=group)
+    all_gather_into(out, t, group)
     return out.view(world, t.numel())
 
 

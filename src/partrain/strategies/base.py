@@ -24,7 +24,6 @@ index among the workers (``strategy.rank``), what data sharding and logging use.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import inspect
 import math
 from abc import ABC
@@ -33,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -147,7 +145,7 @@ class Strategy(ABC):
             raise UsageError(f"Expected at least one worker. Received roles {roles}")
         if comm.is_distributed() and len(self.worker_ranks) < env.world_size:
             # every rank must take part in creating a group, workers or not
-            self.group = dist.new_group(self.worker_ranks, timeout=datetime.timedelta(seconds=timeout))
+            self.group = comm.new_group(self.worker_ranks, timeout=timeout)
 
     @property
     def role(self) -> str:

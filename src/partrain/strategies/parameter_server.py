@@ -61,7 +61,6 @@ server that dies is an error naming it on every worker waiting on it.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import json
 import math
@@ -187,8 +186,7 @@ class ParameterServer(Strategy):
         if comm.is_distributed() and (env.backend != "gloo" or self.colocate):
             # the servers speak gloo, on CPU (e.g. beside NCCL workers); colocated, their traffic gets a
             # group of its own, apart from the collectives the worker threads run on the default group
-            self._pg = dist.new_group(list(range(env.world_size)), backend="gloo",
-                                      timeout=datetime.timedelta(seconds=timeout))
+            self._pg = comm.new_group(range(env.world_size), backend="gloo", timeout=timeout)
 
     def run_role(self, role: str) -> Any:
         if role != SERVER:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._compat import mark_static_address, optimizer_step_dtype
 from ..errors import UsageError, first_line
 
 BACKENDS_HINT = ("inductor", "aot_eager", "eager", "cudagraphs")
@@ -187,8 +188,6 @@ class FusedStep:
     def state(self) -> list[list[list[torch.Tensor]]]:
         """The optimizer's state tensors per group and parameter, created as ``step()`` would
         (zeros: SGD's first momentum step ``0 * momentum + grad`` is the gradient exactly)."""
-        from torch.optim.optimizer import _get_scalar_dtype
-
         out = []
         for group in self.optimizer.param_groups:
             rows = []
@@ -203,7 +202,7 @@ class FusedStep:
                         rows.append([])
                 else:
                     if not st:
-                        st["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                        st["step"] = torch.tensor(0.0, dtype=optimizer_step_dtype())
                         st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     # 0-dim inputs a compiled function writes to keep their old value in torch 2.13:
@@ -305,7 +304,7 @@ def _static_inputs(tensors: Any) -> None:
     skipped still, and its steps run compiled without them.)"""
     from .._tree import map_tensors
 
-    map_tensors(tensors, lambda t: torch._dynamo.mark_static_address(t, guard=False) if t.is_cuda else None)
+    map_tensors(tensors, lambda t: mark_static_address(t) if t.is_cuda else None)
 
 
 def _sgd(p: torch.Tensor, g: torch.Tensor, st: list[torch.Tensor], lr: torch.Tensor, group: dict) -> None:

@@ -1,0 +1,90 @@
+"""Every call into torch that depends on its version or reaches into a private name, in one place.
+
+partrain supports ``torch>=2.4`` and is tested on 2.13. Where torch renamed an argument,
+added an option or keeps a value behind a private name, the probe lives here, with the
+fallback used when the probe fails and a test (`tests/test_compat.py`) that checks the
+answer against what this torch does. Nothing else in partrain imports a private torch name
+(a base class to subclass, such as ``_BatchNorm``, excepted).
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+
+@functools.cache
+def ddp_accepts(name: str) -> bool:
+    """Whether ``DistributedDataParallel`` takes the keyword argument ``name``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        return name in inspect.signature(DistributedDataParallel.__init__).parameters
+    except (TypeError, ValueError):  # no signature to read: the long-standing names only
+        return name == "broadcast_buffers"
+
+
+def ddp_buffer_sync(enabled: bool) -> dict[str, bool]:
+    """DDP's keyword for "send rank 0's buffers before each forward": torch 2.13 calls it
+    ``forward_sync_buffers``, older releases ``broadcast_buffers``."""
+    return {"forward_sync_buffers" if ddp_accepts("forward_sync_buffers") else "broadcast_buffers": enabled}
+
+
+@functools.cache
+def batchnorm_takes_bias() -> bool:
+    """Whether torch's batch norm takes ``bias=False`` (an affine norm without a shift; recent releases)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    try:
+        return "bias" in inspect.signature(_BatchNorm.__init__).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def optimizer_step_dtype() -> torch.dtype:
+    """The dtype ``torch.optim``'s Adam keeps its ``step`` count in (not fused): float64 when the
+    default dtype is, else float32. torch's own answer where it has one (a private function)."""
+    try:
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        return _get_scalar_dtype()
+    except ImportError:
+        return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def mark_static_address(t: torch.Tensor) -> None:
+    """Tell ``torch.compile`` that ``t`` keeps its address (CUDA graphs record it instead of
+    copying); unguarded, so a new address records again. Nothing where torch lacks the call."""
+    mark = getattr(getattr(torch, "_dynamo", None), "mark_static_address", None)
+    if mark is None:
+        return
+    try:
+        mark(t, guard=False)
+    except TypeError:  # a release without the guard keyword
+        mark(t)
+
+
+def process_group_timeout(group: Any) -> float | None:
+    """The collective timeout, in seconds, of a process group partrain did not create (a
+    script's own under torchrun), read from torch's private backend options; None when it
+    cannot be read. partrain's own groups record theirs (`partrain.comm.group_timeout`)."""
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout) if isinstance(timeout, (int, float)) else None
+
+
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Any = None) -> None:
+    """Every rank's ``t`` into ``out`` (``world * t.numel()`` values, in rank order), one collective:
+    ``all_gather_single`` where torch has it (2.13), else ``all_gather_into_tensor``."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t, group=group)

@@ -1,0 +1,113 @@
+"""partrain's version-dependent and private torch calls (`partrain._compat`, `partrain.comm`'s timeouts).
+
+Why it exists: each probe answers a question about the installed torch; when torch moves, the
+probe's fallback takes over silently. These tests check each answer against what this torch
+actually does (not against the probe's own reading), and each fallback by taking the probed
+name away.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partrain import _compat, comm
+
+
+def test_ddp_accepts_exactly_the_keywords_the_probe_says(tmp_path):
+    """For both names of the buffer switch, constructing DDP with it works iff the probe says so;
+    the keyword partrain passes is one DDP takes."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for name in ("forward_sync_buffers", "broadcast_buffers"):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated in 2.13
+                    nn.parallel.DistributedDataParallel(nn.Linear(2, 2), **{name: False})
+                accepted = True
+            except TypeError:
+                accepted = False
+            assert _compat.ddp_accepts(name) == accepted, name
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2), **_compat.ddp_buffer_sync(False))
+        assert isinstance(ddp, nn.parallel.DistributedDataParallel)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batchnorm_bias_option_matches_what_batchnorm_accepts():
+    if _compat.batchnorm_takes_bias():
+        assert nn.BatchNorm1d(3, bias=False).bias is None
+    else:
+        with pytest.raises(TypeError):
+            nn.BatchNorm1d(3, bias=False)
+
+
+@pytest.mark.parametrize("default", [torch.float32, torch.float64])
+def test_the_step_dtype_is_the_one_adam_itself_uses(default):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        p = nn.Parameter(torch.ones(2))
+        opt = torch.optim.Adam([p], foreach=False)
+        p.grad = torch.ones(2)
+        opt.step()
+        assert opt.state[p]["step"].dtype == _compat.optimizer_step_dtype()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_the_step_dtype_falls_back_without_torchs_private_function(monkeypatch):
+    import torch.optim.optimizer as optimizer_module
+
+    monkeypatch.delattr(optimizer_module, "_get_scalar_dtype")
+    assert _compat.optimizer_step_dtype() == torch.float32
+
+
+def test_mark_static_address_does_nothing_where_torch_lacks_it(monkeypatch):
+    import torch._dynamo
+
+    seen = []
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: seen.append(guard))
+    _compat.mark_static_address(torch.zeros(1))
+    assert seen == [False]
+    monkeypatch.delattr(torch._dynamo, "mark_static_address")
+    _compat.mark_static_address(torch.zeros(1))  # no error
+
+
+def test_a_group_partrain_made_reports_the_timeout_it_was_made_with(tmp_path):
+    comm.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            timeout=37.0)
+    try:
+        sub = comm.new_group([0], timeout=11.0)
+        assert comm.group_timeout() == 37.0 and comm.group_timeout(sub) == 11.0
+    finally:
+        dist.destroy_process_group()
+        comm.forget_groups()
+
+
+def test_a_group_made_elsewhere_reports_torchs_own_timeout_or_the_default(tmp_path, monkeypatch):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=23))
+    try:
+        read = _compat.process_group_timeout(dist.group.WORLD)
+        assert read in (23.0, None)  # None: this torch keeps it where the probe cannot read it
+        assert comm.group_timeout() == (read if read is not None else dist.default_pg_timeout.total_seconds())
+        monkeypatch.setattr(_compat, "process_group_timeout", lambda group: None)
+        assert comm.group_timeout() == dist.default_pg_timeout.total_seconds()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_gather_into_puts_rows_in_rank_order(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        out = torch.empty(3)
+        _compat.all_gather_into(out, torch.tensor([1.0, 2.0, 3.0]))
+        assert out.tolist() == [1.0, 2.0, 3.0]
+    finally:
+        dist.destroy_process_group()
