@@ -6,6 +6,9 @@ import os
 
 from .errors import UsageError
 
+#: files a run writes in its directory: their presence means the directory holds a run
+RUN_FILES = ("checkpoint.pt", "best.pt", "metrics.csv", "metrics.jsonl", "config.json", "curves.png")
+
 
 def check_output_file(path: str, flag: str) -> None:
     """Raise `UsageError` now if ``path`` cannot be written later (a run's results would be lost).
@@ -23,3 +26,31 @@ def check_output_file(path: str, flag: str) -> None:
         raise UsageError(f"Expected {flag} in an existing directory. Received: {path!r} ({parent!r} {why})")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise UsageError(f"Expected {flag} to be writable. Received: {path!r} (permission denied)")
+
+
+def numbered_dir(path: str, run_files: tuple[str, ...] = RUN_FILES) -> str:
+    """``path`` when it holds no run, else the first free ``path-2``, ``path-3``, ..."""
+    def taken(p: str) -> bool:
+        return os.path.exists(p) and (not os.path.isdir(p) or any(os.path.exists(os.path.join(p, f)) for f in run_files))
+
+    if not taken(path):
+        return path
+    n = 2
+    while taken(f"{path}-{n}"):
+        n += 1
+    return f"{path}-{n}"
+
+
+def run_dir(out: str | None, default: str, *, resume: bool, command: str, quiet: bool = False) -> str:
+    """Where a command writes its run: ``out`` when given; else ``default`` (``runs/NAME``), or
+    when that holds a run and this is no resume the first free ``default-2``, ``-3``, ... with
+    a line that says so."""
+    if out is not None:
+        return out
+    if resume:
+        return default
+    chosen = numbered_dir(default)
+    if chosen != default and not quiet:
+        print(f"partrain {command}: {default} holds a run; writing {chosen} (--out DIR to choose, --resume to "
+              "continue)", flush=True)
+    return chosen

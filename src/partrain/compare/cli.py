@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                                      weight_decay=args.weight_decay)
     out = args.out
     if out is None:
-        from ..train.prepare import numbered_dir
+        from ..files import numbered_dir
 
         out = numbered_dir(DEFAULT_OUT, OUT_FILES)
         if out != DEFAULT_OUT and not args.json:

@@ -87,7 +87,7 @@ def _out(args: argparse.Namespace) -> str:
     """``--out``, or the default directory (numbered when it holds a run, said in one line)."""
     if args.out is not None:
         return args.out
-    from ..train.prepare import numbered_dir
+    from ..files import numbered_dir
     from .prepare import RUN_FILES
 
     out = DEFAULT_OUT if args.resume else numbered_dir(DEFAULT_OUT, RUN_FILES)

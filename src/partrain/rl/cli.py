@@ -25,8 +25,9 @@ from ..cli import HelpFormatter
 from ..env import check_device
 from ..errors import UsageError
 from ..extras import needs
+from ..files import run_dir
 
-DEFAULT_OUT = "rl-run"
+DEFAULT_OUT = "runs/rl"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -79,7 +80,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _learner_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", default="CartPole-v1", help="gymnasium environment id (discrete actions)")
-    p.add_argument("--out", default=DEFAULT_OUT, help="directory for metrics, curves and the checkpoint")
+    p.add_argument("--out", default=None, help=f"directory for metrics, curves and the checkpoint (default: "
+                   f"{DEFAULT_OUT}, or {DEFAULT_OUT}-2, -3, ... when that holds a run)")
     p.add_argument("--max-frames", type=int, default=500_000, help="stop after this many environment frames")
     p.add_argument("--target", type=float, default=None,
                    help="stop once the mean return of the last 20 episodes reaches this (CartPole-v1: 475)")
@@ -128,6 +130,7 @@ def _config(args: argparse.Namespace) -> Any:
     _positive(args, "max_frames", "lr", "epochs", "min_epochs", "unroll", "batch_segments", "max_queue", "max_lag", "hidden",
               "checkpoint_every", "report_every", "timeout")
     check_device(args.device)  # a name torch refuses, or cuda where there is none: one line
+    args.out = run_dir(args.out, DEFAULT_OUT, resume=args.resume, command="rl")
     checkpoint = os.path.join(args.out, "checkpoint.pt")
     if args.resume and not os.path.exists(checkpoint):
         raise UsageError(f"Expected a checkpoint to resume from. Received: {checkpoint!r} (no such file)")

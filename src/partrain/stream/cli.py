@@ -26,10 +26,10 @@ import torch
 from ..cli import HelpFormatter
 from ..env import check_device, pick_device
 from ..errors import UsageError
-from ..files import check_output_file
+from ..files import check_output_file, run_dir
 from .options import LOSSES, OVERFLOW, SCHEDULES
 
-DEFAULT_OUT = "stream-run"
+DEFAULT_OUT = "runs/stream"
 DTYPES = {"FP32": torch.float32, "FP64": torch.float64, "FP16": torch.float16, "BF16": torch.bfloat16,
           "INT64": torch.int64, "INT32": torch.int32}
 
@@ -88,7 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="when --max-queue items wait: block the source, drop the oldest, or reject")
 
     o = p.add_argument_group("output")
-    o.add_argument("--out", default=DEFAULT_OUT, help="directory for metrics.csv, curves.png, checkpoint.pt")
+    o.add_argument("--out", default=None, help=f"directory for metrics.csv, curves.png, checkpoint.pt (default: "
+                   f"{DEFAULT_OUT}, or {DEFAULT_OUT}-2, -3, ... when that holds a run)")
     o.add_argument("--checkpoint-every", type=int, default=100, metavar="UPDATES", help="0: only at the end")
     o.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt exactly")
     o.add_argument("--metrics-interval", type=float, default=1.0, help="seconds per metrics.csv row")
@@ -125,6 +126,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise UsageError(f"Expected --metrics-port in 0..65535. Received: {args.metrics_port}")
     check_device(args.device)  # a name torch refuses, or cuda where there is none: one line
+    args.out = run_dir(args.out, DEFAULT_OUT, resume=args.resume, command="stream", quiet=args.quiet)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"Expected --out to be a directory. Received: {args.out!r}, a file")
 

@@ -149,8 +149,9 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..files import numbered_dir
     from .fit import fit
-    from .prepare import check_run_dir, first_batch, numbered_dir
+    from .prepare import check_run_dir, first_batch
 
     if args.config:
         _apply_config(args)

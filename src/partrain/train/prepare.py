@@ -27,11 +27,9 @@ from ..data.datasets import DataSpec, load_dataset, preprocessing
 from ..data.generated import Generated
 from ..data.pipeline import collate
 from ..errors import UsageError, first_line
+from ..files import RUN_FILES, numbered_dir
 from .config import FitConfig
 from .task import Task
-
-#: files a run writes in its directory: their presence means the directory holds a run
-RUN_FILES = ("checkpoint.pt", "best.pt", "metrics.csv", "metrics.jsonl", "config.json", "curves.png")
 
 DataArg = DataSpec | str | Callable[[], Any] | tuple[Dataset, Dataset]
 
@@ -162,19 +160,6 @@ def check_run_dir(out: str, *, resume: bool, overwrite: bool, label: str = "out_
         for name in existing:
             os.unlink(os.path.join(out, name))
         shutil.rmtree(os.path.join(out, "tensorboard"), ignore_errors=True)
-
-
-def numbered_dir(path: str, run_files: tuple[str, ...] = RUN_FILES) -> str:
-    """``path`` when it holds no run, else the first free ``path-2``, ``path-3``, ..."""
-    def taken(p: str) -> bool:
-        return os.path.exists(p) and (not os.path.isdir(p) or any(os.path.exists(os.path.join(p, f)) for f in run_files))
-
-    if not taken(path):
-        return path
-    n = 2
-    while taken(f"{path}-{n}"):
-        n += 1
-    return f"{path}-{n}"
 
 
 def check_resume(cfg: FitConfig, ckpt: dict[str, Any], path: str, auto: bool) -> bool:
