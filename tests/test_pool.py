@@ -112,15 +112,15 @@ def test_a_collective_entered_by_one_rank_alone_is_named_as_such():
 STOPPED_WHILE_STARTING = """
 import os, signal
 from multiprocessing import Pipe
-from partrain import pool
+from partrain import _process, pool
 
-original = pool.watch_parent
+original = _process.watch_parent  # what every child runs first calls it (child_started)
 
 def terminated_while_starting(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGTERM)  # the caller stops it before it has taken a job
     return original(*args, **kwargs)
 
-pool.watch_parent = terminated_while_starting
+_process.watch_parent = terminated_while_starting
 ours, theirs = Pipe()
 pool._process_main(theirs, True)
 print("returned quietly")

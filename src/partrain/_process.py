@@ -318,6 +318,48 @@ def watch_parent(grace: float, on_death: Callable[[], None] | None = None) -> bo
     return True
 
 
+# ----- the one way partrain's children start -----------------------------------------------------
+#
+# Every child partrain starts (a pool's or launch's ranks, serving replicas, serving stages,
+# load-generator clients) is started by `start_child` in the parent and runs `child_started`
+# first: the same start-up signal rule (SIGINT blocked from the start until the child ignores
+# it) and the same parent-death rule (the child stops when its parent dies, however it dies).
+
+def start_child(ctx: Any, target: Callable[..., Any], args: tuple = (), *, name: str,
+                keep: Callable[[Any], None], daemon: bool = False) -> Any:
+    """Create and start ``ctx.Process(target, args)`` (``ctx``: `process_context`) with SIGINT
+    blocked until it runs (`starting_processes`: a Ctrl-C meanwhile is the parent's to handle,
+    not a traceback from a child still importing). ``keep(process)`` records it before a signal
+    held back meanwhile is raised, so the caller can always stop what it started. ``target``
+    must call `child_started` first."""
+    proc = ctx.Process(target=target, args=args, name=name, daemon=daemon)
+    with starting_processes():
+        proc.start()
+        keep(proc)
+    return proc
+
+
+def child_started(*, sigterm_raises: bool = True, grace: float = 5.0,
+                  on_death: Callable[[], None] | None = None) -> None:
+    """The first call in every child partrain starts (`start_child`).
+
+    SIGINT is ignored (Ctrl-C reaches the terminal's whole process group: the parent decides)
+    and unblocked; with ``sigterm_raises`` SIGTERM raises `partrain.errors.Interrupted`, so the
+    child's ``finally`` blocks run when its parent stops it (else SIGTERM keeps its handler: a
+    server that installs its own, or the default). When the parent dies without stopping it
+    (SIGKILL, the OOM killer), the child runs ``on_death``, gets SIGTERM and, ``grace`` seconds
+    later, exits (`watch_parent`).
+    """
+    if sigterm_raises:
+        from ._signals import install_in_worker
+
+        install_in_worker()  # SIGTERM raises Interrupted; SIGINT ignored
+    else:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    unblock_interrupts()
+    watch_parent(grace, on_death)
+
+
 def stop_processes(procs: Iterable[Any], grace: float = 0.0, kill_after: float = 5.0) -> list[Any]:
     """Let processes end within ``grace`` seconds, then terminate (SIGTERM), then kill.
 

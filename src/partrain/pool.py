@@ -60,16 +60,14 @@ from ._process import (
     MAIN_GUARD_EXIT,
     SERVER_GONE_EXIT,
     check_not_bootstrapping,
+    child_started,
     forked,
     main_guard_message,
     process_context,
     run_in_process,
-    starting_processes,
+    start_child,
     stop_processes,
-    unblock_interrupts,
-    watch_parent,
 )
-from ._signals import install_in_worker
 from .env import DistEnv, default_backend, pick_device
 from .errors import MainGuardError, UsageError, WorkerError, signal_name
 from .strategies.base import WORKER, Strategy
@@ -187,11 +185,12 @@ class WorkerPool:
             if slot is not None:
                 slot[1].close()
             here, there = self._ctx.Pipe(duplex=True)
-            proc = self._ctx.Process(target=_process_main, args=(there, self.one_shot),
-                                     name=name if self.one_shot else f"partrain-pool{index}", daemon=False)
-            with starting_processes():  # a Ctrl-C held back meanwhile is raised on leaving: the
-                proc.start()               # process is in the pool by then, which stops it
-                slot = self._slots[index] = (proc, here)
+            # a Ctrl-C held back while it starts is raised after: the process is in the pool by
+            # then, which stops it
+            start_child(self._ctx, _process_main, (there, self.one_shot),
+                        name=name if self.one_shot else f"partrain-pool{index}",
+                        keep=lambda proc: self._slots.__setitem__(index, (proc, here)))
+            slot = self._slots[index]
             there.close()  # the child holds it now: its death is an end-of-file here
         return slot
 
@@ -226,13 +225,11 @@ _PARENT_GRACE = 5.0  # seconds for a job to unwind after the caller died, then e
 
 
 def _process_main(conn: Any, one_shot: bool) -> None:
-    install_in_worker()
     rendezvous: list[str] = []  # the temporary directory of the job running now (see the watch)
     try:
         # inside the try: a SIGINT pending since the fork, or the caller's SIGTERM while this
         # process still starts (Ctrl-C right after a launch), ends it quietly like one when idle
-        unblock_interrupts()
-        watch_parent(_PARENT_GRACE, on_death=lambda: _remove_temporary(rendezvous))
+        child_started(grace=_PARENT_GRACE, on_death=lambda: _remove_temporary(rendezvous))
         while True:
             try:
                 job = conn.recv()

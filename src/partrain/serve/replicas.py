@@ -35,13 +35,7 @@ from typing import Any
 
 import torch
 
-from .._process import (
-    process_context,
-    starting_processes,
-    stop_processes,
-    unblock_interrupts,
-    watch_parent,
-)
+from .._process import child_started, process_context, start_child, stop_processes
 from ..env import available_cores, check_cuda_device
 from ..errors import UsageError, signal_name
 from .protocol import ServedModel
@@ -114,9 +108,7 @@ def _replica_main(make_models: MakeModels, index: int, host: str, port: int, thr
     """Entry point of one replica process."""
     # The parent forwards SIGINT/SIGTERM as SIGTERM; once serving, uvicorn handles both
     # (graceful). Until then Ctrl-C aimed at the terminal's group is the parent's to handle.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    unblock_interrupts()
-    watch_parent(_ORPHAN_GRACE)
+    child_started(sigterm_raises=False, grace=_ORPHAN_GRACE)
     torch.set_num_threads(threads)
     # Each replica names itself in the server metadata (GET /v2): the kernel picks the replica
     # per connection, so the name is how a client (or a test) tells whose /metrics it read.
@@ -170,9 +162,7 @@ def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 
     bound = reserve.getsockname()[1]
     ctx = process_context()
     ready = ctx.Queue()
-    procs = [ctx.Process(target=_replica_main, name=f"partrain-replica-{i}",
-                         args=(make_models, i, host, bound, threads, devices[i], app_options, ready))
-             for i in range(replicas)]
+    procs: list[Any] = []
     stopping = False
     received: list[int] = []  # the signals that asked for the stop
     serving: list[int] = []  # replicas alive when the first one came
@@ -192,9 +182,9 @@ def run_server(make_models: MakeModels, *, host: str = "127.0.0.1", port: int = 
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for p in procs:
-            with starting_processes():
-                p.start()
+        for i in range(replicas):
+            start_child(ctx, _replica_main, (make_models, i, host, bound, threads, devices[i], app_options, ready),
+                        name=f"partrain-replica-{i}", keep=procs.append)
         waiting = set(range(replicas))
         deadline = time.monotonic() + start_timeout
         while waiting:

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._process import process_context, stop_processes, unblock_interrupts, watch_parent
-from .._signals import install_in_worker
+from .. import comm
+from .._process import child_started, process_context, start_child, stop_processes
 from ..errors import UsageError, error_line
 from ..nn.split import chunk_ranges, plan_cuts, sequential_children
 
@@ -162,12 +162,10 @@ class FirstStage(nn.Module):
 # ----- a stage process ---------------------------------------------------------------------------
 
 def _stage_main(rank: int, stages: int, store_dir: str, source: str, threads: int) -> None:
-    install_in_worker()  # Ctrl-C is the server's to handle; SIGTERM unwinds this process
-    unblock_interrupts()
-    watch_parent(5.0)
+    child_started()  # Ctrl-C is the server's to handle; SIGTERM unwinds this process
     torch.set_num_threads(threads)
     store = dist.FileStore(os.path.join(store_dir, "store"), stages)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=stages, timeout=IDLE)
+    comm.init_process_group("gloo", store=store, rank=rank, world_size=stages, timeout=IDLE.total_seconds())
     try:
         chunks, _ = cut(module_of(source), stages)
         chunk = chunks[rank]
@@ -193,6 +191,7 @@ def _stage_main(rank: int, stages: int, store_dir: str, source: str, threads: in
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        comm.forget_groups()
 
 
 @contextlib.contextmanager
@@ -205,17 +204,16 @@ def stage_processes(source: str, stages: int, *, microbatches: int = 4, threads:
     cut(module_of(source), stages)  # one line here for a model that cannot be cut, not in every stage
     store_dir = tempfile.mkdtemp(prefix="partrain-stages-")
     ctx = process_context()
-    procs = [ctx.Process(target=_stage_main, name=f"partrain-stage-{r}",
-                         args=(r, stages, store_dir, source, threads), daemon=True)
-             for r in range(1, stages)]
+    procs: list[Any] = []
     joined = False
     try:
-        for p in procs:
-            p.start()
+        for r in range(1, stages):
+            start_child(ctx, _stage_main, (r, stages, store_dir, source, threads), name=f"partrain-stage-{r}",
+                        keep=procs.append, daemon=True)
         store = dist.FileStore(os.path.join(store_dir, "store"), stages)
         store.set_timeout(datetime.timedelta(seconds=start_timeout))
         try:
-            dist.init_process_group("gloo", store=store, rank=0, world_size=stages, timeout=IDLE)
+            comm.init_process_group("gloo", store=store, rank=0, world_size=stages, timeout=IDLE.total_seconds())
         except RuntimeError as exc:
             dead = [p.name for p in procs if not p.is_alive()]
             raise UsageError(f"Expected {stages - 1} stage process(es) to start within {start_timeout:g} s. "
@@ -236,4 +234,5 @@ def stage_processes(source: str, stages: int, *, microbatches: int = 4, threads:
         if joined:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+            comm.forget_groups()
         shutil.rmtree(store_dir, ignore_errors=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import queue
-import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..._process import process_context, signals_held, starting_processes
+from ..._process import process_context, signals_held, start_child
 from ...errors import UsageError, WorkerError
 from .checking import AnswerChecker
 from .config import LoadConfig, parse_target
@@ -66,14 +65,12 @@ def _share(cfg: LoadConfig, index: int, processes: int) -> LoadConfig | None:
 def _client_main(index: int, commands: Any, barrier: Any, results: Any) -> None:
     """One client process: take the samples and checkers, then for each command wait for the others,
     run its share and send its report back."""
-    from ..._process import unblock_interrupts, watch_parent
+    from ..._process import child_started
     from .runner import run_load
 
     # Ctrl-C reaches the whole process group: the parent decides (it closes its clients); a
     # parent that dies however it dies takes its clients with it (not an hour's wait on a queue)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    unblock_interrupts()
-    watch_parent(5.0)
+    child_started(sigterm_raises=False)
     try:
         samples, checkers = commands.get(timeout=_START_TIMEOUT)
     except queue.Empty:
@@ -125,14 +122,12 @@ class ClientProcesses:
         # the samples go through the queue, not the start: a start writes its arguments into a pipe
         # the child reads only once it has imported Python, and an interrupt in that write (Ctrl-C)
         # would leave a child this object cannot name, reading a pickle whose queues are gone
-        self._procs = [ctx.Process(target=_client_main, name=f"partrain-loadtest-{i}", daemon=True,
-                                   args=(i, self._commands[i], self._barrier, self._results))
-                       for i in range(processes)]
+        self._procs: list[Any] = []
         self._broken = ""  # why the processes cannot take another run (a run that did not end cleanly)
         try:
-            for p, commands in zip(self._procs, self._commands):
-                with starting_processes():
-                    p.start()
+            for i, commands in enumerate(self._commands):
+                start_child(ctx, _client_main, (i, commands, self._barrier, self._results),
+                            name=f"partrain-loadtest-{i}", keep=self._procs.append, daemon=True)
                 commands.put((list(samples), dict(checkers or {})))
             deadline = time.monotonic() + _START_TIMEOUT
             for _ in range(processes):
