@@ -79,8 +79,8 @@ ROWS = [
      "float32 "
      "(Calculated padded input size per channel: (4 x 4). Kernel size: (5 x 5). Kernel size can't be greater "
      "than actual input size)"),
-    (["--dataset", "nope"], 2, "Expected a dataset among 'digits', 'synthetic', a path ending in .npz, or "
-                               "'module:function'. Received: 'nope'"),
+    (["--dataset", "nope"], 2, "Expected a dataset among 'digits', 'synthetic', a path ending in .npz or .csv, "
+                               "or 'module:function'. Received: 'nope'"),
     (["--workers", "2", "--dataset", f"{FIX}:regression", "--model", "mlp"], 2,
      "Expected integer class labels: partrain population trains classifiers (cross-entropy) and does not "
      f"support regression targets. Received: torch.float32 targets in dataset '{FIX}:regression' (train split)"),
