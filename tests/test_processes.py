@@ -80,3 +80,40 @@ def test_children_started_through_the_helper_die_with_a_parent_killed_by_sigkill
             os.killpg(with_group, signal.SIGKILL)
         except OSError:
             pass
+
+
+TERMINATED = """
+import sys
+from partrain._process import child_started, process_context, start_child
+from partrain.errors import Interrupted
+
+def child(conn, out):
+    child_started()
+    try:
+        conn.send("ready")
+        conn.recv()  # nothing comes: only the parent's SIGTERM ends this
+    except Interrupted as stop:
+        with open(out, "w") as f:
+            f.write(f"unwound by {stop.signum}")
+
+if __name__ == "__main__":
+    procs = []
+    ctx = process_context()
+    here, there = ctx.Pipe()
+    start_child(ctx, child, (there, sys.argv[1]), name="partrain-test-child", keep=procs.append)
+    assert here.recv() == "ready"
+    procs[0].terminate()
+    procs[0].join(60)
+    print(procs[0].exitcode)
+"""
+
+
+def test_sigterm_to_a_child_unwinds_it_as_interrupted(tmp_path):
+    """The parent stops a child with SIGTERM: the child's code sees `Interrupted` (its
+    ``finally`` and ``except`` blocks run), and the process ends normally, not killed."""
+    script, out = tmp_path / "parent.py", tmp_path / "unwound"
+    script.write_text(TERMINATED)
+    done = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"]
+    assert out.read_text() == f"unwound by {int(signal.SIGTERM)}"
