@@ -9,6 +9,7 @@ name away.
 from __future__ import annotations
 
 import datetime
+import types
 import warnings
 
 import pytest
@@ -17,6 +18,17 @@ import torch.distributed as dist
 from torch import nn
 
 from partrain import _compat, comm
+from partrain.errors import UsageError
+
+
+@pytest.fixture
+def fresh_probes():
+    """The cached probes asked again, before the test and after it (after its monkeypatching)."""
+    for probe in (_compat.ddp_accepts, _compat.batchnorm_takes_bias):
+        probe.cache_clear()
+    yield
+    for probe in (_compat.ddp_accepts, _compat.batchnorm_takes_bias):
+        probe.cache_clear()
 
 
 def test_ddp_accepts_exactly_the_keywords_the_probe_says(tmp_path):
@@ -37,6 +49,15 @@ def test_ddp_accepts_exactly_the_keywords_the_probe_says(tmp_path):
         assert isinstance(ddp, nn.parallel.DistributedDataParallel)
     finally:
         dist.destroy_process_group()
+
+
+def test_ddp_keywords_fall_back_to_the_long_standing_name_without_a_signature(monkeypatch, fresh_probes):
+    def no_signature(obj):
+        raise ValueError(f"no signature found for {obj!r}")
+
+    monkeypatch.setattr(_compat, "inspect", types.SimpleNamespace(signature=no_signature))
+    assert _compat.ddp_accepts("broadcast_buffers") and not _compat.ddp_accepts("forward_sync_buffers")
+    assert _compat.ddp_buffer_sync(True) == {"broadcast_buffers": True}
 
 
 def test_batchnorm_bias_option_matches_what_batchnorm_accepts():
@@ -61,11 +82,34 @@ def test_the_step_dtype_is_the_one_adam_itself_uses(default):
         torch.set_default_dtype(previous)
 
 
-def test_the_step_dtype_falls_back_without_torchs_private_function(monkeypatch):
+def test_without_a_bias_option_sync_batchnorm_refuses_bias_false(monkeypatch, fresh_probes):
+    """The probe reads batch norm's signature: one without ``bias`` (older torch) is a release
+    where ``SyncBatchNorm(bias=False)`` is one clear line, not torch's TypeError."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from partrain.nn import SyncBatchNorm
+
+    def old_init(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 device=None, dtype=None):  # torch < 2.13's signature
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(_BatchNorm, "__init__", old_init)
+    assert not _compat.batchnorm_takes_bias()
+    with pytest.raises(UsageError, match="bias=False"):
+        SyncBatchNorm(3, bias=False)
+
+
+@pytest.mark.parametrize("default", [torch.float32, torch.float64])
+def test_the_step_dtype_falls_back_without_torchs_private_function(monkeypatch, default):
     import torch.optim.optimizer as optimizer_module
 
     monkeypatch.delattr(optimizer_module, "_get_scalar_dtype")
-    assert _compat.optimizer_step_dtype() == torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        assert _compat.optimizer_step_dtype() == default
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def test_mark_static_address_does_nothing_where_torch_lacks_it(monkeypatch):
@@ -75,6 +119,9 @@ def test_mark_static_address_does_nothing_where_torch_lacks_it(monkeypatch):
     monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t, guard=True: seen.append(guard))
     _compat.mark_static_address(torch.zeros(1))
     assert seen == [False]
+    monkeypatch.setattr(torch._dynamo, "mark_static_address", lambda t: seen.append("no guard keyword"))
+    _compat.mark_static_address(torch.zeros(1))
+    assert seen == [False, "no guard keyword"]
     monkeypatch.delattr(torch._dynamo, "mark_static_address")
     _compat.mark_static_address(torch.zeros(1))  # no error
 
@@ -97,7 +144,8 @@ def test_a_group_made_elsewhere_reports_torchs_own_timeout_or_the_default(tmp_pa
         read = _compat.process_group_timeout(dist.group.WORLD)
         assert read in (23.0, None)  # None: this torch keeps it where the probe cannot read it
         assert comm.group_timeout() == (read if read is not None else dist.default_pg_timeout.total_seconds())
-        monkeypatch.setattr(_compat, "process_group_timeout", lambda group: None)
+        monkeypatch.delattr(dist.ProcessGroup, "_get_backend")  # the private name the probe reads
+        assert _compat.process_group_timeout(dist.group.WORLD) is None
         assert comm.group_timeout() == dist.default_pg_timeout.total_seconds()
     finally:
         dist.destroy_process_group()
