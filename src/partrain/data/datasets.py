@@ -38,7 +38,20 @@ class DataSpec:
     target: str | None = None
 
     def load(self) -> tuple[Dataset, Dataset]:
-        return load_dataset(self)
+        """The ``(train, test)`` pair, loaded at the first call and kept by this object.
+
+        The caller that checks the data before a run and the worker that runs in its
+        process share one load; a pickled copy (a worker process) carries only the
+        description and loads again there.
+        """
+        loaded = self.__dict__.get("_loaded")
+        if loaded is None:
+            loaded = _load(self)
+            object.__setattr__(self, "_loaded", loaded)
+        return loaded
+
+    def __getstate__(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items() if k != "_loaded"}
 
 
 def _split(x: torch.Tensor, y: torch.Tensor, test_fraction: float, seed: int) -> tuple[TensorDataset, TensorDataset]:
@@ -181,9 +194,12 @@ def _csv_target(cells: list[str], path: str, name: str) -> torch.Tensor:
 
 
 def load_dataset(spec: DataSpec | str) -> tuple[Dataset, Dataset]:
-    """Resolve a dataset spec: ``digits``, ``synthetic``, ``path.npz`` or ``module:function``."""
-    if isinstance(spec, str):
-        spec = DataSpec(name=spec)
+    """Resolve a dataset spec: ``digits``, ``synthetic``, ``path.npz`` or ``module:function``
+    (a `DataSpec` loads once and keeps the pair: `DataSpec.load`)."""
+    return (DataSpec(name=spec) if isinstance(spec, str) else spec).load()
+
+
+def _load(spec: DataSpec) -> tuple[Dataset, Dataset]:
     name = spec.name
     if name == "digits":
         return load_digits(spec.test_fraction, spec.seed)
