@@ -114,20 +114,8 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         raise UsageError(f"Expected either scheduler_fn or lr_schedule. Received both (lr_schedule="
                          f"{cfg.lr_schedule!r})")
     auto = cfg.resume == "auto"
-    if auto:
-        candidate = os.path.join(cfg.out_dir or ".", "checkpoint.pt")
-        cfg.resume = candidate if os.path.exists(candidate) else None
-    ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None  # one line when unreadable
-    if ckpt is not None:
-        _same_model(ckpt, cfg.model_spec, cfg.resume or "")
-    if _is_first_process(launch_cfg) and cfg.out_dir:  # under torchrun every rank runs this: one judges
-        # resume="auto" continues whatever is there: a restart before the first checkpoint starts again
-        check_run_dir(cfg.out_dir, resume=auto or cfg.resume is not None, overwrite=cfg.overwrite)
     strat = get_strategy(strategy)
-    if (cfg.checkpoint_every or cfg.checkpoint_seconds) and not strat.checkpoints_within_epoch:
-        raise UsageError("Expected checkpoint_every / checkpoint_seconds with a strategy whose workers agree on "
-                         "every step (allreduce, single). Received: strategy "
-                         f"{strat.name!r}, which checkpoints at epoch ends only")
+    ckpt = _check_run(cfg, launch_cfg, strat)
     if external_launcher() is None:  # joining a job (torchrun, Ray, Slurm): it runs here, nothing is sent
         for name, obj in (("model_fn", model_fn), ("data", data), ("optimizer_fn", optimizer_fn),
                           ("loss_fn", task.loss_fn), ("metrics", task.metric_spec), ("forward_fn", task.forward_fn),
@@ -139,6 +127,44 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
                          model_state=ckpt["model"] if cfg.return_state else None, model_fn=model_fn)
     if starts_processes(launch_cfg.workers, strat, launch_cfg.nnodes, launch_cfg.master_addr):
         start_server_early()  # it imports torch while this process loads the data and checks the model
+    train_ds, test_ds = _check_data(data, cfg, launch_cfg, strat, task, ckpt)
+    task = _check_model(model_fn, optimizer_fn, train_ds, test_ds, data, task, cfg, ckpt)
+    if cfg.out_dir and _is_first_process(launch_cfg):
+        write_config(os.path.join(cfg.out_dir, "config.json"),
+                     run_settings(cfg, launch_cfg, strat, task, data, optimizer_fn, model_fn))
+    job = WorkerJob(model_fn, data, optimizer_fn, task, scheduler_fn, cfg)
+    results = launch(run_worker, job, strategy=strat, **launch_cfg.as_kwargs())
+    result = results[0]
+    if result is not None:
+        result.model_fn = model_fn
+    return result
+
+
+def _check_run(cfg: FitConfig, launch_cfg: LaunchConfig, strat: Strategy) -> dict[str, Any] | None:
+    """The checkpoint to resume (``resume="auto"`` resolved in ``cfg``, the file read once and
+    its model checked against ``cfg.model_spec``), the run directory and the checkpoint cadence."""
+    if cfg.resume == "auto":
+        candidate = os.path.join(cfg.out_dir or ".", "checkpoint.pt")
+        cfg.resume = candidate if os.path.exists(candidate) else None
+        resuming = True  # resume="auto" continues whatever is there: a restart before the first checkpoint starts again
+    else:
+        resuming = cfg.resume is not None
+    ckpt = load_checkpoint(cfg.resume) if cfg.resume is not None else None  # one line when unreadable
+    if ckpt is not None:
+        _same_model(ckpt, cfg.model_spec, cfg.resume or "")
+    if _is_first_process(launch_cfg) and cfg.out_dir:  # under torchrun every rank runs this: one judges
+        check_run_dir(cfg.out_dir, resume=resuming, overwrite=cfg.overwrite)
+    if (cfg.checkpoint_every or cfg.checkpoint_seconds) and not strat.checkpoints_within_epoch:
+        raise UsageError("Expected checkpoint_every / checkpoint_seconds with a strategy whose workers agree on "
+                         "every step (allreduce, single). Received: strategy "
+                         f"{strat.name!r}, which checkpoints at epoch ends only")
+    return ckpt
+
+
+def _check_data(data: DataArg, cfg: FitConfig, launch_cfg: LaunchConfig, strat: Strategy, task: Task,
+                ckpt: dict[str, Any] | None) -> tuple[Dataset, Dataset | None]:
+    """The data loaded once here (a `DataSpec` keeps it for a worker in this process) and
+    checked against the feeding options and a mid-epoch checkpoint's position."""
     train_ds, test_ds = resolve_data(data)
     if isinstance(test_ds, Generated):
         raise UsageError("Expected a Dataset of samples (or None) to evaluate on. Received: a batch generator "
@@ -153,7 +179,16 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         if launch_cfg.workers is not None and external_launcher() is None:  # else the job's size decides there
             same_workers(ckpt["within_epoch"], strat.data_parallel_workers(launch_cfg.workers * launch_cfg.nnodes))
         resume_batch(int(ckpt["within_epoch"]["batch"]), ckpt, cfg.batch_size,
-                      bucketed=cfg.bucket is not False and lengths_of(train_ds) is not None)
+                     bucketed=cfg.bucket is not False and lengths_of(train_ds) is not None)
+    return train_ds, test_ds
+
+
+def _check_model(model_fn: Callable[[], nn.Module], optimizer_fn: Callable[..., Optimizer], train_ds: Dataset,
+                 test_ds: Dataset | None, data: DataArg, task: Task, cfg: FitConfig,
+                 ckpt: dict[str, Any] | None) -> Task:
+    """One model built (with the run's seed) and checked against the data, the loss, the optimizer
+    settings, the monitored figure and the checkpoint's weights; ``cfg.model_spec`` filled in.
+    Returns the task resolved on the data."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = model_fn()
@@ -166,16 +201,7 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         fit_weights(model, ckpt["model"], f"the model of model_fn to resume {cfg.resume!r}")
     if cfg.model_spec is None:
         cfg.model_spec = infer_model_spec(model_fn, train_ds, task, data, task.collate_fn)
-    del model
-    if cfg.out_dir and _is_first_process(launch_cfg):
-        write_config(os.path.join(cfg.out_dir, "config.json"),
-                     run_settings(cfg, launch_cfg, strat, task, data, optimizer_fn, model_fn))
-    job = WorkerJob(model_fn, data, optimizer_fn, task, scheduler_fn, cfg)
-    results = launch(run_worker, job, strategy=strat, **launch_cfg.as_kwargs())
-    result = results[0]
-    if result is not None:
-        result.model_fn = model_fn
-    return result
+    return task
 
 
 def _same_model(ckpt: dict[str, Any], spec: dict[str, Any] | None, path: str) -> None:
