@@ -48,3 +48,25 @@ def counting_dataset():
 def counting_model():
     _count("model")
     return tiny_model()
+
+
+def missing_file_dataset():
+    """A user's dataset function that fails the way a wrong path does."""
+    raise FileNotFoundError("no such file: my_data.bin")
+
+
+class FailsInWorkers(nn.Module):
+    """Trains in the caller's checks; fails in a worker's forward (a bug that shows only there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(6, 2)
+
+    def forward(self, x):
+        if torch.distributed.is_initialized():
+            raise RuntimeError("a bug in my forward")
+        return self.layer(x)
+
+
+def fails_in_workers():
+    return FailsInWorkers()

@@ -49,6 +49,15 @@ def files(tmp_path):
     np.savez(tmp_path / "nox.npz", a=np.zeros(3))
     np.savez(tmp_path / "floaty.npz", x=np.zeros((10, 1, 8, 8), "float32"), y=np.zeros(10, "float32"))
     np.savez(tmp_path / "ragged.npz", x=np.zeros((10, 1, 8, 8), "float32"), y=np.zeros(9, "int64"))
+    x = np.random.default_rng(0).normal(size=(20, 1, 8, 8)).astype("float32")
+    y = np.arange(20) % 2
+    bad = x.copy()
+    bad[3, 0, 0, :2] = np.nan
+    bad[7, 0, 1, 1] = np.nan  # 3 NaN values in 2 samples (wherever the split puts them: all in training below)
+    np.savez(tmp_path / "nan_inputs.npz", x=np.concatenate([bad, x]), y=np.concatenate([y, y]))
+    np.savez(tmp_path / "inf_targets.npz", x=x, y=np.where(np.arange(20) == 5, np.inf, 0.5).astype("float32"))
+    np.savez(tmp_path / "nan_everywhere.npz", x=np.full((20, 1, 8, 8), np.nan, "float32"), y=y)
+    np.savez(tmp_path / "three.npz", x=x[:3], y=y[:3])
     (tmp_path / "text.npz").write_text("not an archive")
     (tmp_path / "ckpt.pt").write_text("not a checkpoint")
     (tmp_path / "run").mkdir()
@@ -110,6 +119,15 @@ ERRORS = [
     (["--momentum", "nan"], "Expected finite, non-negative momentum and weight decay. Received: momentum=nan"),
     (["--master-addr", "127.0.0.1", "--master-port", "1", "--nnodes", "2", "--node-rank", "1", "--timeout", "2"],
      "Expected a reachable master at 127.0.0.1:1. Received: no answer within 2 s"),
+    # data that makes any result meaningless: one line before the first step (issue 55, item 4)
+    (["--dataset", "{d}/nan_inputs.npz"], "Expected finite values in the training set's inputs. Received: dataset "
+     "'{d}/nan_inputs.npz' with 3 NaN values in 2 of"),
+    (["--dataset", "{d}/inf_targets.npz"], "Expected finite values in the test set's targets. Received: dataset "
+     "'{d}/inf_targets.npz' with 1 infinite value in 1 of 4 samples"),  # the seeded split holds it out
+    (["--dataset", "{d}/nan_everywhere.npz", "--test-fraction", "0.5"], "with 640 NaN values in 10 of 10 samples (the "
+     "first at sample 0; on_nan='off' / --on-nan off trains on them anyway)"),
+    (["--dataset", "{d}/three.npz", "--test-fraction", "0.5"], "Expected at least one training sample per worker (2). "
+     "Received: dataset '{d}/three.npz' with 1 training sample (fewer workers, or more data)"),
 ]
 
 
@@ -193,3 +211,37 @@ def test_bench_json_path_is_checked_before_the_benchmark_runs(tmp_path, capsys, 
     err = capsys.readouterr().err.strip()
     assert err == (f"partrain bench: error: Expected --json in an existing directory. Received: '{path}' "
                    f"('{path.parent}' does not exist)")
+
+
+def test_a_run_that_ends_on_non_finite_figures_exits_non_zero(files, capsys):
+    """--on-nan off trusts the numbers: the run goes on, but it cannot end with a summary and status 0."""
+    code = main(["train", "--quiet", "--strategy", "single", "--epochs", "1", "--on-nan", "off",
+                 "--dataset", str(files / "nan_everywhere.npz"), "--out", str(files / "out")])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert captured.out == ""  # no summary line
+    assert captured.err.splitlines() == [
+        "partrain train: error: Expected finite figures at the end of the run. Received: train loss nan, test loss "
+        "nan in the last epoch (--on-nan stop (the default) stops at the first non-finite loss; the epoch lines and "
+        "metrics.csv show where they began)"]
+
+
+def test_the_epoch_line_has_no_test_figures_without_a_test_set(capsys):
+    from partrain.train.fit import fit
+    from tests.data_fixtures import tiny_dataset, tiny_model
+    from tests.helpers import sgd
+
+    fit(tiny_model, (tiny_dataset(), None), sgd, strategy="single", epochs=1, checkpoint=False)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch 1/1")]
+    assert len(lines) == 1 and "loss" in lines[0] and "test" not in lines[0] and "nan" not in lines[0], lines
+
+
+def test_a_shape_that_starts_with_a_dynamic_dim_is_a_value_not_an_option():
+    from partrain.cli import negative_values
+
+    assert negative_values(["serve", "m.pt", "--input-shape", "-1,3"]) == ["serve", "m.pt", "--input-shape=-1,3"]
+    assert negative_values(["--input-shape", "-1x28x28", "-v"]) == ["--input-shape=-1x28x28", "-v"]
+    assert negative_values(["--lr", "-1"]) == ["--lr", "-1"]  # one plain number: argparse's own rule takes it
+    assert negative_values(["--input-shape=-1,3", "-1,3"]) == ["--input-shape=-1,3", "-1,3"]
+    args = build_parser().parse_args(negative_values(["serve", "m.pt", "--input-shape", "-1,3"]))
+    assert args.input_shape == "-1,3"

@@ -20,6 +20,7 @@ import copy
 import importlib
 import multiprocessing
 import os
+import re
 import sys
 import traceback
 from collections import Counter
@@ -27,7 +28,15 @@ from typing import Any
 
 from ._process import stop_processes
 from ._signals import signals_raise
-from .errors import Interrupted, UsageError, WorkerError, signal_name
+from .errors import (
+    Interrupted,
+    RunFailed,
+    UsageError,
+    WorkerError,
+    exception_line,
+    signal_name,
+    user_frame,
+)
 from .extras import MissingExtra, missing_extra, needs
 
 # subcommand -> module exposing register(subparsers)
@@ -123,6 +132,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: a value that starts with a minus sign and is no plain number: a shape with a dynamic dim (-1,3)
+_NEGATIVE_LIST = re.compile(r"^-\d+(?:\.\d+)?(?:[,x]-?\d+(?:\.\d+)?)+$")
+
+
+def negative_values(argv: list[str]) -> list[str]:
+    """``--input-shape -1,3`` as ``--input-shape=-1,3``: argparse reads a token that starts with
+    '-' as an option unless it is one plain negative number, so a list of numbers that starts
+    with a negative one is joined to the option before it (no option is named like a number)."""
+    out: list[str] = []
+    for token in argv:
+        if out and _NEGATIVE_LIST.match(token) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def register_missing(sub: Any, command: str, missing: MissingExtra) -> None:
     """A parser for ``command`` whose run says which extra it needs (its options need that extra too)."""
 
@@ -137,8 +163,9 @@ def register_missing(sub: Any, command: str, missing: MissingExtra) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what was given (e.g. to tell it from --config)
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(negative_values(given))
+    args.argv = given  # what was given (e.g. to tell it from --config)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if argv is None or not argv else 2
@@ -157,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"partrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
             return 2
+        except RunFailed as exc:
+            print(f"partrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+            return 1
         except WorkerError as exc:
             if args.verbose and exc.traceback:
                 print(exc.traceback, file=sys.stderr)
@@ -171,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
             children.reap()
             print(f"partrain {args.command}: interrupted{children.summary()}", file=sys.stderr)
             return 130
+        except Exception as exc:
+            # an error that came through the user's code (their model, dataset or loss function):
+            # one line with their file and line; anything else is partrain's to fix (a traceback)
+            if args.verbose or user_frame(exc.__traceback__) is None:
+                raise
+            print(f"partrain {args.command}: error: {exception_line(exc, '-v for the traceback')}", file=sys.stderr)
+            return 1
 
 
 def _quiet_resource_sharer(hook: Any) -> Any:

@@ -69,7 +69,7 @@ from ._process import (
     stop_processes,
 )
 from .env import DistEnv, default_backend, pick_device
-from .errors import MainGuardError, UsageError, WorkerError, signal_name
+from .errors import MainGuardError, UsageError, WorkerError, exception_line, signal_name
 from .strategies.base import WORKER, Strategy
 
 _CURRENT: contextvars.ContextVar[WorkerPool | None] = contextvars.ContextVar("partrain_pool", default=None)
@@ -295,7 +295,7 @@ def _run_job(job: Job, conn: Any) -> bool:
         conn.send(("ok", job.job_id, job.rank, pickle.dumps(value)))
         return True
     except BaseException as exc:  # report, then the caller exits non-zero: the parent stops the others
-        summary = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+        summary = exception_line(exc)  # the user's file:line where the error came through their code
         try:
             conn.send(("error", job.job_id, job.rank, (summary, traceback.format_exc())))
         except (OSError, ValueError):  # the caller is gone: nobody to tell

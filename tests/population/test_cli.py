@@ -163,7 +163,7 @@ def test_a_failure_on_one_process_is_reported_as_its_own(tmp_path, capsys) -> No
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
     assert err == ["partrain population: error: worker rank 1 failed: RuntimeError: member forward failed on "
-                   "purpose on process 1"]
+                   "purpose on process 1 (tests/population/fixtures.py:73, in forward)"]  # the user's line
 
 
 def test_the_leaderboard_says_nan_for_a_diverged_member() -> None:

@@ -72,15 +72,37 @@ def test_trains_on_json_lines_writes_curves_and_a_checkpoint_and_resumes(workdir
     assert "32 items accepted" in err and "10 duplicates" in err and "model version 15 on cpu" in err, err
 
 
+@pytest.mark.parametrize("to_file", [True, False], ids=["--output FILE", "standard output"])
+def test_each_item_read_gets_its_answer_as_one_json_line_in_order(workdir, capsys, to_file):
+    write_items(workdir / "c.jsonl", list(range(40)))
+    out = ["--output", "answers.jsonl"] if to_file else []
+    assert main(["stream", "stream_cli_model:build", "--input", "c.jsonl", "--out", "run", "--quiet", *out,
+                 "--input-shape", "3", "--max-batch", "16", "--min-batch", "16", "--max-wait-ms", "60000"]) == 0
+    text = (workdir / "answers.jsonl").read_text() if to_file else capsys.readouterr().out
+    answers = [json.loads(line) for line in text.splitlines()]
+    assert [a["id"] for a in answers] == list(range(40))
+    # batches of 16 (then the 8 left at the end): an item is predicted by the weights before its batch's update
+    assert [a["version"] for a in answers] == [0] * 16 + [1] * 16 + [2] * 8
+    items = [json.loads(line) for line in (workdir / "c.jsonl").read_text().splitlines()]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)  # what build() returns, untrained: version 0
+    with torch.no_grad():
+        want = model(torch.tensor([item["x"] for item in items[:16]]))
+    torch.testing.assert_close(torch.tensor([a["prediction"] for a in answers[:16]]), want, atol=1e-6, rtol=0)
+
+
 BAD = [
     ([], "Expected exactly one source: --mqtt HOST:PORT or --input FILE. Received: neither"),
     (["--mqtt", "127.0.0.1:1883"], "Expected --topic FILTER with --mqtt. Received: no --topic"),
     (["--mqtt", "host:abc", "--topic", "t"], "Expected --mqtt as HOST:PORT (e.g. 127.0.0.1:1883). Received: 'host:abc'"),
     (["--input", "missing.jsonl"], "Expected --input to be a file of JSON lines or '-'. Received: 'missing.jsonl'"),
+    (["--mqtt", "127.0.0.1:1", "--topic", "t", "--output", "a.txt"], "Expected --output with --input (MQTT answers "
+     "on --reply-topic). Received: --output 'a.txt' with --mqtt"),
     (["--input", "a.jsonl", "--max-batch", "0"], "Expected --max-batch >= 1. Received: --max-batch=0"),
     (["--input", "a.jsonl", "--lr-schedule", "cosine"], "Expected an lr schedule among"),
     (["--input", "a.jsonl", "--min-batch", "8"], "Expected max_wait > 0 seconds with min_batch > 1"),
     (["--input", "a.jsonl", "--input-shape", "3,-1"], "Expected --input-shape without dynamic (-1) dims"),
+    (["--input", "a.jsonl", "--input-shape", "-1,3"], "Expected --input-shape without dynamic (-1) dims"),
     (["--input", "a.jsonl", "--device", "gpu"], "Expected a device such as cpu, cuda, cuda:1 or auto. Received: 'gpu'"),
     *([] if torch.cuda.is_available() else [
         (["--input", "a.jsonl", "--device", "cuda"], "Expected a CUDA device for --device cuda. Received: none visible"),

@@ -59,7 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--connect-timeout", type=float, default=10.0,
                      help="seconds to wait for the broker at start (then: reconnect forever)")
     src.add_argument("--input", default=None, metavar="FILE",
-                     help="instead of MQTT: JSON lines, one item per line ('-': standard input)")
+                     help="instead of MQTT: JSON lines, one item per line ('-': standard input); each item's "
+                          "answer is one JSON line on --output")
+    src.add_argument("--output", default="-", metavar="FILE",
+                     help="with --input: where the answers go, one JSON line per item in the order read "
+                          "({\"id\", \"version\", \"prediction\"} or {\"id\", \"error\"}; default '-': standard output)")
     src.add_argument("--input-shape", default=None, help="one item's x shape, e.g. 16,8 (raw payloads need it)")
     src.add_argument("--input-dtype", default="FP32", choices=sorted(DTYPES), help="x's datatype")
 
@@ -114,6 +118,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("Expected --topic FILTER with --mqtt. Received: no --topic")
     if args.input not in (None, "-") and not os.path.isfile(args.input):
         raise UsageError(f"Expected --input to be a file of JSON lines or '-'. Received: {args.input!r} (no such file)")
+    if args.output != "-" and args.input is None:
+        raise UsageError(f"Expected --output with --input (MQTT answers on --reply-topic). Received: --output "
+                         f"{args.output!r} with --mqtt")
+    if args.output != "-":
+        check_output_file(args.output, "--output")
     for name in ("max_batch", "min_batch", "max_queue", "replay_capacity", "threads", "max_items"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     _positive("--replay", args.replay, 0)
@@ -243,13 +252,28 @@ def _summary(stats: Any, trainer: Any, ckpt: str, unsent: int) -> str:
 
 
 class _LinesSource:
-    """``--input``: JSON lines (a file or standard input) read on a thread, one item per line."""
+    """``--input``: JSON lines (a file or standard input) read on a thread, one item per line; each
+    accepted item's answer is written to ``output`` as one JSON line when its step is done (the
+    trainer finishes items in the order they were submitted, so answers keep the input's order)."""
 
-    def __init__(self, path: str, trainer: Any, codec: Any, done: threading.Event, max_items: int | None):
+    def __init__(self, path: str, trainer: Any, codec: Any, done: threading.Event, max_items: int | None,
+                 output: str = "-"):
         self.path, self.trainer, self.codec, self.done, self.max_items = path, trainer, codec, done, max_items
+        self.out = sys.stdout.buffer if output == "-" else open(output, "wb")  # noqa: SIM115
+        self._out_lock = threading.Lock()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._read, name="partrain-stream-input", daemon=True)
         self.thread.start()
+
+    def _answer(self, future: Any, item_id: Any) -> None:
+        """Done callback (the trainer's thread): the item's answer as one line."""
+        from .codec import encode_outcome
+
+        line = encode_outcome(future, item_id) + b"\n"
+        with self._out_lock:
+            self.out.write(line)
+            if self.out is sys.stdout.buffer:
+                self.out.flush()  # a reader of the pipe sees each answer as it comes
 
     def _read(self) -> None:
         from .codec import MalformedPayload
@@ -265,7 +289,8 @@ class _LinesSource:
                     continue
                 try:
                     item = self.codec.decode_json(line)
-                    self.trainer.submit(item.x, item.y, weight=item.weight, id=item.item_id)
+                    future = self.trainer.submit(item.x, item.y, weight=item.weight, id=item.item_id)
+                    future.add_done_callback(lambda f, item_id=item.item_id: self._answer(f, item_id))
                 except (MalformedPayload, UsageError) as exc:
                     self.trainer.count_malformed()
                     log.warning("malformed line %d skipped: %s", number, exc)
@@ -284,12 +309,17 @@ class _LinesSource:
         self._stop.set()
 
     def stop(self) -> int:
+        """After the trainer closed (every accepted item answered): the answers flushed."""
+        with self._out_lock:
+            self.out.flush()
+            if self.out is not sys.stdout.buffer:
+                self.out.close()
         return 0
 
 
 def _start_source(args: argparse.Namespace, trainer: Any, codec: Any, done: threading.Event) -> Any:
     if args.input is not None:
-        return _LinesSource(args.input, trainer, codec, done, args.max_items)
+        return _LinesSource(args.input, trainer, codec, done, args.max_items, args.output)
     from .mqtt import MqttConfig, MqttSource, parse_address, topics_of
 
     host, port = parse_address(args.mqtt)

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..errors import error_line
+
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
 MAX_ID_CHARS = 256
@@ -144,6 +146,16 @@ def encode_reply(prediction: Any, version: int, item_id: Hashable | None) -> byt
     """The JSON reply to one item."""
     return json.dumps({"id": item_id, "version": version, "prediction": _plain(prediction)},
                       separators=(",", ":")).encode()
+
+
+def encode_outcome(future: Any, item_id: Hashable | None) -> bytes:
+    """The JSON answer to one submitted item, from its finished future: the prediction
+    (`encode_reply`), or ``{"id": ..., "error": "..."}`` when its step failed or was cancelled."""
+    if future.cancelled() or future.exception() is not None:
+        why = "cancelled" if future.cancelled() else error_line(future.exception())
+        return json.dumps({"id": item_id, "error": why}, separators=(",", ":")).encode()
+    prediction = future.result()
+    return encode_reply(prediction.output, prediction.version, item_id)
 
 
 def _plain(output: Any) -> Any:

@@ -35,7 +35,6 @@ broker instead of memory).
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import threading
 import time
@@ -44,8 +43,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError, error_line
-from .codec import Codec, Decoded, MalformedPayload, encode_reply
-from .trainer import DuplicateItem, OnlineTrainer, Prediction, TrainerClosed
+from .codec import Codec, Decoded, MalformedPayload, encode_outcome
+from .trainer import DuplicateItem, OnlineTrainer, TrainerClosed
 
 log = logging.getLogger("partrain.stream")
 
@@ -260,12 +259,7 @@ class MqttSource:
         if correlation:
             props = Properties(PacketTypes.PUBLISH)
             props.CorrelationData = correlation
-        if future.cancelled() or future.exception() is not None:
-            why = "cancelled" if future.cancelled() else error_line(future.exception())  # type: ignore[arg-type]
-            payload = (b'{"id":' + _json_id(item.item_id) + b',"error":' + _json_text(why) + b"}")
-        else:
-            prediction: Prediction = future.result()
-            payload = encode_reply(prediction.output, prediction.version, item.item_id)
+        payload = encode_outcome(future, item.item_id)
         try:
             info = self.client.publish(topic, payload, qos=self.config.qos, properties=props)
         except Exception as exc:  # noqa: BLE001 - a reply that cannot be queued is counted, never raised
@@ -285,14 +279,6 @@ class MqttSource:
         with self._lock:
             if self._replies.pop(mid, None) is None:
                 self._early.add(mid)
-
-
-def _json_id(item_id: Any) -> bytes:
-    return json.dumps(item_id).encode()
-
-
-def _json_text(text: str) -> bytes:
-    return json.dumps(text).encode()
 
 
 def topics_of(values: Sequence[str] | None) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -13,7 +14,7 @@ from ..cli import HelpFormatter
 from ..data.datasets import DataSpec, load_dataset, num_classes, preprocessing, sample_shape
 from ..data.pipeline import LOADERS
 from ..env import available_cores, external_launcher, global_rank_from_environ, gpus_for
-from ..errors import UsageError
+from ..errors import RunFailed, UsageError
 from ..models import MODELS, build_named_model, model_kwargs_for
 from ..optim import OPTIMIZERS, make_optimizer
 from ..strategies.base import available, get_strategy, parse_options
@@ -215,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         **_multinode(args),
     )
     if result is not None and result.history:
+        _finite_figures(result.final, args.on_nan)
         tests = [(k[len("test_"):], v) for k, v in result.final.items()
                  if k.startswith("test_") and k != "test_loss" and isinstance(v, float) and v == v]
         shown = ", ".join(f"test {name}: {value:.4f}" for name, value in tests) or \
@@ -223,6 +225,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"{shown}  ({args.strategy}, {workers} worker{'s' * (workers != 1)}, {epochs} epoch{'s' * (epochs != 1)}; "
               f"metrics, curves and checkpoint in {out})")
     return 0
+
+
+def _finite_figures(final: dict[str, Any], on_nan: str) -> None:
+    """A run whose last figures are NaN or infinite ends with one line and a non-zero status,
+    never with a summary and status 0 (the CLI always evaluates: its split holds test samples)."""
+    bad = [f"{k.replace('_', ' ')} {v}" for k, v in final.items()
+           if (k == "train_loss" or k.startswith("test_")) and isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        why = ("--on-nan stop (the default) stops at the first non-finite loss" if on_nan != "stop" else
+               "the model's outputs on the test set are not finite")
+        raise RunFailed(f"Expected finite figures at the end of the run. Received: {', '.join(bad)} in the last "
+                        f"epoch ({why}; the epoch lines and metrics.csv show where they began)")
 
 
 def _cli_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -52,9 +52,11 @@ from ..strategies.base import Strategy, get_strategy
 from .config import FitConfig, LaunchConfig, split_options
 from .prepare import (
     DataArg,
+    check_finite,
     check_model_takes,
     check_resume,
     check_run_dir,
+    check_sizes,
     describe_callable,
     describe_data,
     infer_model_spec,
@@ -173,6 +175,13 @@ def _check_data(data: DataArg, cfg: FitConfig, launch_cfg: LaunchConfig, strat: 
         raise UsageError("Expected samples_per_epoch with a Dataset of samples; a batch generator sets its own "
                          f"epoch. Received: samples_per_epoch={cfg.samples_per_epoch} with a Generated training set")
     _check_feeding(cfg, train_ds, task)
+    if not isinstance(train_ds, Generated):
+        known = launch_cfg.workers is not None and external_launcher() is None
+        check_sizes(train_ds, test_ds, strat.data_parallel_workers(launch_cfg.workers * launch_cfg.nnodes)
+                    if known else None, _data_name(data))  # type: ignore[operator]
+    if cfg.on_nan != "off":
+        check_finite(train_ds, "training", _data_name(data))
+        check_finite(test_ds, "test", _data_name(data))
     if ckpt is not None:
         same_samples_per_epoch(ckpt, cfg.samples_per_epoch)
     if ckpt is not None and ckpt.get("within_epoch"):  # one line here rather than from every worker

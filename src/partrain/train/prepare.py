@@ -103,6 +103,37 @@ def first_batch(ds: Dataset, collate_fn: Callable[[list], Any] | None = None, n:
     return collate([ds[i] for i in range(count)], collate_fn)
 
 
+def check_finite(ds: Dataset | None, which: str, data_name: str = "dataset") -> None:
+    """One line when an in-memory dataset holds NaN or infinite values: a run on them trains or
+    evaluates on nothing meaningful (``on_nan="off"`` skips this check, and trusts the numbers)."""
+    if not isinstance(ds, TensorDataset):  # samples read on demand: the NaN policy watches the loss
+        return
+    for i, t in enumerate(ds.tensors):
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        bad = ~torch.isfinite(t.reshape(len(t), -1)).all(dim=1)
+        if not bool(bad.any()):
+            continue
+        part = ("targets" if i == len(ds.tensors) - 1 else "inputs") if len(ds.tensors) == 2 else f"tensor {i}"
+        nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        values = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "infinite")) if n)
+        raise UsageError(f"Expected finite values in the {which} set's {part}. Received: {data_name} with "
+                         f"{values} value{'s' * (nan + inf != 1)} in {int(bad.sum())} of {len(t)} samples (the "
+                         f"first at sample {int(bad.nonzero()[0])}; on_nan='off' / --on-nan off trains on them anyway)")
+
+
+def check_sizes(train_ds: Dataset, test_ds: Dataset | None, workers: int | None, data_name: str = "dataset") -> None:
+    """One line when every worker cannot get a training sample, or a test set was given empty
+    (its figures would be NaN in every epoch line). ``workers``: data-parallel workers, when known."""
+    n = len(train_ds)  # type: ignore[arg-type]
+    if workers is not None and n < workers:
+        raise UsageError(f"Expected at least one training sample per worker ({workers}). Received: {data_name} "
+                         f"with {n} training sample{'s' * (n != 1)} (fewer workers, or more data)")
+    if test_ds is not None and len(test_ds) == 0:  # type: ignore[arg-type]
+        raise UsageError(f"Expected a test set of at least one sample (or none). Received: {data_name} with an "
+                         "empty test set (a larger test fraction or dataset, or test set None)")
+
+
 def all_targets(ds: Dataset, task: Task) -> torch.Tensor | None:
     """Every target of an in-memory dataset (for the label range check), else None."""
     if isinstance(ds, TensorDataset) and task.collate_fn is None and len(ds.tensors) >= 2:

@@ -56,8 +56,9 @@ def progress(total: int, epoch: int, epochs: int):  # noqa: ANN201
     return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}", leave=False, dynamic_ncols=True)
 
 
-def summary(row: dict[str, Any], epochs: int) -> str:
-    """The epoch line: losses, the task's metrics, throughput and the step-time breakdown."""
+def summary(row: dict[str, Any], epochs: int, has_test: bool = True) -> str:
+    """The epoch line: losses, the task's metrics (on the test set too when there is one),
+    throughput and the step-time breakdown."""
     t = row["time_data"] + row["time_compute"] + row["time_comm"]
     share = (lambda v: 100 * v / t) if t > 0 else (lambda v: 0.0)
     metric_names = [k[len("train_"):] for k in row if k.startswith("train_") and k != "train_loss"]
@@ -73,7 +74,8 @@ def summary(row: dict[str, Any], epochs: int) -> str:
     skipped = f"  skipped {row['skipped_steps']} steps" if row.get("skipped_steps") else ""
     util = row.get("device_utilization")
     device = f" gpu {util:.0f}%" if isinstance(util, (int, float)) and util == util else ""
-    return (f"epoch {row['epoch']}/{epochs}  {figures('train')}  {figures('test')}  "
+    test = f"{figures('test')}  " if has_test else ""
+    return (f"epoch {row['epoch']}/{epochs}  {figures('train')}  {test}"
             f"{row['samples_per_s']:,.0f} samples/s  "
             f"[data {share(row['time_data']):.0f}% compute {share(row['time_compute']):.0f}% "
             f"comm {share(row['time_comm']):.0f}%{device}]{skipped}{_input_bound(row, share(row['time_data']))}")

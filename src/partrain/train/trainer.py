@@ -210,7 +210,7 @@ class Trainer:
             if state is not None:
                 self.checkpointer.write(state, history)
             if not self.cfg.quiet:
-                print(summary(history[-1], self.cfg.epochs), flush=True)
+                print(summary(history[-1], self.cfg.epochs, has_test=self.test_ds is not None), flush=True)
         self.strategy.barrier()
 
     def result(self, stopped: str | None) -> RunResult | None:
