@@ -286,3 +286,72 @@ def test_a_conv_net_is_served_channels_last_with_the_model_s_answers() -> None:
     with torch.inference_mode():
         got = served.fn(x)
         assert got.is_contiguous() and torch.allclose(got, reference(x), rtol=1e-12, atol=1e-12)
+
+
+class Tagger64(nn.Module):
+    """docs/data.md's tagger: an LSTM over packed sequences (padding never enters it), float64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, batch_first=True, dtype=torch.float64)
+        self.head = nn.Linear(8, 3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        from partrain.data import pack
+
+        _, (h, _) = self.lstm(pack(x, lengths))
+        return self.head(h[-1])
+
+
+def tagger64() -> nn.Module:
+    return Tagger64()
+
+
+def sequences64(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(int(t), 4, generator=g, dtype=torch.float64)
+            for t in torch.randint(2, 9, (n,), generator=g)]
+
+
+def test_a_model_of_several_inputs_serves_as_it_trained(tmp_path) -> None:
+    """docs/data.md's recipe end to end: trained on padded sequences and their lengths (a dict batch),
+    served from the checkpoint alone with inputs named x (any length) and lengths; a request of two
+    sequences padded by the client answers what the model answers for each sequence alone."""
+    from partrain.data import PadCollate, Sequences
+    from partrain.train.fit import fit
+
+    from ..helpers import sgd
+
+    train = Sequences(sequences64(24, 0), torch.arange(24) % 3)
+    fit(tagger64, (train, None), sgd, collate_fn=PadCollate(), strategy="single", epochs=1, batch_size=8,
+        out_dir=str(tmp_path / "run"), quiet=True)
+    served = load_model_spec(f"tagger={tmp_path / 'run' / 'checkpoint.pt'}")
+    model = tagger64()
+    model.load_state_dict(torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)["model"])
+    model.eval()
+    a, b = sequences64(2, 1)
+    x = torch.zeros(2, max(len(a), len(b)), 4, dtype=torch.float64)
+    x[0, :len(a)], x[1, :len(b)] = a, b
+    lengths = torch.tensor([len(a), len(b)])
+    with TestClient(create_app([served])) as c:
+        metadata = c.get("/v2/models/tagger").json()
+        body, headers = encode_request({"x": x, "lengths": lengths}, binary=True, binary_output=True)
+        r = c.post("/v2/models/tagger/infer", content=body, headers=headers)
+    assert metadata["inputs"] == [{"name": "x", "datatype": "FP64", "shape": [-1, -1, 4]},
+                                  {"name": "lengths", "datatype": "INT64", "shape": [-1]}]
+    assert r.status_code == 200, r.text
+    got = decode_response(r.content, r.headers.get(HEADER))["output"]
+    with torch.inference_mode():
+        alone = torch.cat([model(s[None], torch.tensor([len(s)])) for s in (a, b)])
+    torch.testing.assert_close(got, alone, rtol=0, atol=1e-12)
+
+
+def test_several_inputs_on_the_command_line() -> None:
+    """A factory that records nothing: --input-shape gives each input's shape (';'), --input-dtype each datatype."""
+    served = load_model_spec("t=tests.serve.test_loading:tagger64", input_shape="-1,4;()", input_dtype="FP64,INT64")
+    assert [(t.name, t.datatype, list(t.shape)) for t in served.inputs] == [
+        ("input__0", "FP64", [-1, -1, 4]), ("input__1", "INT64", [-1])]
+    with pytest.raises(UsageError, match="Received: 'FP64,INT9'"):
+        load_model_spec("t=tests.serve.test_loading:tagger64", input_shape="-1,4;()", input_dtype="FP64,INT9")
+    with pytest.raises(UsageError, match=r"\(an empty shape\)"):
+        load_model_spec("t=tests.serve.test_loading:tagger64", input_shape="-1,4;", input_dtype="FP64,INT64")

@@ -9,12 +9,16 @@ needs in its own process). A worker in the caller's process shares the caller's 
 """
 
 import collections
+import dataclasses
+import json
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from partrain.data.datasets import DataSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -53,6 +57,8 @@ def test_a_resumed_two_worker_run_resolves_its_setup_once_plus_once_per_worker(s
     counts = site / "counts.txt"
     first = _train(site, counts, "--workers", "2", "--epochs", "1")
     assert first == {"data": 3, "model": 3}  # no checkpoint to read yet
+    recorded = json.loads((site / "run" / "config.json").read_text())["data"]
+    assert set(recorded) == {f.name for f in dataclasses.fields(DataSpec)}  # the description, not what it loaded
     resumed = _train(site, counts, "--workers", "2", "--epochs", "2", "--resume", "auto")
     # was (2026-12-04): data 4, model 4, checkpoint 4 - the CLI, fit, then each worker
     assert resumed == {"data": 3, "model": 3, "checkpoint": 3}

@@ -12,7 +12,7 @@ from ..env import check_device
 from ..errors import UsageError
 from ..extras import needs
 from .body import DEFAULT_MAX_BODY_BYTES
-from .loading import load_models, model_names, parse_shape
+from .loading import load_models, model_names, parse_dtypes, parse_shapes
 from .protocol import DATATYPES
 from .replicas import default_threads, run_server
 from .stages import stage_processes
@@ -57,10 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input-shape", default=None,
                    help="one sample's shape without the batch dim, e.g. 1,28,28 (-1: a dynamic dim), for models "
                         "that do not record it and whose first layer does not determine it (Linear, Conv, "
-                        "Embedding do)")
-    p.add_argument("--input-dtype", default=None, choices=sorted(DATATYPES),
-                   help="input datatype for models that do not record it (default: the first layer's, "
-                        "INT64 for Embedding, else FP32)")
+                        "Embedding do); several inputs: one shape each, separated by ';' (() for one number per "
+                        "sample), e.g. '-1,8;()'")
+    p.add_argument("--input-dtype", default=None,
+                   help=f"input datatype for models that do not record it, one of {', '.join(sorted(DATATYPES))} "
+                        "(default: the first layer's, INT64 for Embedding, else FP32); several inputs: one each, "
+                        "comma-separated, e.g. FP32,INT64")
     p.set_defaults(func=run, extra="serve")
 
 
@@ -89,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         make_policy(args.policy)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    parse_shape(args.input_shape)
+    parse_shapes(args.input_shape)
+    parse_dtypes(args.input_dtype)
     make_models = functools.partial(
         load_models, list(args.models), input_shape=args.input_shape, input_dtype=args.input_dtype,
         max_batch_size=args.max_batch_size, policy=args.policy, max_queue=args.max_queue,

@@ -85,6 +85,36 @@ def parse_shape(text: str | Sequence[int] | None) -> tuple[int, ...] | None:
     return shape
 
 
+def parse_shapes(text: str | Sequence[int] | None) -> tuple[int, ...] | list[tuple[int, ...]] | None:
+    """`parse_shape`, or several inputs' shapes separated by ``;`` (``()``: one number per
+    sample), e.g. ``"-1,8;()"`` for a sequence of any length and its length."""
+    if not isinstance(text, str) or ";" not in text:
+        return parse_shape(text)
+    shapes = []
+    for part in text.split(";"):
+        if part.strip() in ("()", ""):
+            if not part.strip():
+                raise UsageError(f"Expected --input-shape as one shape per input, separated by ';' (() for one "
+                                 f"number per sample), like -1,8;(). Received: {text!r} (an empty shape)")
+            shapes.append(())
+        else:
+            shapes.append(parse_shape(part))
+    return shapes  # type: ignore[return-value]
+
+
+def parse_dtypes(text: str | None) -> torch.dtype | list[torch.dtype] | None:
+    """``--input-dtype``: one OIP datatype, or one per input separated by commas (FP32,INT64)."""
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",")]
+    bad = [n for n in names if n not in DATATYPES]
+    if bad or not names:
+        raise UsageError(f"Expected --input-dtype among {sorted(DATATYPES)} (one per input, comma-separated). "
+                         f"Received: {text!r}")
+    dtypes = [DATATYPES[n][0] for n in names]
+    return dtypes if len(dtypes) > 1 else dtypes[0]
+
+
 def _is_torchscript(path: str) -> bool:
     if not zipfile.is_zipfile(path):
         return False
@@ -134,15 +164,15 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
     """
     name, source = parse_model_arg(text)
     name = name or default_name(source)
-    shape = parse_shape(input_shape)
-    if input_dtype is not None and input_dtype not in DATATYPES:
-        raise UsageError(f"Expected --input-dtype among {sorted(DATATYPES)}. Received: {input_dtype!r}")
-    dtype = DATATYPES[input_dtype][0] if input_dtype is not None else None
+    shape = parse_shapes(input_shape)
+    dtype = parse_dtypes(input_dtype)
     dev = torch.device(device) if device is not None else None
     module: Any
     parameters: dict[str, Any] = {}  # what the model metadata adds (preprocessing, task)
     shapes: list[tuple[int, ...]] | tuple[int, ...] | None = shape
     dtypes: Any = dtype
+    names: list[str | None] | None = None
+    keywords = False
     if os.path.isfile(source):
         if source.endswith(".pt2"):
             module, found, found_dtypes, static = _exported(source, dev)
@@ -162,6 +192,10 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
         else:
             module, spec = model_from_checkpoint(source)
             shapes = shape or (tuple(spec["input_shape"]) if spec.get("input_shape") else None)
+            if shape is None and spec.get("inputs"):  # several inputs, as training fed them
+                shapes, found_dtypes, names = _spec_inputs(spec["inputs"], source)
+                dtypes = dtypes if dtypes is not None else found_dtypes
+                keywords = all(names)  # a dict batch: the model took them by keyword
             parameters = spec_parameters(spec, source)
     elif ":" in source and not os.path.exists(source):
         module = _call_factory(source)
@@ -186,12 +220,27 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
         served = _served_with_inferred_shape(name, module, dtypes, dev, settings)
     else:
         try:
-            served = ServedModel.from_module(name, module, shapes, dtype=dtypes, device=dev, **settings)
+            served = ServedModel.from_module(name, module, shapes, dtype=dtypes, device=dev, input_names=names,
+                                             keywords=keywords, **settings)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise UsageError(f"Model {name!r} failed on an example input of shape {shapes}: "
                              f"{error_line(exc)}") from None
     served.parameters.update(parameters)
     return served
+
+
+def _spec_inputs(inputs: Any, source: str) -> tuple[list[tuple[int, ...]], list[torch.dtype], list[str | None]]:
+    """A checkpoint's several inputs (``model_spec["inputs"]``): shapes, dtypes, names."""
+    try:
+        shapes = [tuple(int(d) for d in i["shape"]) for i in inputs]
+        dtypes = [getattr(torch, i["dtype"]) for i in inputs]
+        names = [i.get("name") for i in inputs]
+        if not all(isinstance(d, torch.dtype) for d in dtypes):
+            raise TypeError("not a dtype")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise UsageError(f"Expected the model spec of {source!r} to list its inputs as name, shape and dtype. "
+                         f"Received: {str(inputs)[:200]}") from None
+    return shapes, dtypes, names
 
 
 def _served_with_inferred_shape(name: str, module: Any, dtype: torch.dtype | None, device: torch.device | None,

@@ -161,7 +161,8 @@ class ServedModel:
         cls, name: str, module: Callable[..., Any],
         input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
         *, dtype: torch.dtype | Sequence[torch.dtype] | None = None, version: str = "1",
-        device: torch.device | str | None = None, **settings: Any,
+        device: torch.device | str | None = None, input_names: Sequence[str | None] | None = None,
+        keywords: bool = False, **settings: Any,
     ) -> ServedModel:
         """Describe ``module`` by running it on zeros (see `partrain.serve.shapes.probe`).
 
@@ -171,8 +172,11 @@ class ServedModel:
         (`partrain.serve.shapes.infer_input`: Linear, Conv, Embedding). ``dtype``
         defaults to that layer's (float32 when there is none). Outputs are named
         ``output`` (``output__k`` when several), inputs likewise. ``device``: where
-        the model runs; inputs are moved there and outputs back to the CPU. Raises
-        `ValueError` when the shape cannot be inferred or no example runs.
+        the model runs; inputs are moved there and outputs back to the CPU.
+        ``input_names`` names the inputs (None keeps the default name of that place);
+        with ``keywords`` the module is called with them as keyword arguments (a model
+        trained on dict batches), else positionally in this order. Raises `ValueError`
+        when the shape cannot be inferred or no example runs.
         """
         inferred = None
         if input_shape is None or dtype is None:
@@ -205,6 +209,15 @@ class ServedModel:
         if channels_last:
             module.to(memory_format=torch.channels_last)
 
+        names = list(input_names) if input_names is not None else [None] * len(shapes)
+        if len(names) != len(shapes):
+            raise ValueError(f"Expected one name per input. Received: {len(names)} names for {len(shapes)} inputs")
+        if keywords and not all(names):
+            raise ValueError(f"Expected a name for every input of a model called by keyword. Received: {names}")
+
+        def call(args: tuple[Tensor, ...]) -> Any:
+            return module(**dict(zip(names, args))) if keywords else module(*args)  # type: ignore[arg-type]
+
         def fn(batch: Any) -> Any:
             args = batch if isinstance(batch, tuple) else (batch,)
             if dev is not None:
@@ -212,15 +225,15 @@ class ServedModel:
             if channels_last:
                 args = tuple(a.contiguous(memory_format=torch.channels_last)
                              if a.dim() == 4 and a.is_floating_point() else a for a in args)
-                out = module(*args)
+                out = call(args)
                 return out.contiguous() if isinstance(out, Tensor) else tuple(o.contiguous() for o in out)
-            out = module(*args)
+            out = call(args)
             if dev is not None and dev.type != "cpu":
                 out = out.cpu() if isinstance(out, Tensor) else tuple(o.cpu() for o in out)
             return out
 
         described = probe(fn, shapes, dtypes)
-        inputs = [TensorSpec(_io_name("input", i, len(shapes)), datatype_of(d), (-1, *s))
+        inputs = [TensorSpec(names[i] or _io_name("input", i, len(shapes)), datatype_of(d), (-1, *s))
                   for i, (s, d) in enumerate(zip(described.inputs, dtypes))]
         n_out = len(described.outputs)
         outputs = [TensorSpec(_io_name("output", i, n_out), datatype_of(d), (-1, *s))

@@ -127,7 +127,10 @@ class Described:
 
 def _run(fn: Callable[[Any], Any], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype],
          size: int, rows: int = 2) -> list[Tensor]:
-    example = tuple(torch.zeros((rows, *(size if d == DYNAMIC else d for d in s)), dtype=t)
+    # integers are ones (a valid index of any vocabulary of two or more; a sequence's length of
+    # one, which an LSTM's packing takes and zero is not); other inputs zeros
+    example = tuple((torch.zeros if t.is_floating_point or t == torch.bool else torch.ones)(
+                        (rows, *(size if d == DYNAMIC else d for d in s)), dtype=t)
                     for s, t in zip(shapes, dtypes))
     with torch.inference_mode():
         out = fn(example if len(example) > 1 else example[0])
@@ -142,7 +145,7 @@ def _run(fn: Callable[[Any], Any], shapes: Sequence[tuple[int, ...]], dtypes: Se
 
 def probe(fn: Callable[[Any], Any], shapes: Sequence[tuple[int, ...]],
           dtypes: Sequence[torch.dtype]) -> Described:
-    """Run ``fn`` on zeros (2 rows) to learn its outputs; dynamic input dims are tried at `PROBE_SIZES`.
+    """Run ``fn`` on zeros (ones for integers; 2 rows) to learn its outputs; dynamic input dims are tried at `PROBE_SIZES`.
 
     Without dynamic dims: one run. With them: runs at increasing sizes until two
     succeed; output dims that differ between the two become dynamic. If only one

@@ -10,12 +10,13 @@ makes a run servable and repeatable: the model spec (when ``model_fn`` is an imp
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from ..batch import describe, split_batch
+from ..data.bucketing import lengths_of
 from ..data.datasets import DataSpec, load_dataset, preprocessing
 from ..data.generated import Generated
 from ..data.pipeline import collate
@@ -248,12 +250,33 @@ def infer_model_spec(model_fn: Callable[[], nn.Module], train_ds: Dataset, task:
     return spec
 
 
+def _several_inputs(inputs: Any, ragged: bool) -> list[dict[str, Any]] | None:
+    """A model's several inputs as a spec records them (``partrain serve`` rebuilds its inputs from
+    it): each one's name (a dict batch's key: the model takes them by keyword; None for a tuple,
+    taken in order), one sample's shape and dtype. In a dataset of sequences (``lengths``) the
+    first dim of an input with one is the time: any size (-1)."""
+    if isinstance(inputs, Mapping):
+        items = list(inputs.items())
+    elif isinstance(inputs, (tuple, list)):
+        items = [(None, t) for t in inputs]
+    else:
+        return None
+    if not items or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for _, t in items):
+        return None
+    return [{"name": name, "shape": [-1 if ragged and d == 0 else n for d, n in enumerate(t.shape[1:])],
+             "dtype": str(t.dtype).removeprefix("torch.")} for name, t in items]
+
+
 def data_spec_fields(train_ds: Dataset, task: Task, data: Any, collate_fn: Any = None) -> dict[str, Any]:
     """What a model spec says about the inputs: their shape, and preprocessing to apply to raw ones."""
     out: dict[str, Any] = {}
     inputs, _ = split_batch(first_batch(train_ds, collate_fn), task.target_key)
+    if isinstance(inputs, Mapping) and len(inputs) == 1:  # the model takes it as its one argument
+        inputs = next(iter(inputs.values()))
     if isinstance(inputs, torch.Tensor):
         out["input_shape"] = list(inputs.shape[1:])
+    elif several := _several_inputs(inputs, ragged=lengths_of(train_ds) is not None):
+        out["inputs"] = several
     pre = preprocessing(data)
     if pre is not None:
         out["preprocess"] = pre
@@ -271,12 +294,14 @@ def describe_callable(fn: Any) -> Any:
 
 
 def describe_data(data: Any) -> Any:
+    """The data as config.json records it: a spec's fields, a name, or what each part of a pair is."""
     if isinstance(data, DataSpec):
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in data.__dict__.items()}
+        return {f.name: (list(v) if isinstance(v := getattr(data, f.name), tuple) else v)
+                for f in dataclasses.fields(data)}
     if isinstance(data, str):
         return data
     if isinstance(data, tuple):
-        return [f"{type(d).__name__} of {len(d)} samples" for d in data]  # type: ignore[arg-type]
+        return [None if d is None else f"{type(d).__name__} of {len(d)} samples" for d in data]
     return describe_callable(data)
 
 
