@@ -24,6 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 BODY = {
     "launch": "print(partrain.launch(rank_of, workers=2, timeout=60))",
     "pool": "with partrain.WorkerPool(2):\n    print(partrain.launch(rank_of, workers=2, timeout=60))",
+    # fit checks and writes its run directory first: a worker must leave before it checks it again
+    "fit": "import functools, torch, partrain.models\n"
+           "partrain.fit(partrain.models.mlp, 'digits', functools.partial(torch.optim.SGD, lr=0.1), workers=2, "
+           "epochs=1, threads=1, out_dir='run', quiet=True)",
 }
 
 
@@ -46,7 +50,8 @@ def run(path: Path, start_method: str | None = None) -> subprocess.CompletedProc
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("how", "start_method"), [("launch", None), ("pool", None), ("launch", "spawn")])
+@pytest.mark.parametrize(("how", "start_method"), [("launch", None), ("pool", None), ("fit", None),
+                                                  ("launch", "spawn")])
 def test_a_script_without_the_main_guard_gets_one_line(tmp_path: Path, how: str, start_method: str | None) -> None:
     # the default start method (a fork server on Linux) and spawn: each child exits with its own status
     path = script(tmp_path, BODY[how], guarded=False)

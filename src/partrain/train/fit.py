@@ -40,7 +40,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset, TensorDataset
 
-from .._process import start_server_early
+from .._process import check_not_bootstrapping, start_server_early
 from ..checkpoint import fit_weights, load_checkpoint
 from ..data.bucketing import lengths_of
 from ..data.datasets import DataSpec
@@ -110,6 +110,7 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
     Returns:
         Worker 0's `RunResult` (``None`` on the other machines of a multi-node job).
     """
+    check_not_bootstrapping()  # a worker importing a script that calls fit unguarded: before any check
     cfg, launch_cfg = split_options(config, launch_config, options)
     task = _task_from(task, loss_fn, metrics, forward_fn, collate_fn, cfg.precision)
     if scheduler_fn is not None and cfg.lr_schedule not in (None, "constant"):
