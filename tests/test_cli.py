@@ -125,7 +125,7 @@ ERRORS = [
     (["--dataset", "{d}/inf_targets.npz"], "Expected finite values in the test set's targets. Received: dataset "
      "'{d}/inf_targets.npz' with 1 infinite value in 1 of 4 samples"),  # the seeded split holds it out
     (["--dataset", "{d}/nan_everywhere.npz", "--test-fraction", "0.5"], "with 640 NaN values in 10 of 10 samples (the "
-     "first at sample 0; on_nan='off' / --on-nan off trains on them anyway)"),
+     "first at sample 0; on_nan='skip' / --on-nan skip skips the steps they reach)"),
     (["--dataset", "{d}/three.npz", "--test-fraction", "0.5"], "Expected at least one training sample per worker (2). "
      "Received: dataset '{d}/three.npz' with 1 training sample (fewer workers, or more data)"),
 ]

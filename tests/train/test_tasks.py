@@ -173,9 +173,34 @@ def nan_data() -> tuple[TensorDataset, TensorDataset]:
     return TensorDataset(x, y), test
 
 
-def test_nan_in_the_data_stops_the_run_before_a_checkpoint(tmp_path):
-    with pytest.raises(WorkerError) as e:
+class ReadOnDemand(Dataset):
+    """Samples a run cannot look at before its first step (a file read per sample, say)."""
+
+    def __init__(self, ds: TensorDataset):
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        return self.ds[i]
+
+
+def nan_data_on_demand() -> tuple[Dataset, TensorDataset]:
+    train, test = nan_data()
+    return ReadOnDemand(train), test
+
+
+def test_nan_in_an_in_memory_training_set_is_one_line_before_the_first_step(tmp_path):
+    with pytest.raises(UsageError, match=r"training set's inputs\. Received: dataset with 1 NaN value in 1 of 97 "
+                       r"samples \(the first at sample 50; on_nan='skip'"):
         fit(regressor64, nan_data, sgd, epochs=2, out_dir=str(tmp_path), **COMMON)
+    assert not os.path.exists(tmp_path / "checkpoint.pt")
+
+
+def test_nan_in_the_data_stops_the_run_before_a_checkpoint(tmp_path):
+    with pytest.raises(WorkerError) as e:  # samples read on demand: the step's guard finds it
+        fit(regressor64, nan_data_on_demand, sgd, epochs=2, out_dir=str(tmp_path), **COMMON)
     message = str(e.value)
     assert "NonFiniteError" in message and "epoch 1" in message
     assert "holds" in message and "NaN/Inf" in message

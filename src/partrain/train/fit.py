@@ -180,8 +180,9 @@ def _check_data(data: DataArg, cfg: FitConfig, launch_cfg: LaunchConfig, strat: 
         known = launch_cfg.workers is not None and external_launcher() is None
         check_sizes(train_ds, test_ds, strat.data_parallel_workers(launch_cfg.workers * launch_cfg.nnodes)
                     if known else None, _data_name(data))  # type: ignore[operator]
-    if cfg.on_nan != "off":
+    if cfg.on_nan == "stop":  # "skip" drops the steps those samples reach, and counts them
         check_finite(train_ds, "training", _data_name(data))
+    if cfg.on_nan != "off":
         check_finite(test_ds, "test", _data_name(data))
     if ckpt is not None:
         same_samples_per_epoch(ckpt, cfg.samples_per_epoch)

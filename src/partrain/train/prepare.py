@@ -107,7 +107,8 @@ def first_batch(ds: Dataset, collate_fn: Callable[[list], Any] | None = None, n:
 
 def check_finite(ds: Dataset | None, which: str, data_name: str = "dataset") -> None:
     """One line when an in-memory dataset holds NaN or infinite values: a run on them trains or
-    evaluates on nothing meaningful (``on_nan="off"`` skips this check, and trusts the numbers)."""
+    evaluates on nothing meaningful (fit checks the training set under ``on_nan="stop"`` and the
+    test set unless ``on_nan="off"``)."""
     if not isinstance(ds, TensorDataset):  # samples read on demand: the NaN policy watches the loss
         return
     for i, t in enumerate(ds.tensors):
@@ -118,10 +119,12 @@ def check_finite(ds: Dataset | None, which: str, data_name: str = "dataset") -> 
             continue
         part = ("targets" if i == len(ds.tensors) - 1 else "inputs") if len(ds.tensors) == 2 else f"tensor {i}"
         nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        remedy = ("on_nan='skip' / --on-nan skip skips the steps they reach" if which == "training" else
+                  "on_nan='off' / --on-nan off evaluates on them anyway")
         values = " and ".join(f"{n} {kind}" for n, kind in ((nan, "NaN"), (inf, "infinite")) if n)
         raise UsageError(f"Expected finite values in the {which} set's {part}. Received: {data_name} with "
                          f"{values} value{'s' * (nan + inf != 1)} in {int(bad.sum())} of {len(t)} samples (the "
-                         f"first at sample {int(bad.nonzero()[0])}; on_nan='off' / --on-nan off trains on them anyway)")
+                         f"first at sample {int(bad.nonzero()[0])}; {remedy})")
 
 
 def check_sizes(train_ds: Dataset, test_ds: Dataset | None, workers: int | None, data_name: str = "dataset") -> None:
