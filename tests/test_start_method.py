@@ -157,3 +157,42 @@ def test_the_server_can_start_before_the_first_process(method, servers):
     proc = subprocess.run([sys.executable, "-c", EARLY], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [servers]
+
+
+STARTER_KILLED_WHILE_THE_SERVER_IMPORTS = """
+import multiprocessing, os, sys, threading
+from multiprocessing import forkserver
+ctx = multiprocessing.get_context("forkserver")
+ctx.set_forkserver_preload(["partrain._forkserver", "import_forever"])  # the second never ends
+forkserver.ensure_running()
+print(forkserver._forkserver._forkserver_pid, flush=True)
+threading.Event().wait()  # until killed
+"""
+
+
+@LINUX
+def test_a_fork_server_ends_with_the_process_that_started_it_even_mid_import(tmp_path):
+    """SIGKILL or the OOM killer on a launcher: its fork server must not live on. multiprocessing's
+    server only notices once its imports are done (seconds of torch; here never) and once every
+    child it forked has ended; partrain's preload watches the starter itself (issue 55, item 3)."""
+    from tests.waiting import wait_until
+
+    marker = tmp_path / "importing"
+    (tmp_path / "import_forever.py").write_text(f"import pathlib, threading\npathlib.Path({str(marker)!r}).touch()\n"
+                                                "threading.Event().wait()\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    starter = subprocess.Popen([sys.executable, "-c", STARTER_KILLED_WHILE_THE_SERVER_IMPORTS], env=env,
+                               stdout=subprocess.PIPE, text=True)
+    server = None
+    try:
+        assert starter.stdout is not None
+        server = int(starter.stdout.readline())
+        wait_until(marker.exists, "the server's import of import_forever", timeout=120)
+        starter.kill()
+        starter.wait(30)
+        wait_until(lambda: not _alive(server), "the fork server's end after its starter's", timeout=60)
+    finally:
+        starter.kill()
+        if server is not None and _alive(server):
+            os.kill(server, signal.SIGKILL)
+
