@@ -39,7 +39,7 @@ def test_train_options_are_frozen():
         "--weight-decay", "--max-steps", "--max-seconds", "--samples-per-epoch", "--seed", "--out", "--resume", "--quiet",
         "--loss", "--lr-schedule", "--warmup-steps", "--clip-grad", "--precision", "--on-nan", "--early-stop",
         "--monitor", "--overwrite", "--config", "--tensorboard", "--checkpoint-every", "--checkpoint-seconds",
-        "--loader", "--loader-workers", "--prefetch", "--data-on-device", "--compile",
+        "--loader", "--loader-workers", "--prefetch", "--data-on-device", "--compile", "--json",
     ])
 
 
@@ -126,6 +126,8 @@ ERRORS = [
      "'{d}/inf_targets.npz' with 1 infinite value in 1 of 4 samples"),  # the seeded split holds it out
     (["--dataset", "{d}/nan_everywhere.npz", "--test-fraction", "0.5"], "with 640 NaN values in 10 of 10 samples (the "
      "first at sample 0; on_nan='skip' / --on-nan skip skips the steps they reach)"),
+    (["--json", "{d}/no-such-dir/summary.json"], "Expected --json in an existing directory. Received: "
+     "'{d}/no-such-dir/summary.json' ('{d}/no-such-dir' does not exist)"),
     (["--dataset", "{d}/three.npz", "--test-fraction", "0.5"], "Expected at least one training sample per worker (2). "
      "Received: dataset '{d}/three.npz' with 1 training sample (fewer workers, or more data)"),
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,6 +376,21 @@ def check_cuda_device(device: torch.device, what: str) -> None:
 def default_backend(device: torch.device) -> str:
     """gloo on CPU, NCCL on CUDA."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def process_started_at() -> float | None:
+    """The wall-clock time (``time.time()``'s clock) at which this process started, to about 10 ms;
+    None where /proc does not say (not Linux). Start-up figures count from it: the interpreter's
+    start and the imports are part of what a user waits for."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, in clock ticks after boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - max(0.0, age)
 
 
 def available_cores() -> int:

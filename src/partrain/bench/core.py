@@ -18,8 +18,11 @@ A variant's figure in a round is its steady-state samples/s: the epochs after
 the first (process start-up and warm-up excluded). Tables show the median over
 rounds with the min-max spread; ratios are taken round by round.
 
+Each round also starts a bare ``partrain train`` (the bundled digits job, the processes it
+chooses) in a new interpreter and takes the seconds from its start to its first optimizer step.
+
 Goals: core.fit_vs_plain >= 0.98, core.allreduce_vs_ddp >= 0.98, core.scaling
-(2 workers / 1 worker, compute-bound) >= 1.6.
+(2 workers / 1 worker, compute-bound) >= 1.6, core.startup_s <= 3 (the median start-up).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -62,11 +68,14 @@ class Size:
     light: Workload  # fit vs the hand-written loop and the raw DDP script
     heavy: Workload  # compute-bound: where adding a worker should pay
     rounds: int
+    #: what the start-up runs add to a bare `partrain train` (the bundled job as a user starts it)
+    startup_args: tuple[str, ...] = ()
 
 
 FULL = Size(Workload(12288, 5, 64, 16), Workload(12288, 5, 128, 48), rounds=3)
 QUICK = Size(Workload(4096, 3, 64, 16), Workload(4096, 3, 128, 48), rounds=2)
-TOY = Size(Workload(256, 2, 32, 4, image=8), Workload(256, 2, 32, 4, image=8), rounds=1)
+TOY = Size(Workload(256, 2, 32, 4, image=8), Workload(256, 2, 32, 4, image=8), rounds=1,
+           startup_args=("--epochs", "1", "--max-steps", "2"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,7 +89,7 @@ def _size(args: argparse.Namespace) -> tuple[Size, bool]:
     size, smoke = pick_size(args, FULL, QUICK, TOY)
     common = {k: v for k, v in (("samples", args.samples), ("epochs", args.epochs)) if v}
     light = replace(size.light, **common, **({"batch": args.batch_size} if args.batch_size else {}))
-    return Size(light, replace(size.heavy, **common), args.rounds or size.rounds), smoke
+    return Size(light, replace(size.heavy, **common), args.rounds or size.rounds, size.startup_args), smoke
 
 
 # ----- the workload ----------------------------------------------------------------
@@ -201,13 +210,16 @@ def run(args: argparse.Namespace) -> Report:
         "compute-bound: fit allreduce, 2 workers x 1 thread": functools.partial(fit_rate, heavy, "allreduce", 2, 1),
         all_cores: functools.partial(fit_rate, heavy, "single", 1, cores),
     }
+    variants[STARTUP] = functools.partial(startup_seconds, size.startup_args)
     # where two variants are the same run (the toy size makes both workloads one), run it once
     same_as = {label: next(first for first, other in variants.items()
                            if (fn.func, fn.args) == (other.func, other.args)) for label, fn in variants.items()}
     rates = alternate({label: fn for label, fn in variants.items() if same_as[label] == label}, size.rounds,
-                      on_result=lambda r, name, v: report.progress(f"round {r + 1}: {name}: {v:,.0f} samples/s"))
+                      on_result=lambda r, name, v: report.progress(
+                          f"round {r + 1}: {name}: " + (f"{v:.2f} s" if name == STARTUP else f"{v:,.0f} samples/s")))
     rates = {label: rates[same_as[label]] for label in variants}
-    labels = list(variants)
+    startup = Spread.of(rates.pop(STARTUP))
+    labels = [label for label in variants if label != STARTUP]
     plain, single, ddp, allreduce, one_worker, two_workers, one_process = labels
     fit_vs_plain = paired_ratio(rates[single], rates[plain])
     allreduce_vs_ddp = paired_ratio(rates[allreduce], rates[ddp])
@@ -223,6 +235,9 @@ def run(args: argparse.Namespace) -> Report:
         ratio, of = ratio_of.get(label, (None, ""))
         rows.append([label, spread.cell(), ratio.cell() if ratio else "", of])
     report.table(["variant", "samples/s median (min-max)", "ratio", "ratio of"], rows)
+    report.say(f"{STARTUP}: {startup.cell()} s, median (min-max) of {len(startup.values)} run{'s' * (len(startup.values) != 1)} "
+               "(from the command's start to worker 0's first optimizer step, as its --json reports)")
+    report.figure("startup_s", startup)
     report.figure("ratio_fit_single_vs_plain", fit_vs_plain)
     report.figure("ratio_fit_allreduce_vs_raw_ddp", allreduce_vs_ddp)
     report.figure("ratio_2_workers_vs_1_worker", scaling)
@@ -232,7 +247,27 @@ def run(args: argparse.Namespace) -> Report:
     report.goal("core.allreduce_vs_ddp", allreduce_vs_ddp.median, ">=", 0.98,
                 "fit allreduce / raw DDP script, 2 processes, samples/s")
     report.goal("core.scaling", scaling.median, ">=", 1.6, "compute-bound: 2 workers / 1 worker, samples/s")
+    report.goal("core.startup_s", startup.median, "<=", 3.0, "a bare `partrain train`: seconds to the first step")
     return report
+
+
+STARTUP = "start-up of a bare `partrain train` (the bundled job)"
+
+
+def startup_seconds(extra: tuple[str, ...] = ()) -> float:
+    """Seconds from the start of ``partrain train`` (a new interpreter, the defaults: the bundled
+    digits job, the processes it chooses) to its first optimizer step, from its --json summary."""
+    with tempfile.TemporaryDirectory(prefix="partrain-startup-") as tmp:
+        summary = os.path.join(tmp, "summary.json")
+        done = subprocess.run([sys.executable, "-m", "partrain", "train", "--quiet", "--out", os.path.join(tmp, "run"),
+                               "--json", summary, *extra], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"partrain train failed (status {done.returncode}): {done.stderr.strip()[-400:]}")
+        with open(summary) as f:
+            value = json.load(f)["startup_s"]
+    if value is None:
+        raise RuntimeError("partrain train's --json summary has no startup_s (no /proc on this system?)")
+    return float(value)
 
 
 def _key(label: str) -> str:

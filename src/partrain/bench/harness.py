@@ -50,7 +50,7 @@ T = TypeVar("T")
 
 # The stable goal names of each benchmark (issue 9): tests and readers of --json rely on them.
 GOALS: dict[str, tuple[str, ...]] = {
-    "core": ("core.fit_vs_plain", "core.allreduce_vs_ddp", "core.scaling"),
+    "core": ("core.fit_vs_plain", "core.allreduce_vs_ddp", "core.scaling", "core.startup_s"),
     "async": ("async.hogwild_scaling", "async.ps_vs_allreduce", "async.ps_straggler_time", "async.diloco_bytes",
               "async.diloco_loss"),
     "syncbn": ("syncbn.step_ratio",),

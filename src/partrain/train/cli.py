@@ -8,12 +8,19 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..cli import HelpFormatter
 from ..data.datasets import DataSpec, load_dataset, num_classes, preprocessing, sample_shape
 from ..data.pipeline import LOADERS
-from ..env import available_cores, external_launcher, global_rank_from_environ, gpus_for
+from ..env import (
+    available_cores,
+    external_launcher,
+    global_rank_from_environ,
+    gpus_for,
+    process_started_at,
+)
 from ..errors import RunFailed, UsageError
 from ..models import MODELS, build_named_model, model_kwargs_for
 from ..optim import OPTIMIZERS, make_optimizer
@@ -64,8 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=HelpFormatter,
     )
     s = p.add_argument_group("strategy and processes")
-    s.add_argument("--strategy", default="allreduce", metavar="NAME",
-                   help=f"how gradients and parameters move: {', '.join(available())}")
+    s.add_argument("--strategy", default=None, metavar="NAME",
+                   help=f"how gradients and parameters move: {', '.join(available())} (default: allreduce "
+                        "on every core, or single where the caller's timing of a few steps estimates that "
+                        "one process finishes first; the start line says which and why)")
     s.add_argument("-o", "--strategy-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a strategy option, repeatable (e.g. -o staleness=2 -o servers=2)")
     s.add_argument("--workers", type=int, default=None,
@@ -136,6 +145,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also checkpoint within an epoch when SECONDS have passed since the last checkpoint")
     r.add_argument("--tensorboard", action="store_true", help="TensorBoard event files in OUT/tensorboard")
     r.add_argument("--quiet", action="store_true", help="no progress bar, no per-epoch lines")
+    r.add_argument("--json", default=None, metavar="FILE",
+                   help="write the run's summary as JSON: strategy, workers, the last epoch's figures, why it "
+                        "stopped, and startup_s (seconds from the command's start to the first optimizer step)")
     p.set_defaults(func=run, _parser=p)
 
 
@@ -150,7 +162,7 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..files import numbered_dir
+    from ..files import check_output_file, numbered_dir
     from .fit import fit
     from .prepare import check_run_dir, first_batch
 
@@ -158,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         _apply_config(args)
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"Expected a positive number of workers. Received: --workers {args.workers}")
+    auto = args.strategy is None and args.workers is None  # the start line says what was chosen
+    args.strategy = args.strategy or "allreduce"
     options = parse_options(args.strategy, args.strategy_opt)
     strategy = get_strategy(args.strategy, **options)
     workers = args.workers or min(available_cores(), strategy.max_workers or available_cores())
@@ -190,6 +204,12 @@ def run(args: argparse.Namespace) -> int:
         resume = "auto" if os.path.exists(candidate) else None
     if one_launcher or (global_rank_from_environ() == 0 and args.node_rank == 0):
         check_run_dir(out, resume=bool(args.resume), overwrite=args.overwrite, label="--out")
+    if args.json:
+        check_output_file(args.json, "--json")  # before the run: its summary must not be lost
+    model_fn = functools.partial(build_named_model, args.model, kwargs, args.sync_bn)
+    processes = None
+    if auto and workers > 1 and one_launcher and not gpus:
+        strategy, workers, processes = _processes(args, out, model_fn, optimizer_fn, task, train_ds, workers)
     model_spec = {"name": args.model, "kwargs": kwargs, "input_shape": list(shape), "task": task.kind}
     if task.kind == "classification":
         model_spec["num_classes"] = outputs
@@ -197,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     if pre is not None:
         model_spec["preprocess"] = pre
     result = fit(
-        functools.partial(build_named_model, args.model, kwargs, args.sync_bn),
+        model_fn,
         spec,
         optimizer_fn,
         strategy=strategy, loss_fn=args.loss, workers=workers, epochs=args.epochs, batch_size=args.batch_size,
@@ -212,9 +232,11 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, return_state=False, model_spec=model_spec,
         loader=args.loader, loader_workers=args.loader_workers, prefetch=args.prefetch,
         data_on_device=args.data_on_device, compile=args.compile,
-        extra_config={"cli": _cli_settings(args)},
+        extra_config={"cli": _cli_settings(args), **({"processes": processes} if processes else {})},
         **_multinode(args),
     )
+    if result is not None and args.json:
+        _write_summary(args.json, result, args.strategy, workers, out, processes)
     if result is not None and result.history:
         _finite_figures(result.final, args.on_nan)
         tests = [(k[len("test_"):], v) for k, v in result.final.items()
@@ -225,6 +247,55 @@ def run(args: argparse.Namespace) -> int:
         print(f"{shown}  ({args.strategy}, {workers} worker{'s' * (workers != 1)}, {epochs} epoch{'s' * (epochs != 1)}; "
               f"metrics, curves and checkpoint in {out})")
     return 0
+
+
+def _processes(args: argparse.Namespace, out: str, model_fn: Callable[[], Any], optimizer_fn: Callable[..., Any],
+               task: Task, train_ds: Any, workers: int) -> tuple[Any, int, dict[str, Any] | None]:
+    """Neither --strategy nor --workers: one process or allreduce on every core, whichever the
+    estimate from a few timed steps finishes first (`processes.probe`); a resumed run goes on
+    with what its config.json recorded. Returns the strategy, the workers and the estimate."""
+    from .processes import probe
+
+    if args.resume:
+        recorded = _recorded_strategy(out)
+        chosen = recorded if recorded in ("single", "allreduce") else "allreduce"
+        args.strategy = chosen
+        return get_strategy(chosen), (1 if chosen == "single" else workers), None
+    if args.sync_bn or args.strategy_opt:  # options that only mean something to allreduce's workers
+        return get_strategy("allreduce"), workers, None
+    samples = (args.samples_per_epoch or len(train_ds)) * args.epochs
+    choice = probe(model_fn, optimizer_fn, task, train_ds, batch=args.batch_size, workers=workers,
+                   cores=available_cores(), run_samples=samples, max_steps=args.max_steps, seed=args.seed)
+    if choice is None:
+        return get_strategy("allreduce"), workers, None
+    if not args.quiet:
+        print(choice.line(), flush=True)
+    args.strategy = "single" if choice.workers == 1 else "allreduce"
+    return get_strategy(args.strategy), choice.workers, choice.as_dict()
+
+
+def _write_summary(path: str, result: Any, strategy: str, workers: int, out: str,
+                   processes: dict[str, Any] | None) -> None:
+    """--json: the run in one JSON object (NaN figures as null: JSON has no NaN)."""
+    started = process_started_at()
+    startup = result.first_step_at - started if started is not None and result.first_step_at else None
+    final = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in result.final.items()}
+    summary = {"strategy": strategy, "workers": workers, "epochs": len(result.history), "final": final,
+               "stopped": result.stopped, "out": out, "checkpoint": result.checkpoint, "startup_s": startup,
+               "processes": processes}
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+        f.write("\n")
+
+
+def _recorded_strategy(out: str) -> str | None:
+    """The strategy a run's config.json records (what a resumed run goes on with), if it can be read."""
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            cli = json.load(f).get("cli") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cli.get("strategy") if isinstance(cli, dict) else None
 
 
 def _finite_figures(final: dict[str, Any], on_nan: str) -> None:

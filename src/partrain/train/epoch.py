@@ -114,6 +114,8 @@ def run_epoch(trainer: Trainer, epoch: int) -> EpochTotals:
                 bar.set_postfix(loss=f"{totals.loss_sum.item() / max(totals.seen, 1):.4f}", refresh=False)
         if not update:
             continue
+        if trainer.first_step_at is None:
+            trainer.first_step_at = time.time()
         if trainer.stop.step_limit(position.step):
             if i + 1 < n_batches and strategy.checkpoints_within_epoch:
                 # the run ends inside the epoch: its checkpoint continues the epoch, so that a

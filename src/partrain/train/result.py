@@ -29,6 +29,8 @@ class RunResult:
     model_fn: Callable[[], nn.Module] | None = field(default=None, repr=False)
     #: why training ended before ``epochs``: ``"early_stop"``, ``"max_steps"``, ``"max_seconds"`` or None
     stopped: str | None = None
+    #: ``time.time()`` when worker 0 finished the run's first optimizer step (None: no step)
+    first_step_at: float | None = None
 
     @property
     def final(self) -> dict[str, Any]:

@@ -89,6 +89,8 @@ class Trainer:
         self.tuned: str | None = None
         #: the training set's sample lengths when batches are bucketed by length
         self.lengths: torch.Tensor | None = None
+        #: ``time.time()`` when this run's first optimizer step was done (the start-up's end)
+        self.first_step_at: float | None = None
 
     # ----- the outer loop -----------------------------------------------------------------
     def run(self) -> RunResult | None:
@@ -220,7 +222,8 @@ class Trainer:
         if not self.strategy.is_main:
             return None
         return RunResult(history=self.position.history, out_dir=self.cfg.out_dir,
-                         checkpoint=checkpoint_path(self.cfg), model_state=final_state, stopped=stopped)
+                         checkpoint=checkpoint_path(self.cfg), model_state=final_state, stopped=stopped,
+                         first_step_at=self.first_step_at)
 
     # ----- what the epoch asks ----------------------------------------------------------------
     def train_sampler(self) -> Any:
