@@ -1170,3 +1170,29 @@ def test_after_a_run_off_the_pick_is_one_of_the_strategies_it_raced():
     for m in (allreduce, local, hog):
         m.runoff = []
     assert recommend([allreduce, local, hog, single]).pick == "hogwild"
+
+
+@pytest.mark.parametrize("seconds", [0.6, 2.0])
+def test_with_too_little_budget_to_tell_the_fastest_measured_is_recommended_and_said_so(seconds):
+    """Issue 55, item 8: sub-second windows cannot resolve the rules' 5% margin (nor depth, nor ties):
+    the fastest measured is picked and the reason says the budget was too small. Windows of 2 s
+    keep the margin's pick (allreduce, 4% slower than local SGD)."""
+    def timed(m):
+        m.curve_s = [0.0, 1000.0 / m.samples_per_s]  # 1000 samples to the target at the window's rate
+        return m
+
+    scale = 1000.0 / 100.0 / seconds  # allreduce: 1000 samples in ``seconds``
+    allreduce = timed(window("allreduce", "allreduce", 100.0 * scale, compute=0.97, comm=0.03, bytes_per_sample=100.0))
+    near = timed(window("localsgd H=8", "localsgd", 104.0 * scale, compute=0.99, comm=0.004, bytes_per_sample=12.5,
+                        period=8))
+    single = timed(window("single", "single", 55.0 * scale, workers=1))
+    rec = recommend([single, allreduce, near])
+    if seconds >= 1.0:
+        assert rec.pick == "allreduce" and rec.tied == ["localsgd H=8"]
+        return
+    assert rec.pick == "localsgd H=8"
+    assert rec.why.startswith("the fastest measured (1.04x the speed of allreduce, which the rules would have "
+                              "picked: ")
+    assert rec.why.endswith("the budget was too small to tell more: the windows lasted 0.6 s, under 1 s, where a "
+                            "time is noise (a larger --budget gives longer windows)")
+    assert rec.others["allreduce"].startswith("0.96x the pick's speed")

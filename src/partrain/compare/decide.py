@@ -135,6 +135,13 @@ writes), the other is named as the safer choice: since the run-off repeats on
 new seeds, a risky strategy's misses are in its median and its noise already, and on the 40
 saved scenarios of ``partrain bench compare`` (2026-11-28) moving such ties to the safer
 strategy cost 0.16 and 0.45 of regret in two and gained nothing in any.
+
+**Too little budget** (`too_short_to_tell`, the last revision): when the first windows lasted
+under `MIN_WINDOW_S` (1 s, their median), their times are too coarse for a 5% margin, a
+lead that shrinks with depth or a tie, and a strategy measured slower than another must not
+be recommended for reasons the windows cannot resolve: the fastest measured is, and the
+reason says the budget was too small to tell more (``partrain compare --budget 20s``: windows
+of 0.6 s).
 """
 
 from __future__ import annotations
@@ -164,6 +171,9 @@ TIE_FLOOR = 0.05
 MIN_DEPTH = 0.05
 #: the strategies the run-off repeats
 RUNOFF_MOST = 3
+#: windows shorter than this (the median of the first windows) cannot rank strategies by the rules'
+#: finer points (margins, depth, ties): `too_short_to_tell`
+MIN_WINDOW_S = 1.0
 #: what a median time over windows half of which never reached the target is (`median_time`)
 LOWER_BOUND = "a lower bound (half of its windows ended above the target)"
 
@@ -486,11 +496,32 @@ def _tied(ctx: Context, draft: Draft, second: Measurement, measured: Measurement
     return Draft(pick, why, rival, tail, draft.by_depth, (second.label,), noise)
 
 
+def too_short_to_tell(ctx: Context, draft: Draft) -> Draft | None:
+    """Too little budget. Fires when the first windows lasted under `MIN_WINDOW_S` (their median) and
+    the pick is not the fastest measured: a sub-second window's time is noise, too coarse for the
+    rules above (a margin of 5%, a lead that shrinks with depth, a tie), so the fastest measured of
+    those the rule may pick is recommended, and the reason says that the budget was too small to
+    tell. (``partrain compare --budget 20s`` on the bundled digits job: windows of 0.6 s, and a
+    pick that one process, measured twice as fast, was not.)"""
+    windows = [w for w in (window_seconds(m)[0] for m in ctx.pickable) if w == w]
+    if len(windows) < 2 or not statistics.median(windows) < MIN_WINDOW_S:
+        return None
+    ranked = [m for m in ctx.pickable if m.speed > 0]
+    fastest = max(ranked, key=lambda m: m.speed, default=None)
+    if fastest is None or fastest is draft.pick or not fastest.speed > draft.pick.speed:
+        return None
+    return Draft(fastest, f"the fastest measured ({fastest.speed / draft.pick.speed:.2f}x the speed of "
+                 f"{draft.pick.label}, which the rules would have picked: {draft.words()}); the budget was too "
+                 f"small to tell more: the windows lasted {statistics.median(windows):.2g} s, under "
+                 f"{MIN_WINDOW_S:g} s, where a time is noise (a larger --budget gives longer windows)")
+
+
 #: rules 2-4 and the last resort, in order: the first that fires picks (the module docstring)
 PICK_RULES: tuple[Callable[[Context], Draft | None], ...] = (
     one_process_catches_up_at_depth, one_process_is_enough, allreduce_within_margin, fastest_parallel, only_strategy)
-#: then each of these, in order, may revise the pick (rule 5 at depth, the ties)
-REVISIONS: tuple[Callable[[Context, Draft], Draft | None], ...] = (overtaken_at_depth, tie_within_noise)
+#: then each of these, in order, may revise the pick (rule 5 at depth, the ties, too little budget)
+REVISIONS: tuple[Callable[[Context, Draft], Draft | None], ...] = (overtaken_at_depth, tie_within_noise,
+                                                                    too_short_to_tell)
 
 
 def recommend(measurements: list[Measurement], *, straggler: bool = False, comm_floor: float = COMM_FLOOR,
