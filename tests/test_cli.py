@@ -126,6 +126,14 @@ ERRORS = [
      "'{d}/inf_targets.npz' with 1 infinite value in 1 of 4 samples"),  # the seeded split holds it out
     (["--dataset", "{d}/nan_everywhere.npz", "--test-fraction", "0.5"], "with 640 NaN values in 10 of 10 samples (the "
      "first at sample 0; on_nan='skip' / --on-nan skip skips the steps they reach)"),
+    # more of a newcomer's wrong inputs (issue 55, item 9)
+    (["--model", "lenet5"], "Expected images of at least 12x12 for model 'lenet5' (its second 5x5 convolution and "
+     "pooling need them). Received: 8x8 (model 'cnn' takes 8x8)"),
+    (["--dataset", "synthetic", "--synthetic-samples", "-5"], "Expected a positive number of synthetic samples. "
+     "Received: -5"),
+    (["--dataset", "synthetic", "--synthetic-classes", "1"], "Expected at least 2 synthetic classes. Received: 1"),
+    (["--target", "price"], "Expected a target column by name with a .csv dataset. Received: target='price' with "
+     "dataset 'digits'"),
     (["--json", "{d}/no-such-dir/summary.json"], "Expected --json in an existing directory. Received: "
      "'{d}/no-such-dir/summary.json' ('{d}/no-such-dir' does not exist)"),
     (["--dataset", "{d}/three.npz", "--test-fraction", "0.5"], "Expected at least one training sample per worker (2). "
@@ -247,3 +255,37 @@ def test_a_shape_that_starts_with_a_dynamic_dim_is_a_value_not_an_option():
     assert negative_values(["--input-shape=-1,3", "-1,3"]) == ["--input-shape=-1,3", "-1,3"]
     args = build_parser().parse_args(negative_values(["serve", "m.pt", "--input-shape", "-1,3"]))
     assert args.input_shape == "-1,3"
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["train", "--precision", "fp8"], "partrain train: error: argument --precision: invalid choice: 'fp8' (choose from "
+     "'fp32', 'bf16') ('partrain train --help' lists the options)"),
+    (["train", "--epochs", "two"], "partrain train: error: argument --epochs: invalid int value: 'two' ('partrain "
+     "train --help' lists the options)"),
+    (["bench", "nope"], "partrain bench: error: argument NAME: invalid choice: 'nope'"),
+    (["serve"], "partrain serve: error: the following arguments are required: MODEL"),
+])
+def test_what_argparse_refuses_is_one_line_too(argv, expected, capsys):
+    """argparse prints the whole usage (30 lines for train) before its error: here only the error."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(expected), err
+
+
+def test_a_non_finite_loss_in_one_process_is_one_line_and_status_1(tmp_path, capsys):
+    """A run in the caller's process (single, what a small job picks) stops on a NaN as a worker's
+    does: one line, status 1, no traceback."""
+    code = main(["train", "--quiet", "--strategy", "single", "--epochs", "1", "--lr", "1e30", "--out",
+                 str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1
+    assert err[0].startswith("partrain train: error: Non-finite values at epoch 1, optimizer step ")
+
+
+def test_an_epoch_smaller_than_one_global_batch_trains_and_says_so(tmp_path, capsys):
+    code = main(["train", "--strategy", "single", "--epochs", "1", "--batch-size", "5000", "--out", str(tmp_path)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("partrain: an epoch")]
+    assert code == 0 and err == ["partrain: an epoch holds 1,438 training samples, less than one global batch (5,000 "
+                                 "per worker x 1 = 5,000): every epoch is one step on 1,438 samples (a smaller batch "
+                                 "size gives more steps)"]

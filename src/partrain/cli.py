@@ -24,7 +24,7 @@ import re
 import sys
 import traceback
 from collections import Counter
-from typing import Any
+from typing import Any, NoReturn
 
 from ._process import stop_processes
 from ._signals import signals_raise
@@ -103,8 +103,16 @@ def version() -> str:
         return __version__
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one line (argparse prints the whole usage first: 30
+    lines for ``partrain train``, the error last) with where the options are listed."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ('{self.prog} --help' lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="partrain",
         description=(
             "Train and serve PyTorch models in parallel: all-reduce, parameter server, "

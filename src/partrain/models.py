@@ -67,6 +67,9 @@ def mlp(in_features: int = 64, num_classes: int = 10, hidden: int = 256, depth: 
 def lenet5(in_channels: int = 1, num_classes: int = 10, image_size: int = 28) -> nn.Module:
     """LeNet-5 (about 61k parameters at 28x28 input), with ReLU and max pooling."""
     s = ((image_size + 4 - 4) // 2 - 4) // 2  # conv5 pad 2, pool, conv5, pool
+    if s < 1:
+        raise UsageError(f"Expected images of at least 12x12 for model 'lenet5' (its second 5x5 convolution and "
+                         f"pooling need them). Received: {image_size}x{image_size} (model 'cnn' takes 8x8)")
     return nn.Sequential(
         nn.Conv2d(in_channels, 6, 5, padding=2),
         nn.ReLU(),

@@ -97,6 +97,10 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 def synthetic(samples: int = 4096, shape: tuple[int, ...] = (1, 8, 8), classes: int = 10,
               test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """A learnable synthetic classification task: Gaussian clusters, one per class."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise UsageError(f"Expected a positive number of synthetic samples. Received: {samples!r}")
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
+        raise UsageError(f"Expected at least 2 synthetic classes. Received: {classes!r}")
     g = torch.Generator().manual_seed(seed)
     centers = torch.randn(classes, *shape, generator=g)
     y = torch.randint(0, classes, (samples,), generator=g)
@@ -201,6 +205,9 @@ def load_dataset(spec: DataSpec | str) -> tuple[Dataset, Dataset]:
 
 def _load(spec: DataSpec) -> tuple[Dataset, Dataset]:
     name = spec.name
+    if spec.target is not None and not name.endswith(".csv"):  # else silently ignored
+        raise UsageError(f"Expected a target column by name with a .csv dataset. Received: target={spec.target!r} "
+                         f"with dataset {name!r}")
     if name == "digits":
         return load_digits(spec.test_fraction, spec.seed)
     if name == "synthetic":

@@ -61,6 +61,7 @@ from .prepare import (
     describe_data,
     infer_model_spec,
     resolve_data,
+    warn_one_step_epochs,
     write_config,
 )
 from .result import RunResult
@@ -178,8 +179,10 @@ def _check_data(data: DataArg, cfg: FitConfig, launch_cfg: LaunchConfig, strat: 
     _check_feeding(cfg, train_ds, task)
     if not isinstance(train_ds, Generated):
         known = launch_cfg.workers is not None and external_launcher() is None
-        check_sizes(train_ds, test_ds, strat.data_parallel_workers(launch_cfg.workers * launch_cfg.nnodes)
-                    if known else None, _data_name(data))  # type: ignore[operator]
+        workers = strat.data_parallel_workers(launch_cfg.workers * launch_cfg.nnodes) if known else None
+        check_sizes(train_ds, test_ds, workers, _data_name(data))  # type: ignore[operator]
+        if not cfg.quiet:
+            warn_one_step_epochs(train_ds, cfg.samples_per_epoch, cfg.batch_size * cfg.accumulate, workers or 1)
     if cfg.on_nan == "stop":  # "skip" drops the steps those samples reach, and counts them
         check_finite(train_ds, "training", _data_name(data))
     if cfg.on_nan != "off":

@@ -16,13 +16,15 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..batch import tensors_of
+from ..errors import RunFailed
 from ..strategies.base import Strategy
 from .config import FitConfig
 from .task import Task
 
 
-class NonFiniteError(RuntimeError):
-    """A non-finite loss or gradient stopped the run (``on_nan="stop"``)."""
+class NonFiniteError(RunFailed):
+    """A non-finite loss or gradient stopped the run (``on_nan="stop"``): a `RunFailed` (a
+    RuntimeError), so that a command ends on its one line and status 1 wherever it ran."""
 
 
 class UpdateGuard:

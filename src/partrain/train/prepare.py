@@ -139,6 +139,18 @@ def check_sizes(train_ds: Dataset, test_ds: Dataset | None, workers: int | None,
                          "empty test set (a larger test fraction or dataset, or test set None)")
 
 
+def warn_one_step_epochs(train_ds: Dataset, samples_per_epoch: int | None, batch: int, workers: int) -> None:
+    """One line on stderr when an epoch holds less than one global batch: every epoch is then one
+    optimizer step on fewer samples than the batch size asks for (training still means something:
+    full-batch descent, so the run goes on)."""
+    n = samples_per_epoch or len(train_ds)  # type: ignore[arg-type]
+    global_batch = batch * workers
+    if n < global_batch:
+        print(f"partrain: an epoch holds {n:,} training samples, less than one global batch ({batch:,} per worker x "
+              f"{workers} = {global_batch:,}): every epoch is one step on {n:,} samples (a smaller batch size gives "
+              "more steps)", file=sys.stderr, flush=True)
+
+
 def all_targets(ds: Dataset, task: Task) -> torch.Tensor | None:
     """Every target of an in-memory dataset (for the label range check), else None."""
     if isinstance(ds, TensorDataset) and task.collate_fn is None and len(ds.tensors) >= 2:
