@@ -106,12 +106,13 @@ def test_report_prints_every_goal_and_writes_json(tmp_path, capsys):
     report.goal("core.fit_vs_plain", 0.99, ">=", 0.98, "fit / plain")
     report.goal("core.allreduce_vs_ddp", None, ">=", 0.98, "allreduce / ddp")
     report.goal("core.scaling", 1.2, ">=", 1.6, "2 / 1 workers")
+    report.goal("core.startup_s", 2.5, "<=", 3.0, "seconds to the first step")
     report.check("core.extra", 0.0, "<=", 0.0, "a bound outside the named goals")
     report.finish()
     out = capsys.readouterr().out
     assert out.count("smoke run: figures are noise") >= 2  # first line and the goals table
     for name, verdict in (("core.fit_vs_plain", "yes"), ("core.allreduce_vs_ddp", "not measured"),
-                          ("core.scaling", "NO"), ("core.extra", "yes")):
+                          ("core.scaling", "NO"), ("core.startup_s", "yes"), ("core.extra", "yes")):
         line = next(ln for ln in out.splitlines() if ln.startswith(name))
         assert line.rstrip().endswith(verdict), line
 
@@ -126,6 +127,7 @@ def test_report_prints_every_goal_and_writes_json(tmp_path, capsys):
         "core.fit_vs_plain": {"value": 0.99, "op": ">=", "target": 0.98, "met": True},
         "core.allreduce_vs_ddp": {"value": None, "op": ">=", "target": 0.98, "met": False},
         "core.scaling": {"value": 1.2, "op": ">=", "target": 1.6, "met": False},
+        "core.startup_s": {"value": 2.5, "op": "<=", "target": 3.0, "met": True},
     }
     assert data["checks"] == {"core.extra": {"value": 0.0, "op": "<=", "target": 0.0, "met": True}}
 
@@ -139,9 +141,9 @@ def test_a_report_must_state_exactly_its_named_goals():
 
 
 def test_goal_names_are_the_issues():
-    # the names issues 9, 11 to 17 gave; readers of --json depend on them
+    # the names issues 9, 11 to 17 (and 55: core.startup_s) gave; readers of --json depend on them
     assert GOALS == {
-        "core": ("core.fit_vs_plain", "core.allreduce_vs_ddp", "core.scaling"),
+        "core": ("core.fit_vs_plain", "core.allreduce_vs_ddp", "core.scaling", "core.startup_s"),
         "async": ("async.hogwild_scaling", "async.ps_vs_allreduce", "async.ps_straggler_time",
                   "async.diloco_bytes", "async.diloco_loss"),
         "syncbn": ("syncbn.step_ratio",),

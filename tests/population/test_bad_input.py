@@ -75,10 +75,8 @@ ROWS = [
      "Expected --pbt-interval to be a multiple of --eval-interval. Received: --pbt-interval 50, --eval-interval 3"),
     (["--model", "nope"], 2, f"Expected a model among {MODELS} or 'module:function'. Received: 'nope'"),
     (["--workers", "2", "--model", "lenet5"], 2,
-     "Expected samples that model 'lenet5' can take. Received: dataset 'digits' with inputs tensor (2, 1, 8, 8) "
-     "float32 "
-     "(Calculated padded input size per channel: (4 x 4). Kernel size: (5 x 5). Kernel size can't be greater "
-     "than actual input size)"),
+     "Expected images of at least 12x12 for model 'lenet5' (its second 5x5 convolution and pooling need them). "
+     "Received: 8x8 (model 'cnn' takes 8x8)"),
     (["--dataset", "nope"], 2, "Expected a dataset among 'digits', 'synthetic', a path ending in .npz or .csv, "
                                "or 'module:function'. Received: 'nope'"),
     (["--workers", "2", "--dataset", f"{FIX}:regression", "--model", "mlp"], 2,
