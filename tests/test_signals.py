@@ -297,6 +297,40 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path: Path) -> None:
         cmd.close()
 
 
+def _fork_server_up(cmd: Command) -> bool:
+    return any(b"multiprocessing.forkserver" in _cmdline(pid) for pid in _children(cmd.proc.pid))
+
+
+#: the moments a scheduler's ``kill -9`` or the OOM killer can land, each a condition on the run
+KILL_MOMENTS = {
+    "importing": None,  # at once: the launcher is still importing torch
+    "fork server importing": _fork_server_up,  # the server imports torch and partrain (seconds)
+    "first worker forked": lambda cmd: len(started_children(cmd.proc.pid)) >= 1,
+    "workers met": lambda cmd: cmd.rendezvous(),
+    "training": None,  # set below: the first checkpoint is written
+}
+
+
+@pytest.mark.parametrize("moment,attempt", [(m, i) for i in range(4) for m in KILL_MOMENTS],
+                         ids=[f"{m}-{i}" for i in range(4) for m in KILL_MOMENTS])
+def test_a_launcher_killed_at_any_moment_leaves_no_process(tmp_path: Path, moment: str, attempt: int) -> None:
+    """Issue 55, item 3: SIGKILL to ``partrain train --workers 2``, twenty times over five moments of
+    its start and its training; after each, every process of its session ends (the launcher's fork
+    server too, mid-import or not: it watches its starter)."""
+    out = tmp_path / "run"
+    cmd = Command(train_args(out))
+    try:
+        condition = KILL_MOMENTS[moment] or ((lambda c: (out / "checkpoint.pt").exists()) if moment == "training"
+                                             else None)
+        if condition is not None:
+            cmd.wait_for(lambda: condition(cmd), moment)
+        os.kill(cmd.proc.pid, signal.SIGKILL)
+        assert cmd.finish() == -signal.SIGKILL
+        no_survivors(cmd, timeout=START)
+    finally:
+        cmd.close()
+
+
 # ----- serve (`partrain population` stops by the path `partrain train` takes: `cli.main` stops
 # the workers of its `launch`; a test of its own cost 13 s of CI's 8 minutes) ---------------------
 

@@ -1,13 +1,8 @@
 """What a batch is, how the model is called on it, and what the loss and metrics are.
 
-`fit` trains on any batch structure:
-
-- a pair ``(inputs, target)`` (a ``TensorDataset(x, y)``, a dataset yielding ``(x, y)``);
-- a longer tuple ``(x1, ..., xk, target)``: the model is called as ``model(x1, ..., xk)``;
-- a dict: the target is the entry under ``target_key`` (by default the first present of
-  ``y``, ``target``, ``targets``, ``label``, ``labels``) and the model is called with the
-  other entries as keyword arguments, ``model(**inputs)`` - or with the one value when
-  there is only one other entry, ``model(x)``.
+`fit` trains on any batch structure `partrain.batch` describes (a pair ``(inputs, target)``,
+a longer tuple whose last entry is the target, or a dict with the target under
+``target_key``); the model is called on the rest.
 
 ``forward_fn(model, inputs)`` replaces the call when a model wants something else.
 Models may return a tensor, a tuple or a dict; a named loss and the built-in metrics use
