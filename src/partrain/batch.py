@@ -74,6 +74,8 @@ def tensors_of(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
 
 def batch_size(target: Any, inputs: Any = None) -> int:
     """Samples in a batch: the leading dimension of the target (or of the first input tensor)."""
+    if type(target) is torch.Tensor and target.dim() > 0:  # the usual batch, asked several times a step
+        return target.shape[0]
     for _, t in tensors_of(target) + tensors_of(inputs):
         if t.dim() > 0:
             return int(t.shape[0])

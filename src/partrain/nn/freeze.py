@@ -248,6 +248,9 @@ class FrozenGuard:
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         frozen = _frozen_params(optimizer)
+        if not frozen and not self._pinned:  # the usual step: nothing frozen, nothing held
+            self._snapshot = []
+            return
         with torch.no_grad():
             for p, state in frozen:
                 _zero_frozen_grad_(p, state.mask_on(p.device))
@@ -258,6 +261,8 @@ class FrozenGuard:
 
     def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         snapshot, self._snapshot = self._snapshot, []
+        if not snapshot:
+            return
         with torch.no_grad():
             for held in snapshot:
                 _restore(optimizer, held)

@@ -153,6 +153,7 @@ class EagerSteps:
         n_batches = len(sampler)
         window_total = 0
         loss_fn = guard.loss if guard.active else task.loss
+        plans: dict[tuple[float, bool], StepPlan] = {}  # one per (scale, update): a step reuses its plan
         for i, batch in enumerate(self.batches, start=self.first):
             totals.times.data_ready()
             comm_before = strategy.comm_seconds
@@ -164,14 +165,19 @@ class EagerSteps:
                 update = (i + 1) % accumulate == 0
                 window_total = strategy.num_workers * n * accumulate
             else:
-                if i % accumulate == 0:  # global samples in this optimizer step
+                if accumulate == 1:  # global samples in this optimizer step
+                    window_total = sampler.global_batch_size(i)
+                elif i % accumulate == 0:
                     window_total = sum(sampler.global_batch_size(j) for j in range(i, min(i + accumulate, n_batches)))
                 update = (i + 1) % accumulate == 0 or i + 1 == n_batches
             if update:
                 t.schedule_lr()
             guard.step, guard.batch = t.position.step, (inputs, target)
-            plan = StepPlan(loss_fn, loss_scale=strategy.num_workers / max(window_total, 1), update=update,
-                            forward_fn=task.forward, before_update=guard if guard.active else None)
+            scale = strategy.num_workers / max(window_total, 1)
+            plan = plans.get((scale, update))
+            if plan is None:
+                plan = plans[scale, update] = StepPlan(loss_fn, loss_scale=scale, update=update, forward_fn=task.forward,
+                                                       before_update=guard if guard.active else None)
             out, per_sample = strategy.train_step(t.model, t.optimizer, inputs, target, plan)
             self.pending = not update
             if update:
