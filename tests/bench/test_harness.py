@@ -90,7 +90,7 @@ def test_goal_verdicts(value, op, target, met):
     assert goal.met is met
     as_json = goal.to_json()
     assert as_json == {"value": None if value is None or value != value else value, "op": op,
-                       "target": target, "met": met}
+                       "target": target, "met": met, "interval": None}
     assert goal.verdict() == ("not measured" if as_json["value"] is None else "yes" if met else "NO")
 
 
@@ -124,12 +124,12 @@ def test_report_prints_every_goal_and_writes_json(tmp_path, capsys):
                                                        "rounds": [100.0, 90.0, 110.0]},
                                "missing": None}
     assert data["goals"] == {
-        "core.fit_vs_plain": {"value": 0.99, "op": ">=", "target": 0.98, "met": True},
-        "core.allreduce_vs_ddp": {"value": None, "op": ">=", "target": 0.98, "met": False},
-        "core.scaling": {"value": 1.2, "op": ">=", "target": 1.6, "met": False},
-        "core.startup_s": {"value": 2.5, "op": "<=", "target": 3.0, "met": True},
+        "core.fit_vs_plain": {"value": 0.99, "op": ">=", "target": 0.98, "met": True, "interval": None},
+        "core.allreduce_vs_ddp": {"value": None, "op": ">=", "target": 0.98, "met": False, "interval": None},
+        "core.scaling": {"value": 1.2, "op": ">=", "target": 1.6, "met": False, "interval": None},
+        "core.startup_s": {"value": 2.5, "op": "<=", "target": 3.0, "met": True, "interval": None},
     }
-    assert data["checks"] == {"core.extra": {"value": 0.0, "op": "<=", "target": 0.0, "met": True}}
+    assert data["checks"] == {"core.extra": {"value": 0.0, "op": "<=", "target": 0.0, "met": True, "interval": None}}
 
 
 def test_a_report_must_state_exactly_its_named_goals():
@@ -157,3 +157,27 @@ def test_goal_names_are_the_issues():
         "compare": ("compare.regret_max", "compare.prediction_error", "compare.budget_overrun"),
         "rl": ("rl.time_to_475_vs_sb3", "rl.fps_vs_sb3", "rl.policy_lag_p50"),
     }
+
+
+def test_a_goal_over_rounds_carries_its_interval_and_says_when_the_rounds_straddle_the_target(capsys):
+    """Issue 56, item 2: the goals block carries the rounds' interval, not only the median, and the
+    verdict says when rounds fell on both sides of the target."""
+    report = Report("core")
+    straddling = report.goal("core.fit_vs_plain", Spread.of([0.977, 0.99, 0.891]), ">=", 0.98, "fit / plain")
+    clear = report.goal("core.scaling", Spread.of([1.82, 1.78, 1.77]), ">=", 1.6, "2 / 1 workers")
+    assert (straddling.value, straddling.interval) == (0.977, (0.891, 0.99)) and not straddling.met
+    assert straddling.verdict() == "NO (rounds on both sides)" and straddling.cell() == "0.977 (0.891-0.99)"
+    assert clear.verdict() == "yes" and clear.to_json()["interval"] == [1.77, 1.82]
+    one_round = report.goal("core.allreduce_vs_ddp", Spread.of([1.05]), ">=", 0.98, "allreduce / ddp")
+    assert one_round.interval is None and one_round.verdict() == "yes"
+
+
+def test_a_baseline_noisier_than_the_goals_margin_is_said():
+    from partrain.bench.core import resolution
+
+    noisy = Spread.of([5285.0, 6578.0, 6000.0])  # issue 56's raw DDP between rounds
+    line = resolution("raw DDP script, 2 processes", noisy, 0.02, "core.allreduce_vs_ddp")
+    assert line == ("raw DDP script, 2 processes: its rate spread 22% between rounds (5,285 to 6,578 samples/s), "
+                    "wider than core.allreduce_vs_ddp's 2% margin: the verdict cannot resolve 2% on this machine "
+                    "(more --rounds, a quieter machine)")
+    assert resolution("plain", Spread.of([1000.0, 1010.0, 1005.0]), 0.02, "core.fit_vs_plain") is None

@@ -76,8 +76,10 @@ def test_benchmark_runs_at_toy_size(name, tmp_path, capsys):
     assert data["figures"], "no figure written"
     assert set(data["goals"]) == GOALS[name]
     for goal, entry in data["goals"].items():
-        assert set(entry) == {"value", "op", "target", "met"}, goal
+        assert set(entry) == {"value", "op", "target", "met", "interval"}, goal
         value, op, target, met = entry["value"], entry["op"], entry["target"], entry["met"]
+        interval = entry["interval"]  # a figure over rounds: its lowest and highest round
+        assert interval is None or (len(interval) == 2 and interval[0] <= value <= interval[1]), goal
         assert value is None or (isinstance(value, float) and math.isfinite(value)), goal
         assert op in (">=", "<="), goal
         assert isinstance(target, float) and isinstance(met, bool), goal

@@ -158,6 +158,8 @@ class Goal:
     op: str
     target: float
     about: str = ""
+    #: the value's lowest and highest round (a ratio taken round by round), where it has rounds
+    interval: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -171,14 +173,31 @@ class Goal:
     def met(self) -> bool:
         return self.measured and OPS[self.op](float(self.value), self.target)  # type: ignore[arg-type]
 
+    @property
+    def straddles(self) -> bool:
+        """The rounds fell on both sides of the target: the median's verdict is the rounds' majority,
+        not a difference the rounds resolve."""
+        return self.interval is not None and self.measured and \
+            OPS[self.op](self.interval[0], self.target) != OPS[self.op](self.interval[1], self.target)
+
     def verdict(self) -> str:
         if not self.measured:
             return "not measured"
-        return "yes" if self.met else "NO"
+        return ("yes" if self.met else "NO") + (" (rounds on both sides)" if self.straddles else "")
+
+    def cell(self) -> str:
+        """The value for the goals table, with its rounds' interval where it has one."""
+        if not self.measured:
+            return "-"
+        text = format_number(self.value)  # type: ignore[arg-type]
+        if self.interval is not None and self.interval[0] != self.interval[1]:
+            text += f" ({format_number(self.interval[0])}-{format_number(self.interval[1])})"
+        return text
 
     def to_json(self) -> dict[str, Any]:
+        interval = [_finite(v) for v in self.interval] if self.interval is not None else None
         return {"value": float(self.value) if self.measured else None, "op": self.op,  # type: ignore[arg-type]
-                "target": float(self.target), "met": self.met}
+                "target": float(self.target), "met": self.met, "interval": interval}
 
 
 # --------------------------------------------------------------------------- the report
@@ -229,11 +248,16 @@ class Report:
         self.notes.append(text)
         self.say(text)
 
-    def goal(self, name: str, value: float | None, op: str, target: float, about: str) -> Goal:
-        """Record one of this benchmark's named goals (`GOALS`)."""
+    def goal(self, name: str, value: float | Spread | None, op: str, target: float, about: str) -> Goal:
+        """Record one of this benchmark's named goals (`GOALS`). A `Spread` (a figure over rounds)
+        gives its median as the value and its min-max as the goal's interval."""
         if name not in GOALS[self.benchmark]:
             raise ValueError(f"Expected a goal among {GOALS[self.benchmark]}. Received: {name!r}")
-        self.goals[name] = Goal(name, value, op, target, about)
+        interval = None
+        if isinstance(value, Spread):
+            interval = (value.low, value.high) if len(value.values) > 1 else None
+            value = value.median
+        self.goals[name] = Goal(name, value, op, target, about, interval)
         return self.goals[name]
 
     def check(self, name: str, value: float | None, op: str, target: float, about: str) -> Goal:
@@ -250,8 +274,8 @@ class Report:
                                ("checks", list(self.checks.values()))):
             if not entries:
                 continue
-            rows = [[g.name, g.about, format_number(g.value) if g.measured else "-",  # type: ignore[arg-type]
-                     f"{g.op} {format_number(float(g.target))}", g.verdict()] for g in entries]
+            rows = [[g.name, g.about, g.cell(), f"{g.op} {format_number(float(g.target))}", g.verdict()]
+                    for g in entries]
             self.table([title[:-1], "what", "value", "target", "met"], rows,
                        title=f"{title} ({SMOKE_NOTE})" if self.smoke else title)
         if self.notes:
