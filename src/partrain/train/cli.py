@@ -209,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
     model_fn = functools.partial(build_named_model, args.model, kwargs, args.sync_bn)
     processes = None
     if auto and workers > 1 and one_launcher and not gpus:
-        strategy, workers, processes = _processes(args, out, model_fn, optimizer_fn, task, train_ds, workers)
+        strategy, workers, processes = _processes(args, out, resume, model_fn, optimizer_fn, task, train_ds,
+                                                  workers)
     model_spec = {"name": args.model, "kwargs": kwargs, "input_shape": list(shape), "task": task.kind}
     if task.kind == "classification":
         model_spec["num_classes"] = outputs
@@ -249,14 +250,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _processes(args: argparse.Namespace, out: str, model_fn: Callable[[], Any], optimizer_fn: Callable[..., Any],
+def _processes(args: argparse.Namespace, out: str, resume: str | None, model_fn: Callable[[], Any],
+               optimizer_fn: Callable[..., Any],
                task: Task, train_ds: Any, workers: int) -> tuple[Any, int, dict[str, Any] | None]:
     """Neither --strategy nor --workers: one process or allreduce on every core, whichever the
     estimate from a few timed steps finishes first (`processes.probe`); a resumed run goes on
     with what its config.json recorded. Returns the strategy, the workers and the estimate."""
     from .processes import probe
 
-    if args.resume:
+    if resume:  # a checkpoint to go on from (--resume auto without one starts afresh)
         recorded = _recorded_strategy(out)
         chosen = recorded if recorded in ("single", "allreduce") else "allreduce"
         args.strategy = chosen
