@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import UsageError
 
@@ -48,6 +49,12 @@ class Link:
     @classmethod
     def gbit(cls, gbit_per_s: float, latency_s: float = 20e-6) -> Link:
         return cls(gbit_per_s * GBIT, latency_s)
+
+
+def parameter_bytes(model: Any) -> int:
+    """``S`` for a ``torch.nn.Module``: what one copy of its trainable parameters weighs, the
+    gradient every synchronous step exchanges."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _check(n: int, model_bytes: float, compute_s: float) -> None:

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import Dataset, Subset, TensorDataset
 
 from ..errors import UsageError, WorkerError, first_line
+from ..scaling import parameter_bytes
 from ..strategies.base import Strategy, get_strategy
 from ..strategies.local_sgd import LocalSGD
 from . import hostload
@@ -250,11 +251,6 @@ def sync_period(options: dict[str, Any]) -> int:
     if "period" in options:
         return int(options["period"])
     return int(inspect.signature(LocalSGD).parameters["period"].default)
-
-
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """What one copy of the trainable parameters weighs: the gradient every step exchanges."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 __all__ = ["Candidate", "Job", "Measurement", "WARMUP_STEPS", "measure", "parameter_bytes"]

@@ -162,9 +162,9 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..files import check_output_file, numbered_dir
+    from ..files import check_output_file
     from .fit import fit
-    from .prepare import check_run_dir, first_batch
+    from .prepare import first_batch
 
     if args.config:
         _apply_config(args)
@@ -191,19 +191,8 @@ def run(args: argparse.Namespace) -> int:
     task.resolve(first_batch(train_ds, task.collate_fn))  # the task's kind, for the model spec
     optimizer_fn = functools.partial(make_optimizer, args.optimizer, lr=args.lr, momentum=args.momentum,
                                      weight_decay=args.weight_decay)
-    out = args.out
     one_launcher = external_launcher() is None and args.nnodes == 1  # not torchrun/srun/PyTorchJob, one node
-    if out is None:  # a numbered directory only where one process decides it for the whole job
-        out = DEFAULT_OUT if args.resume or not one_launcher else numbered_dir(DEFAULT_OUT)
-        if out != DEFAULT_OUT and not args.quiet:
-            print(f"partrain train: {DEFAULT_OUT} holds a run; writing {out} (--out DIR to choose, "
-                  "--overwrite to replace, --resume auto to continue)", flush=True)
-    resume = args.resume
-    if resume == "auto":
-        candidate = os.path.join(out, "checkpoint.pt")
-        resume = "auto" if os.path.exists(candidate) else None
-    if one_launcher or (global_rank_from_environ() == 0 and args.node_rank == 0):
-        check_run_dir(out, resume=bool(args.resume), overwrite=args.overwrite, label="--out")
+    out, resume = _run_dir(args, one_launcher)
     if args.json:
         check_output_file(args.json, "--json")  # before the run: its summary must not be lost
     model_fn = functools.partial(build_named_model, args.model, kwargs, args.sync_bn)
@@ -250,6 +239,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_dir(args: argparse.Namespace, one_launcher: bool) -> tuple[str, str | None]:
+    """The run's directory (--out, else runs/train numbered when taken) checked, and what it resumes
+    (``--resume auto`` with no checkpoint there yet: None)."""
+    from ..files import numbered_dir
+    from .prepare import check_run_dir
+
+    out = args.out
+    if out is None:  # a numbered directory only where one process decides it for the whole job
+        out = DEFAULT_OUT if args.resume or not one_launcher else numbered_dir(DEFAULT_OUT)
+        if out != DEFAULT_OUT and not args.quiet:
+            print(f"partrain train: {DEFAULT_OUT} holds a run; writing {out} (--out DIR to choose, "
+                  "--overwrite to replace, --resume auto to continue)", flush=True)
+    resume = args.resume
+    if resume == "auto":
+        resume = "auto" if os.path.exists(os.path.join(out, "checkpoint.pt")) else None
+    if one_launcher or (global_rank_from_environ() == 0 and args.node_rank == 0):
+        check_run_dir(out, resume=bool(args.resume), overwrite=args.overwrite, label="--out")
+    return out, resume
+
+
 def _processes(args: argparse.Namespace, out: str, resume: str | None, model_fn: Callable[[], Any],
                optimizer_fn: Callable[..., Any],
                task: Task, train_ds: Any, workers: int) -> tuple[Any, int, dict[str, Any] | None]:
@@ -293,11 +302,9 @@ def _write_summary(path: str, result: Any, strategy: str, workers: int, out: str
 def _recorded_strategy(out: str) -> str | None:
     """The strategy a run's config.json records (what a resumed run goes on with), if it can be read."""
     try:
-        with open(os.path.join(out, "config.json")) as f:
-            cli = json.load(f).get("cli") or {}
-    except (OSError, ValueError, AttributeError):
+        return _recorded_cli(os.path.join(out, "config.json")).get("strategy")
+    except UsageError:
         return None
-    return cli.get("strategy") if isinstance(cli, dict) else None
 
 
 def _finite_figures(final: dict[str, Any], on_nan: str) -> None:
@@ -317,9 +324,8 @@ def _cli_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("func", "command", "verbose", "argv")}
 
 
-def _apply_config(args: argparse.Namespace) -> None:
-    """Options of an earlier run's config.json, except those given on this command line."""
-    path = args.config
+def _recorded_cli(path: str) -> dict[str, Any]:
+    """The options a run's config.json records (its ``cli`` entry); one line when it has none."""
     try:
         with open(path) as f:
             settings = json.load(f)
@@ -330,6 +336,13 @@ def _apply_config(args: argparse.Namespace) -> None:
     cli = settings.get("cli") if isinstance(settings, dict) else None
     if not isinstance(cli, dict):
         raise UsageError(f"Expected a config.json written by 'partrain train' (with a 'cli' entry). Received: {path!r}")
+    return cli
+
+
+def _apply_config(args: argparse.Namespace) -> None:
+    """Options of an earlier run's config.json, except those given on this command line."""
+    path = args.config
+    cli = _recorded_cli(path)
     parser: argparse.ArgumentParser = args._parser
     explicit = _explicit_dests(parser, getattr(args, "argv", None))
     known = {a.dest for a in parser._actions}

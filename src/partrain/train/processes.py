@@ -19,6 +19,7 @@ given timings (what the tests drive); `probe` takes the timings.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..scaling import Link, allreduce_seconds
+from ..scaling import Link, allreduce_seconds, parameter_bytes
 from .prepare import first_batch
 from .task import Task
 
@@ -111,9 +112,7 @@ def choose(step_alone_s: float, step_worker_s: float, *, workers: int, batch: in
     c = Choice(1, workers, batch, step_alone_s, step_worker_s, comm, model_bytes,
                run_steps(run_samples, batch, 1, max_steps), run_steps(run_samples, batch, workers, max_steps),
                start_s)
-    if c.parallel_run_s < c.single_run_s:
-        return Choice(workers, *list(asdict(c).values())[1:])
-    return c
+    return dataclasses.replace(c, workers=workers) if c.parallel_run_s < c.single_run_s else c
 
 
 def time_step(model: nn.Module, optimizer: torch.optim.Optimizer, task: Task, batch: Any, threads: int,
@@ -157,6 +156,5 @@ def probe(model_fn: Callable[[], nn.Module], optimizer_fn: Callable[..., torch.o
             worker = time_step(model, optimizer, task, sample, max(1, cores // workers), warm_up=False)
     except Exception:  # noqa: BLE001 - fit's checks name the problem; the estimate just has none
         return None
-    size = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return choose(alone, worker, workers=workers, batch=batch, model_bytes=size, run_samples=run_samples,
-                  max_steps=max_steps)
+    return choose(alone, worker, workers=workers, batch=batch, model_bytes=parameter_bytes(model),
+                  run_samples=run_samples, max_steps=max_steps)
