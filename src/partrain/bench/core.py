@@ -19,7 +19,8 @@ the first (process start-up and warm-up excluded). Tables show the median over
 rounds with the min-max spread; ratios are taken round by round.
 
 Each round also starts a bare ``partrain train`` (the bundled digits job, the processes it
-chooses) in a new interpreter and takes the seconds from its start to its first optimizer step.
+chooses) in a new interpreter and takes the seconds from its start to its first optimizer step,
+and the same job with ``--strategy allreduce`` (the default before it chose) beside it.
 
 Goals: core.fit_vs_plain >= 0.98, core.allreduce_vs_ddp >= 0.98, core.scaling
 (2 workers / 1 worker, compute-bound) >= 1.6, core.startup_s <= 3 (the median start-up).
@@ -211,15 +212,16 @@ def run(args: argparse.Namespace) -> Report:
         all_cores: functools.partial(fit_rate, heavy, "single", 1, cores),
     }
     variants[STARTUP] = functools.partial(startup_seconds, size.startup_args)
+    variants[STARTUP_ALLREDUCE] = functools.partial(startup_seconds, (*size.startup_args, "--strategy", "allreduce"))
     # where two variants are the same run (the toy size makes both workloads one), run it once
     same_as = {label: next(first for first, other in variants.items()
                            if (fn.func, fn.args) == (other.func, other.args)) for label, fn in variants.items()}
     rates = alternate({label: fn for label, fn in variants.items() if same_as[label] == label}, size.rounds,
                       on_result=lambda r, name, v: report.progress(
-                          f"round {r + 1}: {name}: " + (f"{v:.2f} s" if name == STARTUP else f"{v:,.0f} samples/s")))
+                          f"round {r + 1}: {name}: " + (f"{v:.2f} s" if name in STARTUPS else f"{v:,.0f} samples/s")))
     rates = {label: rates[same_as[label]] for label in variants}
-    startup = Spread.of(rates.pop(STARTUP))
-    labels = [label for label in variants if label != STARTUP]
+    startup, startup_allreduce = Spread.of(rates.pop(STARTUP)), Spread.of(rates.pop(STARTUP_ALLREDUCE))
+    labels = [label for label in variants if label not in STARTUPS]
     plain, single, ddp, allreduce, one_worker, two_workers, one_process = labels
     fit_vs_plain = paired_ratio(rates[single], rates[plain])
     allreduce_vs_ddp = paired_ratio(rates[allreduce], rates[ddp])
@@ -235,9 +237,11 @@ def run(args: argparse.Namespace) -> Report:
         ratio, of = ratio_of.get(label, (None, ""))
         rows.append([label, spread.cell(), ratio.cell() if ratio else "", of])
     report.table(["variant", "samples/s median (min-max)", "ratio", "ratio of"], rows)
-    report.say(f"{STARTUP}: {startup.cell()} s, median (min-max) of {len(startup.values)} run{'s' * (len(startup.values) != 1)} "
-               "(from the command's start to worker 0's first optimizer step, as its --json reports)")
+    runs = f"{len(startup.values)} run{'s' * (len(startup.values) != 1)}"
+    report.table(["start-up: seconds to the first step (--json's startup_s)", f"median (min-max) of {runs}"],
+                 [[STARTUP, startup.cell()], [STARTUP_ALLREDUCE, startup_allreduce.cell()]])
     report.figure("startup_s", startup)
+    report.figure("startup_allreduce_s", startup_allreduce)
     report.figure("ratio_fit_single_vs_plain", fit_vs_plain)
     report.figure("ratio_fit_allreduce_vs_raw_ddp", allreduce_vs_ddp)
     report.figure("ratio_2_workers_vs_1_worker", scaling)
@@ -272,7 +276,10 @@ def resolution(label: str, rates: Spread, margin: float, goal: str) -> str | Non
             "(more --rounds, a quieter machine)")
 
 
-STARTUP = "start-up of a bare `partrain train` (the bundled job)"
+STARTUP = "a bare `partrain train` (the bundled job, the processes it chooses)"
+#: the baseline: the same job as it started before the choice, allreduce on every core
+STARTUP_ALLREDUCE = "`partrain train --strategy allreduce` (the former default)"
+STARTUPS = (STARTUP, STARTUP_ALLREDUCE)
 
 
 def startup_seconds(extra: tuple[str, ...] = ()) -> float:
