@@ -1,9 +1,10 @@
-"""Datasets by name: the bundled digits, synthetic data, ``.npz`` and ``.csv`` files, ``module:function``.
+"""Datasets by name: the bundled digits, synthetic data, ``.npz`` and ``.csv`` files, text, ``module:function``.
 
 Every loader returns ``(train, test)`` as ``TensorDataset``s of float32 inputs and
 targets: int64 class labels, or float32 values for regression (an ``.npz`` whose ``y``
-is floating point, a ``module:function`` returning float targets). The training loop
-indexes them without a DataLoader.
+is floating point, a ``module:function`` returning float targets). Text (`load_text`) is
+the exception: int64 token ids in, int64 next tokens out. The training loop indexes them
+without a DataLoader.
 
 Preprocessing that a loader applies (the digits' scaling) is described by
 `preprocessing`, which training records in the model spec so that a served model
@@ -19,9 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, Subset, TensorDataset
 
 from ..errors import UsageError
+from .text import load_text
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,10 @@ class DataSpec:
     seed: int = 0
     #: a ``.csv`` file's target column, by name (None: the last column)
     target: str | None = None
+    #: text: tokens per sample (the model's context)
+    block_size: int = 256
+    #: text: a Hugging Face tokenizer in the local cache, by name (None: UTF-8 bytes)
+    tokenizer: str | None = None
 
     def load(self) -> tuple[Dataset, Dataset]:
         """The ``(train, test)`` pair, loaded at the first call and kept by this object.
@@ -198,7 +204,8 @@ def _csv_target(cells: list[str], path: str, name: str) -> torch.Tensor:
 
 
 def load_dataset(spec: DataSpec | str) -> tuple[Dataset, Dataset]:
-    """Resolve a dataset spec: ``digits``, ``synthetic``, ``path.npz`` or ``module:function``
+    """Resolve a dataset spec: ``digits``, ``synthetic``, ``path.npz``, ``path.csv``, ``text`` (the
+    bundled corpus), ``text:PATH`` (a text file or directory) or ``module:function``
     (a `DataSpec` loads once and keeps the pair: `DataSpec.load`)."""
     return (DataSpec(name=spec) if isinstance(spec, str) else spec).load()
 
@@ -208,6 +215,16 @@ def _load(spec: DataSpec) -> tuple[Dataset, Dataset]:
     if spec.target is not None and not name.endswith(".csv"):  # else silently ignored
         raise UsageError(f"Expected a target column by name with a .csv dataset. Received: target={spec.target!r} "
                          f"with dataset {name!r}")
+    is_text = name == "text" or name.startswith("text:")
+    if spec.tokenizer is not None and not is_text:
+        raise UsageError(f"Expected a tokenizer with a text dataset ('text' or 'text:PATH'). Received: "
+                         f"tokenizer={spec.tokenizer!r} with dataset {name!r}")
+    if is_text:  # before the suffix and module:function checks: text:notes.csv is text
+        path = name[len("text:"):] if name != "text" else None
+        if path == "":
+            raise UsageError("Expected a file or directory after 'text:'. Received: 'text:'")
+        return load_text(path, block_size=spec.block_size, tokenizer=spec.tokenizer,
+                         test_fraction=spec.test_fraction, seed=spec.seed)
     if name == "digits":
         return load_digits(spec.test_fraction, spec.seed)
     if name == "synthetic":
@@ -228,7 +245,8 @@ def _load(spec: DataSpec) -> tuple[Dataset, Dataset]:
             f"Expected {name!r} to return a Dataset or a (train, test) pair. Received: {type(out).__name__}"
         )
     raise UsageError(
-        f"Expected a dataset among 'digits', 'synthetic', a path ending in .npz or .csv, or 'module:function'. "
+        f"Expected a dataset among 'digits', 'synthetic', a path ending in .npz or .csv, 'text', 'text:PATH' "
+        f"(a text file or directory), or 'module:function'. "
         f"Received: {name!r}"
     )
 
@@ -257,7 +275,15 @@ def is_regression(ds: Dataset) -> bool:
 
 
 def num_classes(ds: Dataset) -> int:
-    """Outputs a model needs: classes (max label + 1), or the size of one float target."""
+    """Outputs a model needs: the vocabulary size of a dataset that declares one (``vocab_size``:
+    text, where the largest id seen is not the vocabulary), classes (max label + 1), or the
+    size of one float target."""
+    base = ds
+    while isinstance(base, Subset):
+        base = base.dataset
+    vocab_size = getattr(base, "vocab_size", None)
+    if vocab_size is not None:
+        return int(vocab_size)
     if is_regression(ds):
         target = ds.tensors[-1][0] if isinstance(ds, TensorDataset) else torch.as_tensor(ds[0][-1])
         return max(1, int(target.numel()))

@@ -1,4 +1,4 @@
-"""Built-in models, and resolution of a model spec ("cnn", "pkg.mod:factory").
+"""Built-in models, and resolution of a model spec ("cnn", "gpt", "pkg.mod:factory").
 
 A model spec is what `partrain train --model` takes and what a checkpoint records
 so that `partrain serve` and `--resume` can rebuild the module without unpickling
@@ -15,7 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from .errors import UsageError, error_line
+from ..errors import UsageError, error_line
+from .gpt import GPT as GPT  # re-exported: partrain.models.GPT
+from .gpt import gpt
 
 
 def cnn(in_channels: int = 1, num_classes: int = 10, image_size: int = 8, width: int = 32) -> nn.Module:
@@ -91,6 +93,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "bn-cnn": bn_cnn,
     "mlp": mlp,
     "lenet5": lenet5,
+    "gpt": gpt,
 }
 
 
@@ -149,7 +152,7 @@ def build_named_model(name: str, kwargs: dict[str, Any], sync_bn: bool = False) 
     commands send to their workers (here, not beside the command, so a worker imports no CLI)."""
     model = build_model(name, **kwargs)
     if sync_bn:
-        from .nn import convert_sync_batchnorm
+        from ..nn import convert_sync_batchnorm
 
         model = convert_sync_batchnorm(model)
     return model
@@ -188,4 +191,9 @@ def model_kwargs_for(name: str, sample_shape: tuple[int, ...], num_classes: int)
                 f"Received samples of shape {tuple(sample_shape)}"
             )
         return {"in_channels": sample_shape[0], "num_classes": num_classes, "image_size": sample_shape[1]}
+    if name == "gpt":  # samples are token ids (block,); num_classes is the vocabulary size
+        if len(sample_shape) != 1:
+            raise UsageError(f"Model 'gpt' expects samples of token ids shaped (block_size,). "
+                             f"Received samples of shape {tuple(sample_shape)}")
+        return {"vocab_size": num_classes, "block_size": sample_shape[0]}
     return {}
