@@ -20,7 +20,7 @@ import torch
 
 from partrain.cli import main
 
-MODELS = "['bn-cnn', 'cnn', 'lenet5', 'mlp']"
+MODELS = "['bn-cnn', 'cnn', 'gpt', 'lenet5', 'mlp']"
 SGD_NAMES = "['batch_size', 'dropout', 'lr', 'momentum', 'weight_decay']"
 FIX = "tests.population.fixtures"
 E = "partrain population: error: "
@@ -78,7 +78,7 @@ ROWS = [
      "Expected images of at least 12x12 for model 'lenet5' (its second 5x5 convolution and pooling need them). "
      "Received: 8x8 (model 'cnn' takes 8x8)"),
     (["--dataset", "nope"], 2, "Expected a dataset among 'digits', 'synthetic', a path ending in .npz or .csv, "
-                               "or 'module:function'. Received: 'nope'"),
+                               "'text', 'text:PATH' (a text file or directory), or 'module:function'. Received: 'nope'"),
     (["--workers", "2", "--dataset", f"{FIX}:regression", "--model", "mlp"], 2,
      "Expected integer class labels: partrain population trains classifiers (cross-entropy) and does not "
      f"support regression targets. Received: torch.float32 targets in dataset '{FIX}:regression' (train split)"),

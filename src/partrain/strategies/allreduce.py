@@ -32,6 +32,7 @@ from .base import Strategy, register
 class AllReduce(Strategy):
     name = "allreduce"
     checkpoints_within_epoch = True
+    averages_gradients = True
     fuses_steps = True
 
     def __init__(self, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False,

@@ -94,6 +94,9 @@ class Strategy(ABC):
     #: one worker's whole step (forward, backward, update) may run as one compiled function:
     #: nothing moves between processes outside ``optimizer.step()`` (`partrain.train.compiling`)
     fuses_steps: ClassVar[bool] = False
+    #: the workers' gradients are averaged every optimizer step (all-reduce): a step's loss is
+    #: divided by what the whole global batch holds (`step_units`), not by this worker's share
+    averages_gradients: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.env = DistEnv()
@@ -246,6 +249,16 @@ class Strategy(ABC):
     def metrics(self) -> dict[str, float]:
         """Strategy-specific figures for logs (staleness, dropped gradients, ...)."""
         return {}
+
+    def step_units(self, local: float) -> float:
+        """What one optimizer step's summed loss is divided by (times ``num_workers``, which the
+        gradient average divides again), from this worker's ``local`` count of loss units
+        (samples, valid tokens): the global batch's when the workers' gradients are averaged
+        every step (one small all-reduce), else ``num_workers`` times this worker's own (each
+        worker's step is the mean over its own batch)."""
+        if not self.averages_gradients or self.num_workers == 1:
+            return float(local) * self.num_workers
+        return float(self.all_reduce_sum(torch.tensor([float(local)], dtype=torch.float64)).item())
 
     # ----- collectives over the workers ---------------------------------------------
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

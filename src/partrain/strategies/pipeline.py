@@ -83,6 +83,7 @@ if TYPE_CHECKING:  # the runtime imports torch.distributed.pipelining: seconds, 
 class Pipeline(Strategy):
     name = "pipeline"
     checkpoints_within_epoch = True
+    averages_gradients = True
 
     def __init__(self, stages: int = 2, microbatches: int = 4, schedule: str = "1f1b", split: str = "params",
                  virtual_stages: int = 0) -> None:

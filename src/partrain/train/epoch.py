@@ -26,6 +26,7 @@ from ..batch import batch_size
 from ..metrics import StepTimes
 from ..strategies.base import StepPlan
 from .guard import UpdateGuard, check_fused
+from .task import SAMPLES
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -59,6 +60,8 @@ class EpochTotals:
     comm_bytes: int
     seconds: float = 0.0
     skipped: int = 0
+    #: loss units seen (valid tokens) when the task's are not samples (then ``seen`` counts them)
+    units: float = 0.0
     #: the micro-batch ``max_steps`` stopped the epoch before (None: the epoch ran to its end)
     stopped_at: int | None = None
     #: when this epoch's part before a mid-epoch checkpoint began (its seconds count too)
@@ -79,14 +82,18 @@ class EpochTotals:
         t = self.times
         return torch.cat([torch.tensor([self.loss_sum.item(), float(self.seen), float(self.skipped), t.data,
                                         t.compute, t.comm, time.perf_counter() - self.started + self.seconds],
-                                       dtype=torch.float64), self.metric_sums.cpu()])
+                                       dtype=torch.float64), self.metric_sums.cpu(),
+                          torch.tensor([self.units], dtype=torch.float64)])
 
     def restore(self, row: torch.Tensor) -> None:
         self.loss_sum += row[0].item()
         self.seen, self.skipped = int(row[1].item()), int(row[2].item())
         self.times.data, self.times.compute, self.times.comm = (float(v) for v in row[3:6])
         self.seconds = float(row[6])
-        self.metric_sums += row[7:].to(self.metric_sums.device)
+        m = len(self.metric_sums)
+        self.metric_sums += row[7:7 + m].to(self.metric_sums.device)
+        if len(row) > 7 + m:  # written before the units were kept: no token-level task then
+            self.units = float(row[7 + m])
 
 
 def run_epoch(trainer: Trainer, epoch: int) -> EpochTotals:
@@ -154,12 +161,21 @@ class EagerSteps:
         window_total = 0
         loss_fn = guard.loss if guard.active else task.loss
         plans: dict[tuple[float, bool], StepPlan] = {}  # one per (scale, update): a step reuses its plan
-        for i, batch in enumerate(self.batches, start=self.first):
+        tokens = task.units != SAMPLES
+        units = window_units = 0.0
+        for i, item in enumerate(self._token_windows() if tokens else self.batches, start=self.first):
             totals.times.data_ready()
             comm_before = strategy.comm_seconds
+            if tokens:
+                batch, units, window_units = item
+            else:
+                batch = item
             inputs, target = task.split(batch)
             n = batch_size(target, inputs)
-            if sampler.claims_batches:
+            if tokens:  # the window's valid tokens, counted ahead (`_token_windows`)
+                update = (i + 1) % accumulate == 0 or (not sampler.claims_batches and i + 1 == n_batches)
+                window_total = window_units
+            elif sampler.claims_batches:
                 # claimed batches (asynchronous strategies): the step count is not known ahead, each
                 # worker normalises by its own micro-batches and flushes a partial window at the end
                 update = (i + 1) % accumulate == 0
@@ -176,8 +192,10 @@ class EagerSteps:
             scale = strategy.num_workers / max(window_total, 1)
             plan = plans.get((scale, update))
             if plan is None:
-                plan = plans[scale, update] = StepPlan(loss_fn, loss_scale=scale, update=update, forward_fn=task.forward,
-                                                       before_update=guard if guard.active else None)
+                plan = StepPlan(loss_fn, loss_scale=scale, update=update, forward_fn=task.forward,
+                                before_update=guard if guard.active else None)
+                if not tokens:  # a token count's scale changes every step
+                    plans[scale, update] = plan
             out, per_sample = strategy.train_step(t.model, t.optimizer, inputs, target, plan)
             self.pending = not update
             if update:
@@ -186,8 +204,26 @@ class EagerSteps:
             if task.metric_names:
                 totals.metric_sums += task.metric_values(out, target)
             totals.seen += n
+            totals.units += units
             totals.times.step_done(strategy.comm_seconds - comm_before)
             yield i, update
+
+    def _token_windows(self) -> Iterator[tuple[Any, float, float]]:
+        """A token-level task's batches with their valid tokens and their accumulation window's, as
+        a step divides by (`Strategy.step_units`: the global batch's, one all-reduce per window):
+        the window's batches are read before its first step."""
+        t, first = self.trainer, self.first
+        task, accumulate = t.task, t.cfg.accumulate
+        batches, i = iter(self.batches), first
+        while True:
+            window = list(itertools.islice(batches, accumulate - i % accumulate))
+            if not window:
+                return
+            counts = [float(task.count(task.split(b)[1])) for b in window]
+            total = t.strategy.step_units(sum(counts))
+            for batch, count in zip(window, counts):
+                yield batch, count, total
+            i += len(window)
 
     def before_checkpoint(self) -> None:
         self.totals.skipped = self.guard.skipped

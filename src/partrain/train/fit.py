@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -133,6 +134,10 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         start_server_early()  # it imports torch while this process loads the data and checks the model
     train_ds, test_ds = _check_data(data, cfg, launch_cfg, strat, task, ckpt)
     task = _check_model(model_fn, optimizer_fn, train_ds, test_ds, data, task, cfg, ckpt)
+    if task.own_loss:
+        task.check_exact(strat.data_parallel_workers(launch_cfg.workers) * launch_cfg.nnodes, cfg.accumulate)
+        if not cfg.quiet and _is_first_process(launch_cfg):
+            print(task.own_loss_line(), file=sys.stderr, flush=True)
     if cfg.out_dir and _is_first_process(launch_cfg):
         write_config(os.path.join(cfg.out_dir, "config.json"),
                      run_settings(cfg, launch_cfg, strat, task, data, optimizer_fn, model_fn))
@@ -283,7 +288,7 @@ def _check_monitor(cfg: FitConfig, task: Task, has_test: bool) -> None:
     if cfg.monitor is None:
         return
     splits = ("train", "test") if has_test else ("train",)
-    known = ["epoch", "step", "lr", "samples_per_s"] + [f"{s}_{m}" for s in splits for m in ["loss", *task.metric_names]]
+    known = ["epoch", "step", "lr", "samples_per_s"] + [f"{s}_{m}" for s in splits for m in ["loss", *task.reported_metrics]]
     if cfg.monitor not in known:
         raise UsageError(f"Expected monitor among {known}. Received: {cfg.monitor!r}")
 

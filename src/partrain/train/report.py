@@ -15,19 +15,22 @@ if TYPE_CHECKING:
 def epoch_row(trainer: Trainer, epoch: int, step: int, totals: EpochTotals, reduced: torch.Tensor,
               test_loss: float, test_metrics: dict[str, float]) -> dict[str, Any]:
     """The epoch's figures from the training sums ``reduced`` over workers (`Trainer.record`'s row)."""
-    strategy, names = trainer.strategy, trainer.task.metric_names
+    strategy, task = trainer.strategy, trainer.task
     train = reduced
-    n = max(train[1].item(), 1.0)
     w = strategy.num_workers
     seconds = totals.seconds
-    row: dict[str, Any] = {"epoch": epoch + 1, "step": step, "train_loss": train[0].item() / n}
-    row.update({f"train_{name}": train[7 + k].item() / n for k, name in enumerate(names)})
+    m = len(task.metric_names)
+    loss, metrics = task.means(train[0].item(), train[7].item(), train[1].item(), train[8:8 + m].tolist())
+    row: dict[str, Any] = {"epoch": epoch + 1, "step": step, "train_loss": loss}
+    row.update({f"train_{name}": value for name, value in metrics.items()})
     row["test_loss"] = test_loss
     row.update({f"test_{name}": value for name, value in test_metrics.items()})
     row.update({
         "samples": int(train[1].item()),
         "seconds": seconds,
         "samples_per_s": train[1].item() / seconds if seconds > 0 else math.nan,
+        **({"tokens": int(train[7].item()), "tokens_per_s": train[7].item() / seconds if seconds > 0 else math.nan}
+           if task.units != "samples" else {}),
         "time_data": train[2].item() / w,
         "time_compute": train[3].item() / w,
         "time_comm": train[4].item() / w,
@@ -66,9 +69,10 @@ def summary(row: dict[str, Any], epochs: int, has_test: bool = True) -> str:
     def figures(split: str) -> str:
         parts = [f"{split + '_' if split == 'test' else ''}loss {row[f'{split}_loss']:.4f}"]
         for name in metric_names:
-            label = name[:3] if name == "accuracy" else name
+            label = {"accuracy": "acc", "perplexity": "ppl", "token_accuracy": "token_acc"}.get(name, name)
             value = row.get(f"{split}_{name}", math.nan)
-            parts.append(f"{split + '_' if split == 'test' else ''}{label} {value:.{3 if name == 'accuracy' else 4}f}")
+            digits = 3 if name == "accuracy" else 2 if name == "perplexity" else 4
+            parts.append(f"{split + '_' if split == 'test' else ''}{label} {value:.{digits}f}")
         return "  ".join(parts)
 
     skipped = f"  skipped {row['skipped_steps']} steps" if row.get("skipped_steps") else ""
@@ -77,6 +81,7 @@ def summary(row: dict[str, Any], epochs: int, has_test: bool = True) -> str:
     test = f"{figures('test')}  " if has_test else ""
     return (f"epoch {row['epoch']}/{epochs}  {figures('train')}  {test}"
             f"{row['samples_per_s']:,.0f} samples/s  "
+            f"{format(row['tokens_per_s'], ',.0f') + ' tokens/s  ' if 'tokens_per_s' in row else ''}"
             f"[data {share(row['time_data']):.0f}% compute {share(row['time_compute']):.0f}% "
             f"comm {share(row['time_comm']):.0f}%{device}]{skipped}{_input_bound(row, share(row['time_data']))}")
 

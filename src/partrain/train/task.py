@@ -19,15 +19,39 @@ number for a whole batch is refused with one line, since dividing its mean by th
 again would silently shrink the gradient.
 
 Named losses (``loss_fn="mse"``): ``cross_entropy``, ``nll``, ``bce`` (with logits),
-``mse``, ``l1``, ``smooth_l1``, ``huber``; ``"auto"`` picks ``cross_entropy`` for integer
-targets and ``mse`` for float ones. Metrics follow the task: ``accuracy`` for
-classification, ``mse`` and ``mae`` for regression, or the names/functions the user gives.
+``mse``, ``l1``, ``smooth_l1``, ``huber``, ``causal_lm``; ``"auto"`` picks ``cross_entropy``
+for integer targets and ``mse`` for float ones. Metrics follow the task: ``accuracy`` for
+classification, ``mse`` and ``mae`` for regression, ``token_accuracy`` and ``perplexity``
+for token-level tasks, or the names/functions the user gives.
+
+**Token-level losses.** ``cross_entropy`` and ``nll`` on targets with more than one
+dimension (``[N, T]`` tokens, ``[N, H, W]`` pixels) are per element: positions whose target
+is ``-100`` (`IGNORE_INDEX`, padding) count nowhere, and a step divides the summed loss by
+the valid positions of the *global* batch (one small all-reduce per step under a strategy
+that averages gradients every step), so that 2 workers with different numbers of valid
+tokens equal one process on the concatenated batch exactly, as ``F.cross_entropy``'s mean
+over that batch would. The classes are dim 1 (``[N, C, ...]``, torch's convention) or the
+last (``[N, T, V]`` against ``[N, T]``, as language models give; taken for a 3-dim output
+when both fit). ``causal_lm`` is the same loss with the targets shifted by one: position
+``t`` of the logits predicts target ``t + 1`` (Hugging Face's ``labels = input_ids``).
+The epoch's loss and ``token_accuracy`` are then per valid token; ``perplexity`` is
+``exp`` of the loss per token.
+
+**A model's own loss.** With no ``loss_fn`` (``"auto"``) and a model whose output carries a
+``loss`` (a Hugging Face ``ModelOutput``, a dict), `fit` trains on it, passing the target as
+``labels=`` when the model's forward takes ``labels``. A mean is made a sum again by the
+units it averaged (see `own_loss_units`) and divided like a named loss, so that data
+parallel equals one process on the global batch; a loss whose units are unknown is refused
+in one line for more than one worker or accumulated steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,11 +63,19 @@ from .._tree import map_tensors
 from ..batch import batch_size, call_model, describe, primary, split_batch, tensors_of
 from ..errors import UsageError
 
-CLASSIFICATION_LOSSES = ("cross_entropy", "nll", "bce")
+CLASSIFICATION_LOSSES = ("cross_entropy", "nll", "bce", "causal_lm")
 REGRESSION_LOSSES = ("mse", "l1", "smooth_l1", "huber")
-LOSSES = ("auto", *CLASSIFICATION_LOSSES, *REGRESSION_LOSSES)
-METRICS = ("accuracy", "mse", "mae")
+#: the model computes the loss itself (its output's ``loss``)
+OWN_LOSS = "own"
+LOSSES = ("auto", OWN_LOSS, *CLASSIFICATION_LOSSES, *REGRESSION_LOSSES)
+METRICS = ("accuracy", "mse", "mae", "token_accuracy", "perplexity")
+#: metrics computed from the epoch's mean loss, not summed per batch
+DERIVED_METRICS = ("perplexity",)
 PRECISIONS = ("fp32", "bf16")
+#: a target position that counts in no loss or metric (padding), as in ``F.cross_entropy``
+IGNORE_INDEX = -100
+#: the loss units of a task: samples, or the valid target positions (tokens, pixels)
+SAMPLES, TOKENS = "samples", "tokens"
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 MetricFn = Callable[[Any, Any], torch.Tensor]
@@ -68,22 +100,74 @@ def _elementwise(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, tor
     return loss
 
 
+def class_dim(out: torch.Tensor, target: torch.Tensor) -> int | None:
+    """The dimension of ``out`` that holds the classes of integer ``target``: 1 (``[N, C, ...]``
+    against ``[N, ...]``, torch's convention) or the last (``[N, T, V]`` against ``[N, T]``, a
+    language model's); the last for a 3-dim output when both fit; None when neither does."""
+    if out.dim() != target.dim() + 1 or out.shape[0] != target.shape[0]:
+        return None
+    first = out.shape[2:] == target.shape[1:]
+    last = out.shape[:-1] == target.shape
+    if last and (not first or out.dim() == 3):
+        return out.dim() - 1
+    return 1 if first else None
+
+
+def _classes_at(out: torch.Tensor, target: torch.Tensor) -> int:
+    dim = class_dim(out, target)
+    if dim is None:
+        raise UsageError(f"Expected a model output with one more dimension than the targets {tuple(target.shape)} "
+                         "(the classes, at dim 1 or last). Received: output "
+                         f"{tuple(out.shape)}")
+    return dim
+
+
 def _classification(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``fn`` (``F.cross_entropy``, ``F.nll_loss``) per sample: summed over a sample's valid
+    positions when its target has more than one (the task divides by the valid positions)."""
     def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return fn(out, target, reduction="none")
+        try:
+            if target.dim() <= 1:
+                return fn(out, target, reduction="none")
+            if _classes_at(out, target) == 1:
+                values = fn(out, target, reduction="none", ignore_index=IGNORE_INDEX)
+            else:  # [N, T, V]: the 2-d form, the fast path of both kernels
+                values = fn(out.reshape(-1, out.shape[-1]), target.reshape(-1), reduction="none",
+                            ignore_index=IGNORE_INDEX).view(target.shape)
+        except IndexError:  # a label beyond the classes in a batch the start could not see: one line
+            check_labels(out, target)
+            raise
+        return values.flatten(1).sum(1)
     return loss
 
 
-def check_labels(output: Any, targets: torch.Tensor) -> None:
-    """Integer labels all within the model's classes (one line naming the range when not)."""
+def causal_lm(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy with the targets shifted by one (logits at ``t`` predict target
+    ``t + 1``), summed per sequence over its valid targets."""
+    if out.dim() != 3 or target.dim() != 2 or out.shape[:2] != target.shape:
+        raise UsageError(f"Expected logits [N, T, V] and targets [N, T] for loss 'causal_lm'. Received: output "
+                         f"{tuple(out.shape)}, targets {tuple(target.shape)}")
+    return _classification(F.cross_entropy)(out[:, :-1], target[:, 1:])
+
+
+def check_labels(output: Any, targets: torch.Tensor, loss: str = "cross_entropy") -> None:
+    """Integer labels all within the model's classes (one line naming the range when not),
+    for a named loss whose class dimension is known (`class_dim`); ``-100`` is padding."""
     out = primary(output)
-    if targets.is_floating_point() or out.dim() != targets.dim() + 1 or targets.numel() == 0:
+    if targets.is_floating_point() or targets.numel() == 0 or loss not in ("cross_entropy", "nll", "causal_lm"):
         return
-    classes = out.shape[1]
-    low, high = int(targets.min()), int(targets.max())
+    sample = targets[: out.shape[0]]
+    dim = class_dim(out, sample) if sample.shape[0] == out.shape[0] else None
+    if dim is None:
+        return
+    classes = out.shape[dim]
+    valid = targets[targets != IGNORE_INDEX]
+    if valid.numel() == 0:
+        return
+    low, high = int(valid.min()), int(valid.max())
     if low < 0 or high >= classes:
-        raise UsageError(f"Expected class labels in [0, {classes - 1}] for a model with {classes} outputs. "
-                         f"Received labels from {low} to {high}")
+        raise UsageError(f"Expected class labels in [0, {classes - 1}] for a model with {classes} outputs"
+                         f"{' (-100: padding)' if targets.dim() > 1 else ''}. Received labels from {low} to {high}")
 
 
 #: the built-in losses by name, one value per element (elementwise ones on targets shaped like the
@@ -91,6 +175,7 @@ def check_labels(output: Any, targets: torch.Tensor) -> None:
 NAMED_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cross_entropy": _classification(F.cross_entropy),
     "nll": _classification(F.nll_loss),
+    "causal_lm": causal_lm,
     "bce": _elementwise(F.binary_cross_entropy_with_logits),
     "mse": _elementwise(F.mse_loss),
     "l1": _elementwise(F.l1_loss),
@@ -134,11 +219,24 @@ def _per_sample_module(loss: nn.Module) -> nn.Module:
 
 
 # ----- metrics ---------------------------------------------------------------------------
+def token_accuracy(output: Any, target: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """Per sample, the correct argmax predictions summed over its valid positions (the task
+    divides by the valid positions); ``shift=1``: logits at ``t`` predict target ``t + 1``."""
+    out = primary(output)
+    if shift:
+        out, target = out[:, :-shift], target[:, shift:]
+    hit = (out.argmax(_classes_at(out, target)) == target) & (target != IGNORE_INDEX)
+    return (hit.flatten(1).sum(1) if hit.dim() > 1 else hit).to(torch.float64)
+
+
 def accuracy(output: Any, target: torch.Tensor) -> torch.Tensor:
     """Per-sample accuracy: argmax over classes, or the sign of a logit for binary targets."""
     out = primary(output)
     if not target.is_floating_point() and out.dim() == target.dim() + 1:
-        hit = (out.argmax(1) == target).to(torch.float64)
+        hit = (out.argmax(_classes_at(out, target)) == target).to(torch.float64)
+        if target.dim() > 1:  # the mean over each sample's valid positions (-100: padding)
+            valid = (target != IGNORE_INDEX).flatten(1)
+            return (hit.flatten(1) * valid).sum(1) / valid.sum(1).clamp(min=1)
     else:
         out, target = _match(out, target)
         hit = ((out > 0) == (target > 0.5)).to(torch.float64)
@@ -155,7 +253,56 @@ def absolute_error(output: Any, target: torch.Tensor) -> torch.Tensor:
     return (out - target).abs()
 
 
-_METRICS: dict[str, MetricFn] = {"accuracy": accuracy, "mse": squared_error, "mae": absolute_error}
+_METRICS: dict[str, MetricFn] = {"accuracy": accuracy, "mse": squared_error, "mae": absolute_error,
+                                 "token_accuracy": token_accuracy}
+
+
+# ----- a model's own loss ----------------------------------------------------------------
+#: Hugging Face heads by class-name ending, and the units their mean loss averages over:
+#: a causal LM's valid targets after the shift by one, other token heads' valid targets, or
+#: the samples (the loss families of ``transformers.loss``; a class's name sets its loss there too)
+_HF_HEADS: tuple[tuple[tuple[str, ...], str, int], ...] = (
+    (("ForCausalLM", "LMHeadModel"), TOKENS, 1),
+    (("ForMaskedLM", "ForTokenClassification", "ForConditionalGeneration"), TOKENS, 0),
+    (("ForSequenceClassification", "ForImageClassification", "ForQuestionAnswering", "ForMultipleChoice",
+      "ForAudioClassification"), SAMPLES, 0),
+)
+
+
+def own_loss_units(model: nn.Module) -> tuple[str, int] | None:
+    """``(units, shift)`` that ``model``'s own mean loss averages over: a Hugging Face head's by its
+    class name (`_HF_HEADS`), samples for any other model; None: a Hugging Face model whose loss
+    partrain does not know (it cannot re-weight it exactly)."""
+    name = type(model).__name__
+    if not type(model).__module__.startswith("transformers."):
+        return SAMPLES, 0
+    for endings, units, shift in _HF_HEADS:
+        if name.endswith(endings):
+            return units, shift
+    return None
+
+
+def _takes(model: nn.Module, name: str, kwargs: bool = False) -> bool:
+    """``model.forward`` has a parameter ``name`` (with ``kwargs``: or takes ``**kwargs``)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or kwargs and any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _first_input(model: nn.Module) -> str:
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return params[0].name if params else "input_ids"
+
+
+def _own_loss(output: Any) -> torch.Tensor | None:
+    loss = output.get("loss") if isinstance(output, Mapping) else None
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 # ----- the task --------------------------------------------------------------------------
@@ -163,9 +310,11 @@ class Task:
     """How `fit` computes a batch's output, per-sample loss and metrics (picklable).
 
     Args:
-        loss_fn: a name among `LOSSES`, or ``(output, target) -> per-sample losses``.
+        loss_fn: a name among `LOSSES` (``"own"``: the model's own loss, which ``"auto"`` takes
+            when the model gives one), or ``(output, target) -> per-sample losses``.
         metrics: names among `METRICS` and/or ``{name: (output, target) -> per-sample values}``;
-            None: chosen by the task (accuracy for classification, mse and mae for regression).
+            None: chosen by the task (accuracy for classification, mse and mae for regression,
+            token_accuracy and perplexity for token-level losses).
         forward_fn: ``(model, inputs) -> output``; None: `call_model`.
         collate_fn: how samples form a batch (`torch.utils.data.DataLoader`'s); None: the default.
         target_key: the target's key in dict batches.
@@ -191,7 +340,23 @@ class Task:
         self.target_key = target_key
         self.precision = precision
         self.metric_fns: dict[str, MetricFn] = {}
+        #: metrics summed per loss unit (token_accuracy), not per sample; and those derived from the loss
+        self.unit_metrics: set[str] = set()
+        self.derived: list[str] = []
         self.kind = "custom"  # classification / regression / custom, set by resolve
+        #: what a step's loss is divided by: the global batch's SAMPLES, or its valid TOKENS
+        self.units = SAMPLES
+        #: targets start this many positions after the outputs (1: a causal language model's)
+        self.shift = 0
+        #: the model's own loss (``loss_fn="own"``): its keyword for the target (None: the
+        #: target is not passed), its first input's name, whether its loss comes back summed
+        #: (``num_items_in_batch=1``) or as a mean, and whether its units are known
+        self.labels_key: str | None = None
+        self.input_name = "input_ids"
+        self.own_reduction = "mean"
+        self.own_units_known = True
+        self.own_model = ""
+        self._auto = loss_fn == "auto"
         self._check_metric_spec()
 
     # -- set-up --------------------------------------------------------------------------
@@ -201,37 +366,123 @@ class Task:
             return
         items = spec.items() if isinstance(spec, Mapping) else ((name, None) for name in spec)
         for name, fn in items:
-            if fn is None and name not in _METRICS:
+            if fn is None and name not in METRICS:
                 raise UsageError(f"Expected metrics among {list(METRICS)} or {{name: function}}. Received: {name!r}")
             if fn is not None and not callable(fn):
                 raise UsageError(f"Expected metric {name!r} to be a function. Received: {type(fn).__name__}")
 
+    @property
+    def own_loss(self) -> bool:
+        return self.loss_fn == OWN_LOSS
+
     def resolve(self, sample_batch: Any) -> Task:
-        """Fix ``"auto"`` and the default metrics from a batch of the data (idempotent)."""
-        _, target = self.split(sample_batch)
+        """Fix ``"auto"``, the loss units and the default metrics from a batch of the data (idempotent)."""
+        _, target = split_batch(sample_batch, self.target_key)
         integer = isinstance(target, torch.Tensor) and not target.is_floating_point()
         if self.loss_fn == "auto":
             if not isinstance(target, torch.Tensor):
                 raise UsageError("Expected a tensor target for loss 'auto' (or a loss_fn of your own). "
                                  f"Received: {describe(target)}")
             self.loss_fn = "cross_entropy" if integer else "mse"
-        if isinstance(self.loss_fn, str):
+        if isinstance(self.loss_fn, str) and not self.own_loss:
             self.kind = "classification" if self.loss_fn in CLASSIFICATION_LOSSES else "regression"
-        elif isinstance(target, torch.Tensor):
+            token = self.loss_fn in ("cross_entropy", "nll", "causal_lm") and integer and target.dim() >= 2
+            self.units, self.shift = (TOKENS if token else SAMPLES), (1 if self.loss_fn == "causal_lm" else 0)
+        elif isinstance(target, torch.Tensor) and not self.own_loss:
             self.kind = "classification" if integer else "custom"
-        if self.metric_spec is None:
-            names: Sequence[str] = (("accuracy",) if self.kind == "classification"
-                                    else ("mse", "mae") if self.kind == "regression" else ())
-            self.metric_fns = {n: _METRICS[n] for n in names}
-        elif isinstance(self.metric_spec, Mapping):
-            self.metric_fns = {n: (fn or _METRICS[n]) for n, fn in self.metric_spec.items()}
-        else:
-            self.metric_fns = {n: _METRICS[n] for n in self.metric_spec}
+        self._choose_metrics()
         return self
+
+    def _choose_metrics(self) -> None:
+        token = self.units == TOKENS
+        spec = self.metric_spec
+        if spec is None:
+            names: Sequence[str] = (("token_accuracy", "perplexity") if token and self.kind == "classification"
+                                    else ("accuracy",) if self.kind == "classification"
+                                    else ("mse", "mae") if self.kind == "regression" else ())
+            items: dict[str, MetricFn | None] = dict.fromkeys(names)
+        else:
+            items = dict(spec) if isinstance(spec, Mapping) else dict.fromkeys(spec)
+        self.metric_fns, self.unit_metrics, self.derived = {}, set(), []
+        for name, fn in items.items():
+            if fn is None and name in DERIVED_METRICS:
+                self.derived.append(name)
+                continue
+            if fn is None and (name == "token_accuracy" or (token and name == "accuracy")):
+                fn = functools.partial(token_accuracy, shift=self.shift)
+                self.unit_metrics.add(name)
+            self.metric_fns[name] = fn or _METRICS[name]
+
+    def adopt_own_loss(self, model: nn.Module, batch: Any) -> bool:
+        """With ``"auto"`` or ``"own"``: when ``model``'s output carries a ``loss`` (the target passed
+        as ``labels=`` when its forward takes it), train on that loss. True when it does."""
+        if not (self._auto or self.own_loss) or self.forward_fn is not None and not self.own_loss:
+            return False
+        inputs, target = split_batch(batch, self.target_key)
+        loose = isinstance(inputs, Mapping) or isinstance(inputs, torch.Tensor)
+        self.labels_key = "labels" if loose and _takes(model, "labels") and "labels" not in (
+            inputs if isinstance(inputs, Mapping) else {}) else None
+        self.input_name = _first_input(model)
+        self.own_reduction = "mean"
+        with torch.no_grad():
+            loss = _own_loss(self.forward(model, self.split(batch)[0]))
+        if loss is None:
+            self.labels_key = None
+            if self.own_loss:
+                raise UsageError(f"Expected a model whose output carries a 'loss' for loss_fn='own'. Received: "
+                                 f"{type(model).__name__} returning no loss")
+            return False
+        if loss.dim() != 0:
+            raise UsageError(f"Expected the model's own loss to be one number (a mean). Received: shape "
+                             f"{tuple(loss.shape)}")
+        units = own_loss_units(model)
+        self.loss_fn, self.kind, self.own_model = OWN_LOSS, "custom", type(model).__name__
+        self.own_units_known = units is not None
+        self.units, self.shift = units or (SAMPLES, 0)
+        if self.units == TOKENS:
+            self.kind = "classification"
+        count = self.count(target)
+        if self.labels_key is not None and count > 0 and _takes(model, "num_items_in_batch", kwargs=True):
+            self.own_reduction = "sum"  # the model sums when told how many units it averages over
+            try:
+                with torch.no_grad():
+                    summed = _own_loss(self.forward(model, self.split(batch)[0]))
+            except Exception:  # noqa: BLE001 - it does not take the keyword after all: the mean, re-weighted
+                summed = None
+            if summed is None or not torch.allclose(summed.double(), loss.double() * count, rtol=1e-3, atol=1e-6):
+                self.own_reduction = "mean"
+        self._choose_metrics()
+        return True
+
+    def own_loss_line(self) -> str:
+        """How the model's own loss is re-weighted, for the line a run prints at its start."""
+        what = ("the valid targets after the shift by one" if self.shift else "the valid targets (not -100)"
+                ) if self.units == TOKENS else "the samples"
+        how = ("summed by the model (num_items_in_batch=1)" if self.own_reduction == "sum"
+               else f"its mean times the batch's count of {what}")
+        known = "" if self.own_units_known else " (a head partrain does not know: taken as a mean over samples)"
+        return (f"partrain: training on {self.own_model}'s own loss, a mean over {what}{known}: each batch's loss "
+                f"{how}, divided by the {'valid targets' if self.units == TOKENS else 'samples'} of the global batch, "
+                "so that data-parallel workers equal one process on the global batch")
+
+    def check_exact(self, workers: int, accumulate: int) -> None:
+        """One line when the model's own loss cannot be made exact for this run (more than one
+        micro-batch per step, and a Hugging Face head whose loss units partrain does not know)."""
+        if self.own_loss and not self.own_units_known and (workers > 1 or accumulate > 1):
+            raise UsageError(f"Expected a model whose own loss partrain can re-weight exactly (Hugging Face heads "
+                             f"ending in {', '.join(e for ends, _, _ in _HF_HEADS for e in ends)}) for {workers} "
+                             f"workers x accumulate {accumulate}. Received: {self.own_model}; pass loss_fn (e.g. "
+                             "'causal_lm' on its logits) or run one worker")
 
     @property
     def metric_names(self) -> list[str]:
+        """The metrics summed per batch (`metric_values`' order)."""
         return list(self.metric_fns)
+
+    @property
+    def reported_metrics(self) -> list[str]:
+        """Every metric a run reports: the summed ones, then those derived from the loss."""
+        return [*self.metric_fns, *self.derived]
 
     @property
     def loss_name(self) -> str:
@@ -239,7 +490,21 @@ class Task:
 
     # -- per batch -----------------------------------------------------------------------
     def split(self, batch: Any) -> tuple[Any, Any]:
-        return split_batch(batch, self.target_key)
+        """``(inputs, target)``; the inputs carry the target as ``labels`` for a model's own loss."""
+        inputs, target = split_batch(batch, self.target_key)
+        if self.labels_key is not None:
+            extra: dict[str, Any] = {self.labels_key: target}
+            if self.own_reduction == "sum":
+                extra["num_items_in_batch"] = 1
+            inputs = {**inputs, **extra} if isinstance(inputs, Mapping) else {self.input_name: inputs, **extra}
+        return inputs, target
+
+    def count(self, target: Any) -> int:
+        """The loss units in a batch: its samples, or its valid target positions (`TOKENS`)."""
+        if self.units == SAMPLES:
+            return batch_size(target)
+        valid = target[:, self.shift:] if self.shift else target
+        return int((valid != IGNORE_INDEX).sum())
 
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         if self.precision == "bf16":
@@ -255,16 +520,31 @@ class Task:
             return self.forward_fn(model, inputs) if self.forward_fn else call_model(model, inputs)
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
-        """Per-sample losses, shape ``(N,)``."""
+        """Per-sample losses, shape ``(N,)`` (for token-level tasks, sums over each sample's tokens)."""
         n = batch_size(target)
         if isinstance(self.loss_fn, str):
             if self.loss_fn == "auto":
                 raise RuntimeError("Task.resolve() must run before the loss is computed")
+            if self.own_loss:
+                return self._own(output, target, n)
             out = primary(output)
             values = NAMED_LOSSES[self.loss_fn](out.float() if self.precision == "bf16" else out, target)
         else:
             values = self.loss_fn(_float_output(output) if self.precision == "bf16" else output, target)
         return per_sample(values, n)
+
+    def _own(self, output: Any, target: Any, n: int) -> torch.Tensor:
+        """The model's own loss as its sum over the batch's units, spread evenly over the samples."""
+        loss = _own_loss(output)
+        if loss is None:
+            raise UsageError(f"Expected the model's output to carry a 'loss' on every batch. Received: {describe(output)}")
+        total = loss.float()
+        if self.own_reduction == "mean":
+            count = self.count(target)
+            # no valid target in this micro-batch: a zero that still reaches every parameter (a mean over
+            # nothing is NaN, whose gradient would poison the step)
+            total = total * count if count else primary(output).sum() * 0.0
+        return (total / n).expand(n)
 
     def metric_values(self, output: Any, target: Any) -> torch.Tensor:
         """Per-metric sums over the batch (float64, on the output's device)."""
@@ -276,23 +556,34 @@ class Task:
         return torch.stack([per_sample(fn(out, target), n, f"metric {name!r}").sum().to(torch.float64)
                             for name, fn in self.metric_fns.items()])
 
+    def means(self, loss_sum: float, units: float, samples: float, sums: Sequence[float]) -> tuple[float, dict[str, float]]:
+        """The loss per unit and every reported metric from sums over some batches."""
+        loss = loss_sum / max(units, 1.0)
+        values = {name: float(sums[k]) / max(units if name in self.unit_metrics else samples, 1.0)
+                  for k, name in enumerate(self.metric_fns)}
+        for name in self.derived:  # perplexity: exp of the loss per unit
+            values[name] = math.exp(min(loss, 700.0)) if loss == loss else math.nan
+        return loss, values
+
     def check(self, model: nn.Module, batch: Any, all_targets: torch.Tensor | None = None) -> None:
         """Run the model, the loss and the metrics on ``batch``: bad combinations fail here.
 
         ``all_targets`` (every target of the data, when at hand) is checked against the model's
-        classes for a classification loss.
+        classes for a named classification loss (a loss of the user's is never second-guessed).
+        A model that computes its own loss is taken up here (`adopt_own_loss`).
         """
+        self.adopt_own_loss(model, batch)
         inputs, target = self.split(batch)
         with torch.no_grad():
             output = self.forward(model, inputs)
-            if self.kind == "classification" and isinstance(target, torch.Tensor):
-                check_labels(output, all_targets if all_targets is not None else target)
+            if self.kind == "classification" and isinstance(self.loss_fn, str) and isinstance(target, torch.Tensor):
+                check_labels(output, all_targets if all_targets is not None else target, self.loss_fn)
             self.loss(output, target)
             self.metric_values(output, target)
 
     def describe(self) -> dict[str, Any]:
         """The task as JSON-able settings (for config.json)."""
-        return {"loss": self.loss_name, "kind": self.kind, "metrics": self.metric_names,
+        return {"loss": self.loss_name, "kind": self.kind, "units": self.units, "metrics": self.reported_metrics,
                 "precision": self.precision, "target_key": self.target_key,
                 "forward_fn": _qualname(self.forward_fn), "collate_fn": _qualname(self.collate_fn)}
 

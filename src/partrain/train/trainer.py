@@ -43,7 +43,7 @@ from .result import RunResult
 from .resume import restore
 from .schedule import Schedule, parse_schedule
 from .stopping import StopRule
-from .task import Task
+from .task import SAMPLES, Task
 
 SchedulerFn = Callable[[Optimizer], Any]
 
@@ -148,6 +148,8 @@ class Trainer:
         self.lengths = lengths_of(self.train_ds) if cfg.bucket is not False else None
         if blocker is None and self.lengths is not None:
             blocker = "batches bucketed by length"
+        if blocker is None and self.task.units != SAMPLES:
+            blocker = "a token-level loss (each step divides by its valid tokens)"
         if settings is not None and not cfg.data_on_device:
             t_compile = time.perf_counter()
             if compile_model(model, settings, self._trial_batch(), self.task, quiet=cfg.quiet or not strategy.is_main):
@@ -191,7 +193,8 @@ class Trainer:
         strategy, step, times = self.strategy, self.position.step, totals.times
         train = torch.cat([
             torch.tensor([totals.loss_sum.item(), float(totals.seen), times.data, times.compute, times.comm,
-                          float(strategy.comm_bytes - totals.comm_bytes), float(totals.skipped)],
+                          float(strategy.comm_bytes - totals.comm_bytes), float(totals.skipped),
+                          totals.units if self.task.units != SAMPLES else float(totals.seen)],
                          dtype=torch.float64),
             totals.metric_sums.cpu(),
             # the epoch's seconds and a count (the mean over whoever sums: workers, a pipeline's first stages)
@@ -319,22 +322,23 @@ def evaluate(strategy: Strategy, model: nn.Module, ds: Dataset | None, task: Tas
     """Loss and metrics on ``ds``, each worker taking its shard, reduced over workers."""
     names = task.metric_names
     if ds is None or len(ds) == 0:  # type: ignore[arg-type]
-        return math.nan, {name: math.nan for name in names}
+        return math.nan, {name: math.nan for name in task.reported_metrics}
     net = strategy.unwrap(model)
     was_training = net.training
     net.eval()
     sampler = strategy.shard(len(ds), eval_batch_size, shuffle=False)  # type: ignore[arg-type]
     # summed on the device: no host synchronisation per batch
-    totals = torch.zeros(2 + len(names), dtype=torch.float64, device=strategy.device)
+    totals = torch.zeros(3 + len(names), dtype=torch.float64, device=strategy.device)
     with torch.no_grad():
         for batch in InlineBatches(ds, sampler, strategy.device, task.collate_fn):
             inputs, target = task.split(batch)
             out = task.forward(net, inputs)
             totals[0] += task.loss(out, target).sum()
             totals[1] += batch_size(target, inputs)
+            totals[2] += task.count(target) if task.units != SAMPLES else batch_size(target, inputs)
             if names:
-                totals[2:] += task.metric_values(out, target)
+                totals[3:] += task.metric_values(out, target)
     net.train(was_training)
     strategy.all_reduce_sum(totals)
-    n = max(totals[1].item(), 1.0)
-    return totals[0].item() / n, {name: totals[2 + k].item() / n for k, name in enumerate(names)}
+    sums = totals.tolist()
+    return task.means(sums[0], sums[2], sums[1], sums[3:])
