@@ -88,3 +88,20 @@ def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Any = None) -> No
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(out, t, group=group)
+
+
+def checkpoint_activations(module: torch.nn.Module) -> None:
+    """Recompute ``module``'s activations in the backward pass instead of keeping them, without
+    changing its parameters' names (``torch.distributed._composable.checkpoint``, which FSDP2
+    composes with; before it, ``torch.utils.checkpoint`` around its forward)."""
+    try:
+        from torch.distributed._composable import checkpoint
+    except ImportError:  # pragma: no cover - older torch
+        import functools
+
+        from torch.utils.checkpoint import checkpoint as call
+
+        forward = module.forward
+        module.forward = functools.partial(call, forward, use_reentrant=False)  # type: ignore[method-assign]
+        return
+    checkpoint(module)

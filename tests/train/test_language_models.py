@@ -244,3 +244,46 @@ def test_asynchronous_strategies_train_a_transformer_on_each_worker_s_token_mean
                  **{**COMMON, "epochs": 2})
     losses = [row["train_loss"] for row in result.history]
     assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
+
+
+# ----- activation checkpointing -------------------------------------------------------------
+def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes the forward pass keeps for the backward pass (what activation checkpointing saves)."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x).sum()
+    loss.backward()
+    return total
+
+
+def test_activation_checkpointing_keeps_less_and_changes_no_number():
+    from partrain.nn.checkpointing import checkpoint_blocks
+
+    x = torch.randint(0, V, (4, T))
+    torch.manual_seed(0)
+    plain = small_gpt()
+    torch.manual_seed(0)
+    checkpointed = small_gpt()
+    assert checkpoint_blocks(checkpointed, True) == ["blocks.0", "blocks.1"]
+    assert saved_bytes(checkpointed, x) < 0.6 * saved_bytes(plain, x)
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    assert list(dict(plain.named_parameters())) == list(dict(checkpointed.named_parameters()))
+
+
+def test_fit_with_activation_checkpointing_equals_one_process():
+    result = fit(hf_gpt2, padded_text, sgd, strategy="allreduce", workers=2, loss_fn="causal_lm",
+                 forward_fn=logits_only, activation_checkpointing=True, **COMMON)
+    assert_states_close(result.model_state, by_hand(hf_gpt2, PaddedText(), causal_ce, batch=8))
+
+
+def test_activation_checkpointing_without_blocks_is_one_line():
+    with pytest.raises(UsageError, match="Expected modules of class Nope in GPT for activation_checkpointing. "
+                                         "Received: none"):
+        fit(small_gpt, shifted_text, sgd, strategy="single", activation_checkpointing="Nope", **COMMON)

@@ -60,10 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from ..data.datasets import DataSpec, load_dataset, num_classes, sample_shape
-    from ..models import MODELS, build_named_model, model_kwargs_for
-    from ..optim import make_optimizer
-    from ..train.cli import _shape
+    from ..data.datasets import load_dataset
+    from ..models import build_named_model
+    from ..train.cli import data_spec, model_kwargs, optimizer_fn_of
     from .options import parse_bandwidth, parse_budget, parse_links, parse_straggler
     from .report import format_result, to_json
     from .run import CANDIDATES, OVER_BUDGET, compare
@@ -91,13 +90,10 @@ def run(args: argparse.Namespace) -> int:
     from .run import compare_device, default_workers
 
     compare_device(args.device, default_workers(args.workers))  # before the data loads
-    spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
-                    classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed, target=args.target)
+    spec = data_spec(args)
     train_ds, _ = load_dataset(spec)
-    kwargs = model_kwargs_for(args.model, sample_shape(train_ds), num_classes(train_ds)) \
-        if args.model in MODELS else {}
-    optimizer_fn = functools.partial(make_optimizer, args.optimizer, lr=args.lr, momentum=args.momentum,
-                                     weight_decay=args.weight_decay)
+    kwargs = model_kwargs(args, train_ds)
+    optimizer_fn = optimizer_fn_of(args)
     out = args.out
     if out is None:
         from ..files import numbered_dir

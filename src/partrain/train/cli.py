@@ -36,8 +36,15 @@ NOT_REPEATED = ("out", "overwrite", "resume", "config", "quiet")
 def add_model_data_arguments(d: argparse._ArgumentGroup) -> None:
     """The model and data options (``partrain train`` and ``partrain compare`` share them)."""
     d.add_argument("--model", default="cnn", help=f"one of {', '.join(MODELS)} or module:function")
+    d.add_argument("--model-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of a built-in model, repeatable (e.g. --model-opt n_layer=6 for gpt)")
     d.add_argument("--dataset", default="digits",
-                   help="digits, synthetic, a .npz file with x/y, a .csv file with a header, or module:function")
+                   help="digits, synthetic, a .npz file with x/y, a .csv file with a header, text (the bundled "
+                        "corpus), text:PATH (a UTF-8 file or directory), or module:function")
+    d.add_argument("--block-size", type=int, default=128, metavar="TOKENS",
+                   help="tokens per sample of a text --dataset")
+    d.add_argument("--tokenizer", default=None, metavar="NAME",
+                   help="a cached Hugging Face tokenizer for a text --dataset (default: UTF-8 bytes)")
     d.add_argument("--target", default=None, metavar="COLUMN",
                    help="the target column of a .csv --dataset (default: the last); integers or words are classes, "
                         "other numbers values to predict")
@@ -47,11 +54,49 @@ def add_model_data_arguments(d: argparse._ArgumentGroup) -> None:
     d.add_argument("--test-fraction", type=float, default=0.2, help="held-out share for evaluation")
 
 
+def data_spec(args: argparse.Namespace) -> DataSpec:
+    """The data the model and data options name (``partrain train`` and ``partrain compare``)."""
+    if args.block_size < 2:
+        raise UsageError(f"Expected --block-size of at least 2 tokens. Received: {args.block_size}")
+    return DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
+                    classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed,
+                    target=args.target, block_size=args.block_size, tokenizer=args.tokenizer)
+
+
+def model_kwargs(args: argparse.Namespace, train_ds: Any) -> dict[str, Any]:
+    """A built-in model's options for the data (its shape, classes or vocabulary) and --model-opt."""
+    if args.model not in MODELS:
+        if args.model_opt:
+            raise UsageError(f"Expected --model-opt with a built-in model ({', '.join(MODELS)}). Received: "
+                             f"--model {args.model!r}, whose options are its factory's own")
+        return {}
+    kwargs = model_kwargs_for(args.model, sample_shape(train_ds), num_classes(train_ds))
+    if args.model == "gpt":  # an epoch of the bundled corpus in about half a minute on two cores
+        kwargs.update(n_layer=4, n_head=4, n_embd=128)
+    for pair in args.model_opt:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"Expected --model-opt as KEY=VALUE. Received: {pair!r}")
+        try:
+            kwargs[key.strip()] = json.loads(raw)
+        except ValueError:
+            kwargs[key.strip()] = raw
+    return kwargs
+
+
+def optimizer_fn_of(args: argparse.Namespace) -> Callable[..., Any]:
+    """The optimizer the options name; by default AdamW for a transformer (``gpt``), on which SGD
+    crawls, and SGD with momentum for the rest."""
+    name = args.optimizer or ("adamw" if args.model == "gpt" else "sgd")
+    lr = args.lr if args.lr is not None else (0.05 if name == "sgd" else 1e-3)
+    return functools.partial(make_optimizer, name, lr=lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+
 def add_optimizer_arguments(o: argparse._ArgumentGroup) -> None:
     """The batch, optimizer, seed and loss options (``partrain train`` and ``partrain compare``)."""
     o.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
-    o.add_argument("--lr", type=float, default=0.05)
-    o.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
+    o.add_argument("--lr", type=float, default=None, help="default: 0.05 for sgd, 0.001 for adam/adamw")
+    o.add_argument("--optimizer", choices=OPTIMIZERS, default=None, help="default: adamw for gpt, else sgd")
     o.add_argument("--momentum", type=float, default=0.9, help="for sgd")
     o.add_argument("--weight-decay", type=float, default=0.0)
     o.add_argument("--seed", type=int, default=0)
@@ -123,6 +168,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--warmup-steps", type=int, default=0, help="linear learning-rate warm-up over these steps")
     o.add_argument("--clip-grad", type=float, default=None, metavar="NORM", help="clip the gradient's L2 norm")
     o.add_argument("--precision", choices=PRECISIONS, default="fp32", help="bf16: autocast the forward pass")
+    o.add_argument("--activation-checkpointing", nargs="?", const=True, default=False, metavar="CLASS",
+                   help="recompute activations in the backward pass: of the model's repeated blocks, or of the "
+                        "modules of class CLASS (comma-separated classes)")
     o.add_argument("--on-nan", choices=ON_NAN, default="stop",
                    help="a non-finite loss or gradient stops the run, skips the step, or is not checked")
     o.add_argument("--early-stop", type=int, default=None, metavar="EPOCHS",
@@ -149,6 +197,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write the run's summary as JSON: strategy, workers, the last epoch's figures, why it "
                         "stopped, and startup_s (seconds from the command's start to the first optimizer step)")
     p.set_defaults(func=run, _parser=p)
+
+
+def _checkpointing(value: bool | str) -> bool | str | list[str]:
+    if isinstance(value, str) and "," in value:
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return value
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -180,17 +234,14 @@ def run(args: argparse.Namespace) -> int:
         workers = min(workers, gpus)  # on GPUs: one worker per GPU (NCCL's rule)
     if not 0 < args.test_fraction < 1:
         raise UsageError(f"Expected 0 < --test-fraction < 1. Received: {args.test_fraction}")
-    spec = DataSpec(name=args.dataset, samples=args.synthetic_samples, shape=_shape(args.synthetic_shape),
-                    classes=args.synthetic_classes, test_fraction=args.test_fraction, seed=args.seed,
-                    target=args.target)
-    train_ds, _ = load_dataset(spec)  # here first: bad data is one line before any process starts
+    spec = data_spec(args)
+    train_ds, test_ds = load_dataset(spec)  # here first: bad data is one line before any process starts
     shape, outputs = sample_shape(train_ds), num_classes(train_ds)
-    kwargs = model_kwargs_for(args.model, shape, outputs) if args.model in MODELS else {}
+    kwargs = model_kwargs(args, train_ds)
     # fit checks the model against the data, the optimizer settings and the checkpoint, once
     task = Task(args.loss, precision=args.precision)
     task.resolve(first_batch(train_ds, task.collate_fn))  # the task's kind, for the model spec
-    optimizer_fn = functools.partial(make_optimizer, args.optimizer, lr=args.lr, momentum=args.momentum,
-                                     weight_decay=args.weight_decay)
+    optimizer_fn = optimizer_fn_of(args)
     one_launcher = external_launcher() is None and args.nnodes == 1  # not torchrun/srun/PyTorchJob, one node
     out, resume = _run_dir(args, one_launcher)
     if args.json:
@@ -222,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite, return_state=False, model_spec=model_spec,
         loader=args.loader, loader_workers=args.loader_workers, prefetch=args.prefetch,
         data_on_device=args.data_on_device, compile=args.compile,
+        activation_checkpointing=_checkpointing(args.activation_checkpointing),
         extra_config={"cli": _cli_settings(args), **({"processes": processes} if processes else {})},
         **_multinode(args),
     )
@@ -236,7 +288,29 @@ def run(args: argparse.Namespace) -> int:
         epochs = len(result.history)
         print(f"{shown}  ({args.strategy}, {workers} worker{'s' * (workers != 1)}, {epochs} epoch{'s' * (epochs != 1)}; "
               f"metrics, curves and checkpoint in {out})")
+        if not args.quiet:
+            _show_sample(result.checkpoint, test_ds if test_ds is not None and len(test_ds) else train_ds, args.seed)
     return 0
+
+
+def _show_sample(checkpoint: str | None, ds: Any, seed: int, tokens: int = 200) -> None:
+    """A language model trained on text: a short sample it writes after a prompt from ``ds``."""
+    import torch
+
+    from ..checkpoint import load_model
+
+    decode = getattr(ds, "decode", None)
+    if decode is None or checkpoint is None or not os.path.exists(checkpoint):
+        return
+    model, _ = load_model(checkpoint)
+    if not hasattr(model, "generate"):
+        return
+    prompt = ds[0][0][:32].unsqueeze(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        ids = model.generate(prompt, tokens, temperature=0.8, top_k=40)[0]
+    start, text = decode(prompt[0]), decode(ids[prompt.shape[1]:])
+    print(f"sample (temperature 0.8, after the prompt in brackets):\n[{start}]{text}")
 
 
 def _run_dir(args: argparse.Namespace, one_launcher: bool) -> tuple[str, str | None]:

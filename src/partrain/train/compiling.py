@@ -103,6 +103,8 @@ def fused_blocker(strategy: Any, model: nn.Module, cfg: Any) -> str | None:
                 "whose step stays in one process: single, allreduce)")
     if cfg.accumulate != 1:
         return f"accumulate={cfg.accumulate}"
+    if cfg.activation_checkpointing:
+        return "activation_checkpointing"
     if cfg.clip_grad is not None:
         return "clip_grad is set"
     if cfg.on_nan == "skip":

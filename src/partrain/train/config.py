@@ -109,6 +109,9 @@ class FitConfig:
     #: batch samples of similar length together (`partrain.data.BucketBatchSampler`); needs a
     #: training set with ``lengths`` (`partrain.data.Sequences`); None: when it has them
     bucket: bool | None = None
+    #: recompute activations in the backward pass (`partrain.nn.checkpointing`): True for the
+    #: model's repeated blocks, or a block class name (or a list of them)
+    activation_checkpointing: bool | str | list[str] = False
 
     def loader_settings(self) -> LoaderSettings:
         return LoaderSettings(self.loader, self.loader_workers, self.prefetch, self.loader_timeout)
@@ -118,6 +121,10 @@ class FitConfig:
         _positive("batch_size", self.batch_size, "batch size")
         _positive("eval_batch_size", self.eval_batch_size, "evaluation batch size")
         _positive("accumulate", self.accumulate, "number of micro-batches to accumulate")
+        spec = self.activation_checkpointing
+        if not (isinstance(spec, (bool, str)) or isinstance(spec, (list, tuple)) and all(isinstance(s, str) for s in spec)):
+            raise UsageError("Expected activation_checkpointing to be True/False, a block class name or a list of them. "
+                             f"Received: {spec!r}")
         if self.max_steps is not None:
             _positive("max_steps", self.max_steps, "number of steps")
         _seconds_or_none("max_seconds", self.max_seconds)

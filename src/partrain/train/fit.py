@@ -49,6 +49,7 @@ from ..data.generated import Generated
 from ..env import external_launcher, global_rank_from_environ
 from ..errors import UsageError, first_line
 from ..launch import launch, starts_processes
+from ..nn.checkpointing import blocks_to_checkpoint
 from ..strategies.base import Strategy, get_strategy
 from .config import FitConfig, LaunchConfig, split_options
 from .prepare import (
@@ -214,6 +215,8 @@ def _check_model(model_fn: Callable[[], nn.Module], optimizer_fn: Callable[..., 
     if not isinstance(model, nn.Module):
         raise UsageError(f"Expected model_fn to return a torch.nn.Module. Received: {type(model).__name__}")
     task = check_model_takes(model, train_ds, _model_name(cfg.model_spec), _data_name(data), task=task)
+    if cfg.activation_checkpointing:
+        blocks_to_checkpoint(model, cfg.activation_checkpointing)  # one line here when it names nothing
     _check_optimizer(optimizer_fn, model)
     _check_monitor(cfg, task, has_test=test_ds is not None and len(test_ds) > 0)  # type: ignore[arg-type]
     if ckpt is not None:

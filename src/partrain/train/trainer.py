@@ -31,6 +31,7 @@ from ..data.pipeline import Feeder, InlineBatches
 from ..env import available_cores
 from ..errors import UsageError, first_line
 from ..metrics import MetricsWriter
+from ..nn.checkpointing import checkpoint_blocks
 from ..nn.freeze import load_freeze_state_dict
 from ..strategies.base import Strategy
 from .checkpointer import Checkpointer, checkpoint_path
@@ -140,6 +141,7 @@ class Trainer:
             if ckpt.get("freeze"):  # frozen slices stay frozen across a resume
                 load_freeze_state_dict(model, ckpt["freeze"], strict=False)
         model = model.to(strategy.device)
+        checkpoint_blocks(model, cfg.activation_checkpointing)
         self.feeder = Feeder(self.train_ds, strategy.device, cfg.loader_settings(), self.task.collate_fn,
                              on_device=cfg.data_on_device)
         settings = compile_settings(cfg.compile, strategy.device)
