@@ -29,7 +29,7 @@ $(VENV)/.base: pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(UV) -e '.[dev,serve,ray,h5py,rl]'
+	$(UV) -e '.[dev,serve,ray,h5py,rl,hf]'
 	touch $@
 
 run: $(VENV)/.base

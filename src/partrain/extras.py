@@ -31,6 +31,7 @@ MODULE_EXTRAS = {
     "litserve": "bench",
     "stable_baselines3": "rl-bench",
     "tensorboard": "tensorboard",
+    "transformers": "hf",
 }
 # the modules each extra installs beyond MODULE_EXTRAS' own (pyproject.toml: rl = serve + ...)
 _INCLUDES = {"rl": ("serve",), "rl-bench": ("rl", "serve"), "stream": (), "bench": ("serve",)}
