@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from partrain.data import Sequences, TokenCollate
 from partrain.errors import UsageError
 from partrain.models.gpt import gpt
 from partrain.train.fit import fit
@@ -80,7 +81,8 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-def by_hand(model_fn, dataset: Dataset, loss_of, *, batch: int, steps: int | None = None) -> dict[str, torch.Tensor]:
+def by_hand(model_fn, dataset: Dataset, loss_of, *, batch: int, steps: int | None = None,
+            collate=torch.utils.data.default_collate) -> dict[str, torch.Tensor]:
     """One process, plain PyTorch, on the global batches of `epoch_order`: ``loss_of(model, batch)``
     is the mean over the global batch's valid tokens."""
     with torch_threads(1):
@@ -92,7 +94,7 @@ def by_hand(model_fn, dataset: Dataset, loss_of, *, batch: int, steps: int | Non
             if steps is not None and k == steps:
                 break
             samples = [dataset[int(i)] for i in order[start:start + batch]]
-            glob = torch.utils.data.default_collate(samples)
+            glob = collate(samples)
             opt.zero_grad()
             loss_of(model, glob).backward()
             opt.step()
@@ -287,3 +289,49 @@ def test_activation_checkpointing_without_blocks_is_one_line():
     with pytest.raises(UsageError, match="Expected modules of class Nope in GPT for activation_checkpointing. "
                                          "Received: none"):
         fit(small_gpt, shifted_text, sgd, strategy="single", activation_checkpointing="Nope", **COMMON)
+
+
+# ----- variable-length text: padded per batch, bucketed -----------------------------------------
+def variable_text() -> tuple[Dataset, None]:
+    """Sequences of 2..T tokens (ids only: the labels are the ids, shifted by ``causal_lm``)."""
+    data = PaddedText()
+    seqs = [data.ids[i, : int(data.sizes[i])] for i in range(len(data))]
+    return Sequences(seqs, seqs), None
+
+
+def gpt_logits(model, inputs):
+    return model(inputs["input_ids"], inputs["attention_mask"])
+
+
+def causal_ce_gpt(model, batch):
+    logits = gpt_logits(model, batch)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V), batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
+
+
+def test_padding_counts_nowhere_each_worker_padding_to_its_own_longest():
+    # each worker pads its share of the global batch to its own longest sequence, the reference
+    # pads the whole global batch at once: equal results, since padding counts in no loss
+    result = fit(small_gpt, variable_text, sgd, strategy="allreduce", workers=2, loss_fn="causal_lm",
+                 collate_fn=TokenCollate(), bucket=False, **COMMON)
+    train, _ = variable_text()
+    assert_states_close(result.model_state, by_hand(small_gpt, train, causal_ce_gpt, batch=8,
+                                                    collate=TokenCollate()))
+    assert result.history[-1]["tokens"] == int((train.lengths - 1).sum())
+
+
+def test_variable_length_text_is_bucketed_by_length_and_trains():
+    result = fit(small_gpt, variable_text, sgd, strategy="allreduce", workers=2, loss_fn="causal_lm",
+                 collate_fn=TokenCollate(), **{**COMMON, "epochs": 3})
+    train, _ = variable_text()
+    rows = result.history
+    assert all(row["tokens"] == int((train.lengths - 1).sum()) for row in rows)  # every target once an epoch
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+
+
+def test_token_collate_pads_ids_mask_and_labels():
+    batch = TokenCollate(pad_id=7)([torch.tensor([1, 2, 3]), torch.tensor([4])])
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 7, 7]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[1, 2, 3], [4, -100, -100]]
+    with pytest.raises(UsageError, match=r"Expected token samples as ids \[T\] or \(ids \[T\], labels \[T\]\)"):
+        TokenCollate()([(torch.tensor([1, 2]), torch.tensor([1]))])

@@ -3,11 +3,20 @@
 from .bucketing import BucketBatchSampler
 from .datasets import DataSpec, load_dataset, load_digits, load_npz, synthetic
 from .generated import Generated
-from .padding import PadCollate, Sequences, mask_of, pack, pad_cat, pad_collate, pad_sequences
+from .padding import (
+           PadCollate,
+           Sequences,
+           TokenCollate,
+           mask_of,
+           pack,
+           pad_cat,
+           pad_collate,
+           pad_sequences,
+)
 from .pipeline import LOADERS, Feeder, LoaderError, LoaderSettings
 from .sharding import ShardedBatchSampler
 from .sources import HDF5Dataset, NpyArrays
 
 __all__ = ["LOADERS", "BucketBatchSampler", "DataSpec", "Feeder", "Generated", "HDF5Dataset", "LoaderError", "LoaderSettings",
-           "NpyArrays", "PadCollate", "Sequences", "ShardedBatchSampler", "load_dataset", "load_digits",
+           "NpyArrays", "PadCollate", "Sequences", "TokenCollate", "ShardedBatchSampler", "load_dataset", "load_digits",
            "load_npz", "mask_of", "pack", "pad_cat", "pad_collate", "pad_sequences", "synthetic"]

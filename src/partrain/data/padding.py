@@ -93,6 +93,34 @@ class PadCollate:
 
 pad_collate = PadCollate()
 
+#: a target position that counts in no loss or metric (`partrain.train.task.IGNORE_INDEX`)
+IGNORE_INDEX = -100
+
+
+class TokenCollate:
+    """Collate token sequences for a language model: ``{"input_ids", "attention_mask", "labels"}``
+    padded on the right to the batch's longest (ids with ``pad_id``, the mask 0 and the labels
+    -100 there, so that padding counts in no loss and no metric).
+
+    A sample is ``ids`` (the labels are the ids: the loss shifts them, ``causal_lm`` or a Hugging
+    Face model's own) or ``(ids, labels)`` of equal length (labels already aligned with the
+    logits, e.g. shifted by one: ``cross_entropy``). Both the built-in ``gpt`` and Hugging Face
+    models take ``input_ids`` and ``attention_mask``; the target is found under ``labels``.
+    """
+
+    def __init__(self, pad_id: int = 0) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, samples: list[Any]) -> dict[str, Tensor]:
+        pairs = [(torch.as_tensor(s[0]), torch.as_tensor(s[1])) if isinstance(s, (tuple, list)) and len(s) == 2
+                 else (torch.as_tensor(s), torch.as_tensor(s)) for s in samples]
+        if not pairs or any(ids.dim() != 1 or ids.shape != labels.shape for ids, labels in pairs):
+            raise UsageError("Expected token samples as ids [T] or (ids [T], labels [T]). Received: "
+                             f"{[tuple(ids.shape) for ids, _ in pairs[:3]] or 'no samples'}")
+        ids, lengths = pad_sequences([ids.long() for ids, _ in pairs], self.pad_id)
+        labels, _ = pad_sequences([labels.long() for _, labels in pairs], IGNORE_INDEX)
+        return {"input_ids": ids, "attention_mask": mask_of(lengths, ids.shape[1]).long(), "labels": labels}
+
 
 class Sequences(Dataset):
     """Variable-length samples in memory: ``(sequences[i], targets[i])``, with their ``lengths``.
@@ -118,5 +146,5 @@ class Sequences(Dataset):
         return self.sequences[i], self.targets[i]
 
 
-__all__ = ["PadCollate", "Sequences", "mask_of", "pack", "pad_cat", "pad_collate", "pad_sequences",
+__all__ = ["PadCollate", "Sequences", "TokenCollate", "mask_of", "pack", "pad_cat", "pad_collate", "pad_sequences",
            "padding_fraction"]
