@@ -335,3 +335,14 @@ def test_token_collate_pads_ids_mask_and_labels():
     assert batch["labels"].tolist() == [[1, 2, 3], [4, -100, -100]]
     with pytest.raises(UsageError, match=r"Expected token samples as ids \[T\] or \(ids \[T\], labels \[T\]\)"):
         TokenCollate()([(torch.tensor([1, 2]), torch.tensor([1]))])
+
+
+def gpt32() -> nn.Module:
+    return gpt(vocab_size=V, n_layer=2, n_head=2, n_embd=16, block_size=T)
+
+
+def test_bf16_clipping_and_accumulation_train_the_gpt_as_they_train_a_cnn():
+    result = fit(gpt32, shifted_text, functools.partial(torch.optim.AdamW, lr=3e-3), strategy="allreduce", workers=2,
+                 precision="bf16", clip_grad=0.5, accumulate=2, **{**COMMON, "epochs": 4})
+    losses = [row["train_loss"] for row in result.history]
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
