@@ -35,6 +35,7 @@ def test_train_options_are_frozen():
         "--help", "--strategy", "--strategy-opt", "--workers", "--threads", "--backend", "--device", "--timeout",
         "--nnodes", "--node-rank", "--master-addr", "--master-port", "--model", "--dataset", "--target",
         "--synthetic-samples", "--synthetic-shape", "--synthetic-classes", "--test-fraction", "--sync-bn",
+        "--model-opt", "--block-size", "--tokenizer", "--activation-checkpointing",
         "--epochs", "--batch-size", "--accumulate", "--lr", "--scale-lr", "--optimizer", "--momentum",
         "--weight-decay", "--max-steps", "--max-seconds", "--samples-per-epoch", "--seed", "--out", "--resume", "--quiet",
         "--loss", "--lr-schedule", "--warmup-steps", "--clip-grad", "--precision", "--on-nan", "--early-stop",
