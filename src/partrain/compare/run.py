@@ -606,19 +606,24 @@ def _loader(ds: Any, batch_size: int, task: Any) -> DataLoader:
 
 
 def initial_loss(model: nn.Module, ds: Any, task: Any, limit: int = TEST_SAMPLES) -> float:
-    """The untrained model's mean loss on (up to ``limit`` samples of) ``ds``: each curve's first point."""
-    total, count = 0.0, 0
+    """The untrained model's mean loss on (up to ``limit`` samples of) ``ds``: each curve's first point.
+
+    Per loss unit, as the windows' evaluations report theirs (`Task.count`): per sample, or per
+    valid token for a token-level loss, whose per-sample values sum a sequence's tokens.
+    """
+    total, units, count = 0.0, 0, 0
     was = model.training
     model.eval()
     with torch.no_grad():
         for batch in _loader(ds, limit, task):
             inputs, target = task.split(batch)
             total += float(task.loss(task.forward(model, inputs), target).double().sum())
+            units += task.count(target)
             count += int(target.shape[0]) if isinstance(target, torch.Tensor) else len(target)
             if count >= limit:
                 break
     model.train(was)
-    return total / count if count else math.nan
+    return total / units if units else math.nan
 
 
 def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[..., Any], batch_size: int,

@@ -6,7 +6,8 @@ A MODEL is ``[name=]source`` where source is one of (checked in this order):
   shapes and dtypes are read from the program, and its batch dim must be dynamic;
 - a TorchScript archive (``torch.jit.save``; recognised by its ``code/`` entries);
 - a checkpoint written by ``partrain train`` (read with ``weights_only=True``; the
-  recorded model spec rebuilds the module, its ``input_shape`` describes inputs);
+  recorded model spec rebuilds the module, its ``input_shape`` describes inputs: for
+  token ids, the first layer an ``Embedding``, any length up to the recorded one);
 - ``module:factory``: a function returning an ``nn.Module`` (or a `ServedModel`).
 
 None of these unpickles arbitrary code: checkpoints load with ``weights_only``,
@@ -173,6 +174,7 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
     dtypes: Any = dtype
     names: list[str | None] | None = None
     keywords = False
+    max_shape: tuple[int, ...] | None = None
     if os.path.isfile(source):
         if source.endswith(".pt2"):
             module, found, found_dtypes, static = _exported(source, dev)
@@ -196,6 +198,8 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
                 shapes, found_dtypes, names = _spec_inputs(spec["inputs"], source)
                 dtypes = dtypes if dtypes is not None else found_dtypes
                 keywords = all(names)  # a dict batch: the model took them by keyword
+            elif shape is None and shapes is not None:  # one input: a language model's block is its limit
+                shapes, max_shape = _token_length(module, shapes)
             parameters = spec_parameters(spec, source)
     elif ":" in source and not os.path.exists(source):
         module = _call_factory(source)
@@ -221,12 +225,30 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
     else:
         try:
             served = ServedModel.from_module(name, module, shapes, dtype=dtypes, device=dev, input_names=names,
-                                             keywords=keywords, **settings)
+                                             keywords=keywords, max_shape=max_shape, **settings)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise UsageError(f"Model {name!r} failed on an example input of shape {shapes}: "
                              f"{error_line(exc)}") from None
     served.parameters.update(parameters)
     return served
+
+
+def _token_length(module: Any, recorded: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """A checkpoint's recorded sample shape as served: a sequence of indices (the first layer an
+    ``Embedding``) of any length up to the recorded one, else the recorded shape itself.
+
+    A language model trains on blocks of one length, which the spec records as the sample
+    shape; it answers any shorter prompt too, and nothing longer than what it learned
+    positions for (a GPT's ``block_size``). Other inputs (images, table rows) keep
+    their recorded shape.
+    """
+    try:
+        inferred = infer_input(module)
+    except ShapeNotInferred:
+        return recorded, None
+    if inferred.value_range is None or inferred.shape != (-1,) or len(recorded) != 1:
+        return recorded, None
+    return (-1,), recorded
 
 
 def _spec_inputs(inputs: Any, source: str) -> tuple[list[tuple[int, ...]], list[torch.dtype], list[str | None]]:

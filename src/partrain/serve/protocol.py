@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .shapes import ShapeNotInferred, infer_input, probe
+from .shapes import DYNAMIC, PROBE_SIZES, ShapeNotInferred, infer_input, pads_right_exactly, probe
 
 try:  # orjson parses a request of 784 floats ~10x faster than json (optional, `serve` extra)
     import orjson
@@ -112,14 +112,32 @@ def datatype_of_array(a: np.ndarray) -> str:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Name, OIP datatype and shape of one model input or output (-1 = variable dim)."""
+    """Name, OIP datatype and shape of one model input or output (-1 = variable dim).
+
+    An input may carry limits a request is checked against (400 otherwise), which the
+    model metadata lists under ``parameters.input_limits`` (the protocol's tensor
+    metadata has no place for them): ``max_shape``, the largest size of each dim
+    (``-1``: none; a language model's context), and ``value_range``, the integers
+    accepted, ``[low, high)`` (the rows of an embedding: token ids).
+    """
 
     name: str
     datatype: str
     shape: tuple[int, ...]
+    max_shape: tuple[int, ...] | None = None
+    value_range: tuple[int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+    def limits(self) -> dict[str, list[int]]:
+        """``{"max_shape": [...], "value_range": [low, high]}``, each only when set."""
+        out = {}
+        if self.max_shape is not None:
+            out["max_shape"] = list(self.max_shape)
+        if self.value_range is not None:
+            out["value_range"] = list(self.value_range)
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> TensorSpec:
@@ -162,7 +180,7 @@ class ServedModel:
         input_shape: Sequence[int] | Sequence[Sequence[int]] | None = None,
         *, dtype: torch.dtype | Sequence[torch.dtype] | None = None, version: str = "1",
         device: torch.device | str | None = None, input_names: Sequence[str | None] | None = None,
-        keywords: bool = False, **settings: Any,
+        keywords: bool = False, max_shape: Sequence[int] | None = None, **settings: Any,
     ) -> ServedModel:
         """Describe ``module`` by running it on zeros (see `partrain.serve.shapes.probe`).
 
@@ -177,20 +195,30 @@ class ServedModel:
         with ``keywords`` the module is called with them as keyword arguments (a model
         trained on dict batches), else positionally in this order. Raises `ValueError`
         when the shape cannot be inferred or no example runs.
+
+        Token inputs: a one-input model whose first layer is an ``Embedding`` refuses
+        indices outside its rows (400); ``max_shape`` (one input's, ``-1`` for no
+        bound) caps its dynamic dims, e.g. ``(-1, 32)`` with ``input_shape=(-1,)``: any
+        length up to 32. Such a model pads requests of different lengths into one
+        batch (at their end) when `partrain.serve.shapes.pads_right_exactly` finds its
+        answers unchanged by it, unless ``pad`` is given.
         """
         inferred = None
-        if input_shape is None or dtype is None:
-            try:
-                inferred = infer_input(module)
-            except ShapeNotInferred:
-                if input_shape is None:
-                    raise
+        try:
+            inferred = infer_input(module)
+        except ShapeNotInferred:
+            if input_shape is None:
+                raise
         shapes = _shape_list(input_shape if input_shape is not None else inferred.shape)
         if dtype is None:
             dtype = inferred.dtype if inferred is not None else torch.float32
         dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
         if len(dtypes) != len(shapes):
             raise ValueError(f"Expected one dtype per input. Received: {len(dtypes)} dtypes for {len(shapes)} inputs")
+        bound = _bound(max_shape, shapes)
+        # the first layer's indices bound the values of the one input that feeds it
+        value_range = (inferred.value_range if inferred is not None and len(shapes) == 1
+                       and not dtypes[0].is_floating_point and dtypes[0] != torch.bool else None)
         if isinstance(module, nn.Module):
             try:
                 module.eval()
@@ -232,12 +260,20 @@ class ServedModel:
                 out = out.cpu() if isinstance(out, Tensor) else tuple(o.cpu() for o in out)
             return out
 
-        described = probe(fn, shapes, dtypes)
-        inputs = [TensorSpec(names[i] or _io_name("input", i, len(shapes)), datatype_of(d), (-1, *s))
+        described = probe(fn, shapes, dtypes, [bound] + [None] * (len(shapes) - 1))
+        if bound is not None and DYNAMIC not in described.inputs[0]:
+            bound = None  # one size ran, the dims are fixed to it: nothing left to cap
+        inputs = [TensorSpec(names[i] or _io_name("input", i, len(shapes)), datatype_of(d), (-1, *s),
+                             max_shape=(-1, *bound) if i == 0 and bound is not None else None,
+                             value_range=value_range if i == 0 else None)
                   for i, (s, d) in enumerate(zip(described.inputs, dtypes))]
         n_out = len(described.outputs)
         outputs = [TensorSpec(_io_name("output", i, n_out), datatype_of(d), (-1, *s))
                    for i, (s, d) in enumerate(described.outputs)]
+        if "pad" not in settings and value_range is not None and described.inputs[0] == (DYNAMIC,):
+            longest = bound[0] if bound is not None and bound[0] != DYNAMIC else PROBE_SIZES[0]
+            if pads_right_exactly(fn, dtypes[0], value_range, longest, float(value_range[0])):
+                settings.update(pad=True, pad_value=float(value_range[0]))
         return cls(name=name, fn=fn, inputs=inputs, outputs=outputs, version=version, **settings)
 
     def metadata(self) -> dict[str, Any]:
@@ -249,13 +285,28 @@ class ServedModel:
             "inputs": [t.to_json() for t in self.inputs],
             "outputs": [t.to_json() for t in self.outputs],
         }
-        if self.parameters:  # not in the protocol's schema; clients ignore fields they do not know
-            out["parameters"] = self.parameters
+        parameters = dict(self.parameters)
+        limits = {t.name: t.limits() for t in self.inputs if t.limits()}
+        if limits:
+            parameters["input_limits"] = limits
+        if parameters:  # not in the protocol's schema; clients ignore fields they do not know
+            out["parameters"] = parameters
         return out
 
 
 def _io_name(kind: str, i: int, n: int) -> str:
     return kind if n == 1 else f"{kind}__{i}"
+
+
+def _bound(max_shape: Sequence[int] | None, shapes: list[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """``max_shape`` checked against the first input's sample shape (it caps that input's dims)."""
+    if max_shape is None:
+        return None
+    bound = tuple(int(d) for d in max_shape)
+    if len(shapes) != 1 or len(bound) != len(shapes[0]) or any(d < 1 and d != DYNAMIC for d in bound):
+        raise ValueError(f"Expected max_shape for a model of one input, one positive size or -1 per dim of its "
+                         f"sample shape {[list(s) for s in shapes]}. Received: max_shape={list(bound)}")
+    return bound
 
 
 def _shape_list(input_shape: Sequence[int] | Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
@@ -498,7 +549,11 @@ def decode_infer_request(body: bytes, header_length: str | None, model: ServedMo
             raise _bad(f"Expected input {name!r} of shape {list(spec.shape)} (-1: any). Received: {shape}")
         if shape[0] < 1:
             raise _bad(f"Expected at least one row (dim 0) in input {name!r}. Received: shape {shape}")
+        if spec.max_shape is not None:
+            _check_max_shape(spec, shape)
         tensor, offset = decode_tensor(item, binary, offset, "input")
+        if spec.value_range is not None:
+            _check_values(spec, tensor)
         by_name[name] = tensor
     if offset != len(binary):
         raise _bad(f"Expected {offset} bytes of binary input data after the JSON header. "
@@ -547,6 +602,27 @@ def decode_infer_request(body: bytes, header_length: str | None, model: ServedMo
         raise _bad(f"Expected 'id' as a string. Received: {_json_kind(request_id)}")
     ordered = tuple(by_name[t.name] for t in model.inputs)
     return InferRequest(request_id, ordered, outputs, timeout, classification)
+
+
+def _check_max_shape(spec: TensorSpec, shape: list[int]) -> None:
+    """400 for a request dim beyond the input's largest size (a language model's context)."""
+    assert spec.max_shape is not None
+    for d, (most, size) in enumerate(zip(spec.max_shape, shape)):
+        if most != DYNAMIC and size > most:
+            raise _bad(f"Expected input {spec.name!r} of shape {list(spec.shape)} with at most {most} at dim {d} "
+                       f"(the longest the model takes). Received: {shape}")
+
+
+def _check_values(spec: TensorSpec, tensor: Tensor) -> None:
+    """400 for indices the model has no row for (an embedding's), before they reach a shared batch."""
+    assert spec.value_range is not None
+    if not tensor.numel():
+        return
+    low, high = spec.value_range
+    least, most = (int(v) for v in torch.aminmax(tensor))
+    if least < low or most >= high:
+        raise _bad(f"Expected input {spec.name!r} values in [{low}, {high}) (indices into the model's {high - low} "
+                   f"embeddings, e.g. token ids). Received: values in [{least}, {most}]")
 
 
 def _classification_count(model: ServedModel, name: str, count: Any) -> int:
