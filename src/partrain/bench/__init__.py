@@ -23,4 +23,5 @@ BENCHMARKS = {
     "data": "partrain.bench.data",
     "compare": "partrain.bench.compare",
     "rl": "partrain.bench.rl",
+    "lm": "partrain.bench.lm",
 }

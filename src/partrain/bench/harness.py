@@ -63,6 +63,7 @@ GOALS: dict[str, tuple[str, ...]] = {
     "data": ("data.overlap_speedup", "data.resident_vs_dataloader", "data.padding_vs_random"),
     "compare": ("compare.regret_max", "compare.prediction_error", "compare.budget_overrun"),
     "rl": ("rl.time_to_475_vs_sb3", "rl.fps_vs_sb3", "rl.policy_lag_p50"),
+    "lm": ("lm.fit_vs_plain", "lm.scaling", "lm.activation_memory", "lm.loss_vs_plain"),
 }
 
 SMOKE_NOTE = "smoke run: figures are noise"
