@@ -17,6 +17,7 @@ Anything that does not decode raises `MalformedPayload` with one line saying why
 
 from __future__ import annotations
 
+import array
 import io
 import json
 import math
@@ -34,6 +35,8 @@ from ..errors import error_line
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
 MAX_ID_CHARS = 256
+#: `array.array` type codes of the dtypes a flat JSON list becomes
+_TYPECODES = {torch.float32: "f", torch.float64: "d", torch.int64: "q"}
 
 
 class MalformedPayload(ValueError):
@@ -124,6 +127,10 @@ class Codec:
         return torch.from_numpy(array.astype(array.dtype.newbyteorder("="))).reshape(self.input_shape)
 
     def _tensor(self, value: Any, what: str) -> Tensor:
+        if value.__class__ is list and value:  # JSON's flat list of numbers, the common item: no NumPy
+            fast = self._flat(value, what)
+            if fast is not None:
+                return fast
         try:
             array = np.asarray(value)
         except (ValueError, TypeError) as exc:
@@ -140,6 +147,31 @@ class Codec:
         if what == "x" and self.input_dtype.is_floating_point:
             return torch.as_tensor(array).to(self.input_dtype)
         return torch.as_tensor(array.astype(np.int64))
+
+
+    def _flat(self, values: list, what: str) -> Tensor | None:
+        """A flat list of Python floats and ints as a tensor, as `_tensor` makes it (a float list
+        in the input dtype, an int list of ``x`` too, of ``y`` as int64 class labels), without
+        NumPy's per-call overhead (it was 25 of a JSON item's 28 us); None: not such a list."""
+        has_float = False
+        for v in values:
+            kind = v.__class__
+            if kind is float:
+                if v - v != 0.0:  # NaN or infinity (json.loads takes them): the usual path says so
+                    return None
+                has_float = True
+            elif kind is not int:
+                return None
+        floating = self.input_dtype.is_floating_point
+        dtype = (self.input_dtype if floating else torch.float32) if has_float else (
+            self.input_dtype if what == "x" and floating else torch.int64)
+        try:
+            code = _TYPECODES.get(dtype)
+            if code is not None:  # through a Python array: a third of torch.tensor's time
+                return torch.frombuffer(array.array(code, values), dtype=dtype)
+            return torch.tensor(values, dtype=dtype)
+        except (RuntimeError, OverflowError):  # an int beyond int64: the usual path says so
+            return None
 
 
 def encode_reply(prediction: Any, version: int, item_id: Hashable | None) -> bytes:
