@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..batch import describe
+from .._tree import map_tensors
+from ..batch import batch_size, describe
 from ..errors import UsageError
 
 #: how a model is cut when no names are given
@@ -195,12 +196,14 @@ def give_back_freed_memory() -> None:
 
 
 def rows(x: Any) -> int:
-    t = x if isinstance(x, torch.Tensor) else x[0]
-    return int(t.shape[0])
+    """The samples in a batch's inputs (a tensor, or tensors in tuples and dicts)."""
+    return batch_size(x)
 
 
 def first_rows(x: Any, b: int) -> Any:
-    return x[:b] if isinstance(x, torch.Tensor) else tuple(t[:b] for t in x)
+    """The first ``b`` samples of a batch's inputs (tensors without a batch dimension kept whole)."""
+    n = rows(x)
+    return map_tensors(x, lambda t: t[:b] if t.dim() and t.shape[0] == n else t)
 
 
 def as_args(x: Any) -> tuple[Any, ...]:

@@ -1,12 +1,18 @@
 """What runs one pipeline's stages in one process: torch's schedules (one per micro-batch size),
-the loss on the last stage, the outputs sent to every stage, evaluation and gathering the
-model. Made by `partrain.strategies.pipeline.PipelineModule` when it cuts the model."""
+the loss on the last stage, the outputs sent to every stage, the gradients of parameters that
+several stages train (tied weights), evaluation and gathering the model. Made by
+`partrain.strategies._pipeline_module.PipelineModule` when it cuts the model.
+
+A model cut between its blocks (`partrain.strategies._pipeline_blocks`) takes the batch's
+inputs on every stage (as the keyword ``inputs``); the other cuts on the first stage only.
+"""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,21 +21,48 @@ from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
 
+from .. import comm
 from .._tree import map_tensors
-from ..batch import describe
+from ..batch import describe, primary
 from ..errors import UsageError, error_line
-from ..nn.split import SCHEDULES, as_args
-from ._pipeline_wire import broadcast_tensor, recv_tensors, send_tensors
+from ..nn.split import SCHEDULES, as_args, rows
+from ._pipeline_blocks import BlockSplit
+from ._pipeline_wire import broadcast_output, broadcast_tensor, recv_tensors, send_tensors
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
 
+
 def _pad_rows(x: Any, index: torch.Tensor | None) -> Any:
+    """``x`` with its rows (every tensor's first dimension, where it has the batch's) picked by ``index``."""
     if index is None:
         return x
-    if isinstance(x, torch.Tensor):
-        return x.index_select(0, index.to(x.device))
-    return tuple(t.index_select(0, index.to(t.device)) for t in x)
+    n = rows(x)
+    return map_tensors(x, lambda t: t.index_select(0, index.to(t.device)) if t.dim() and t.shape[0] == n else t)
+
+
+@dataclass
+class SharedParam:
+    """A parameter that several processes of one pipeline train (a weight tied across stages,
+    such as an embedding and the output layer): its gradient is the sum of theirs."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    holders: list[int]  # pipeline ranks, ascending
+    param: nn.Parameter | None  # this process's, None where it holds none
+
+
+def find_shared(named: list[tuple[str, nn.Parameter]], chunk_params: list[set[int]], owner: list[int],
+                pp_rank: int) -> list[SharedParam]:
+    """The parameters (of the whole model, ``named`` in its order: the same on every process) that
+    chunks of more than one process hold (``chunk_params``: ids per chunk)."""
+    shared = []
+    for name, p in named:
+        holders = sorted({owner[c] for c, ids in enumerate(chunk_params) if id(p) in ids})
+        if p.requires_grad and len(holders) > 1:
+            shared.append(SharedParam(name, tuple(p.shape), p.dtype, holders, p if pp_rank in holders else None))
+    return shared
 
 
 class _FirstStage(nn.Module):
@@ -62,8 +95,9 @@ class Runtime:
     """The stages this process runs and the schedules that drive them (one per micro-batch size:
     torch fixes the shapes of what stages exchange at a schedule's first step)."""
 
-    def __init__(self, strategy: Pipeline, chunks: dict[int, nn.Sequential], owner: list[int],
-                 layout: list[tuple[str, int, tuple[int, ...], torch.dtype]], names: list[list[str]]) -> None:
+    def __init__(self, strategy: Pipeline, chunks: dict[int, nn.Module], owner: list[int],
+                 layout: list[tuple[str, int, tuple[int, ...], torch.dtype]], names: list[list[str]],
+                 shared: list[SharedParam] | None = None, blocks: BlockSplit | None = None) -> None:
         self.strategy = strategy
         self.chunks = chunks
         self.owned = sorted(chunks)
@@ -75,7 +109,12 @@ class Runtime:
         self.step: _Step | None = None
         self.schedules: dict[int, Any] = {}
         self.out_meta: tuple[tuple[int, ...], torch.dtype] | None = None
-        self.first = _FirstStage(chunks[0], self) if 0 in chunks else None
+        self.shared = shared or []
+        #: ids of shared parameters that a lower pipeline rank counts in the whole model's gradient norm
+        self.counted_elsewhere = {id(sp.param) for sp in self.shared
+                                  if sp.param is not None and sp.holders[0] != strategy.pp_rank}
+        self.blocks = blocks
+        self.first = _FirstStage(chunks[0], self) if 0 in chunks and blocks is None else None
         #: the other stages' layers were given back to the system (at the first step)
         self.trimmed = False
 
@@ -112,19 +151,29 @@ class Runtime:
         rows past the real ``n`` are padding and left out."""
         start = time.perf_counter()
         step = self.step
+        if self.blocks is not None:
+            output = self.blocks.structure(output)
         if step is None or not step.live:
             # torch's shape inference (a schedule's first step) calls the loss on a forward pass of
             # its own, before any micro-batch: a loss with the right graph, and nothing recorded
-            return (output * 0).sum()
+            return (primary(output) * 0).sum()
         first = int(index[0])
         k = max(0, min(len(index), step.n - first))
         if k == 0:
-            loss = (output * 0).sum()
+            loss = (primary(output) * 0).sum()
         else:
-            out = output if k == len(index) else output[:k]
+            if k == len(index):
+                out = output
+            elif isinstance(output, torch.Tensor):
+                out = output[:k]
+            else:  # a loss the model computed (Hugging Face's) already counts the padding rows
+                raise UsageError(f"Expected the model to return one tensor (forward_fn=lambda m, x: m(**x).logits "
+                                 f"and a named loss) or batches that divide into {self.strategy.microbatches} "
+                                 f"micro-batches, for strategy 'pipeline' (it pads the others with rows it drops "
+                                 f"from the output). Received: {describe(output)} on a batch of {step.n}")
             target = step.y[first:first + k] if isinstance(step.y, torch.Tensor) else _slice(step.y, first, k)
             per_sample = step.loss_fn(out, target)
-            step.outputs[first] = (out.detach(), per_sample.detach())
+            step.outputs[first] = (primary(out).detach(), per_sample.detach())
             loss = per_sample.sum() * step.loss_scale
         self.strategy.compute_seconds += time.perf_counter() - start
         return loss
@@ -144,16 +193,27 @@ class Runtime:
         if self.num_chunks - 1 in self.chunks:
             kwargs["target"] = torch.arange(padded, device=strategy.device)
             kwargs["losses"] = []
-        as_args(x)  # on every stage (each has the batch): a bad input fails all of them alike, not one
-        args = as_args(_pad_rows(x, pad)) if 0 in self.chunks else ()
+        if self.blocks is not None:  # every stage runs the model's forward on the batch's inputs
+            self.blocks.forward_fn = forward_fn
+            args: tuple[Any, ...] = ()
+            kwargs["inputs"] = _pad_rows(x, pad)
+        else:
+            as_args(x)  # on every stage (each has the batch): a bad input fails all of them alike, not one
+            args = as_args(_pad_rows(x, pad)) if 0 in self.chunks else ()
         compute_before = strategy.compute_seconds
         start = time.perf_counter()
         try:
             schedule.step(*args, return_outputs=False, **kwargs)
-        except UsageError:
-            raise
         except Exception as exc:
+            cause: BaseException | None = exc
+            while cause is not None and not isinstance(cause, UsageError):  # torch wraps a stage's errors
+                cause = cause.__cause__
+            if cause is not None:
+                raise cause from None
             raise RuntimeError(self.failure(exc)) from exc
+        finally:
+            if self.blocks is not None:
+                self.blocks.forward_fn = None
         wall = time.perf_counter() - start
         strategy.step_seconds += wall
         waited = max(0.0, wall - (strategy.compute_seconds - compute_before))
@@ -195,6 +255,22 @@ class Runtime:
         self.out_meta = (tuple(out.shape[1:]), out.dtype)
         return out, per_sample
 
+    def sum_shared_grads(self) -> None:
+        """Each parameter that several processes train (`SharedParam`) gets the sum of their
+        gradients on each of them, as one process accumulates its uses (before the step: every
+        holder then steps it alike and the copies stay equal)."""
+        strategy = self.strategy
+        for sp in self.shared:
+            p = sp.param
+            grad = (p.grad if p is not None and p.grad is not None else
+                    torch.zeros(sp.shape, dtype=sp.dtype, device=strategy.device))
+            start = time.perf_counter()
+            comm.all_reduce_sum(grad, strategy.pp_group)
+            strategy.comm_seconds += time.perf_counter() - start
+            strategy.comm_bytes += grad.numel() * grad.element_size()
+            if p is not None:
+                p.grad = grad
+
     def empty_output(self) -> torch.Tensor:
         shape, dtype = self.out_meta or ((), torch.float32)
         return torch.zeros((0, *shape), dtype=dtype, device=self.strategy.device)
@@ -208,31 +284,38 @@ class Runtime:
         piece once it sent the last one on, so the stages overlap as in a forward-only GPipe.
         """
         strategy = self.strategy
+        last = self.pp_global(self.num_chunks - 1)
+        me = strategy.env.rank
+        if self.blocks is not None:  # one piece: the output can be any structure (a Hugging Face ModelOutput)
+            out = self.forward_piece((), inputs)
+            return broadcast_output(out if me == last else None, last, strategy.pp_group, me, strategy.device)
         args = as_args(inputs)
         pieces = max(1, min(strategy.microbatches, int(args[0].shape[0]) if args[0].dim() else 1))
         chunks_of = [a.tensor_split(pieces) if a.dim() else [a] * pieces for a in args]
         outputs = [self.forward_piece(tuple(c[j] for c in chunks_of)) for j in range(pieces)]
-        last = self.pp_global(self.num_chunks - 1)
-        me = strategy.env.rank
         out = None
         if me == last:
             out = torch.cat(outputs) if all(isinstance(o, torch.Tensor) for o in outputs) else outputs[0]
         return broadcast_tensor(out, last, strategy.pp_group, me, "the model's output", strategy.device)
 
-    def forward_piece(self, args: tuple[Any, ...]) -> Any:
-        """One piece through this process's chunks, receiving and sending between them."""
+    def forward_piece(self, args: tuple[Any, ...], inputs: Any = None) -> Any:
+        """One piece through this process's chunks, receiving and sending between them
+        (``inputs``: the batch's, for every chunk of a model cut between its blocks)."""
         strategy = self.strategy
         group = strategy.pp_group
         x: Any = None
+        every = {} if self.blocks is None else {"inputs": inputs}
         for s in range(self.num_chunks):
             if self.owner[s] != strategy.pp_rank:
                 continue
             if s == 0:
-                x = self.module_of(0)(*args)
+                x = self.module_of(0)(*args, **every)
             else:
                 if self.owner[s - 1] != strategy.pp_rank:
                     x = recv_tensors(self.pp_global(s - 1), group, strategy.device)
-                x = self.chunks[s](*as_args(x))
+                x = self.chunks[s](*as_args(x), **every)
+            if self.blocks is not None and s == self.num_chunks - 1:
+                x = self.blocks.structure(x)
             if s + 1 < self.num_chunks and self.owner[s + 1] != strategy.pp_rank:
                 try:
                     sent = as_args(x)

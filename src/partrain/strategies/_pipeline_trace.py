@@ -97,24 +97,46 @@ def culprit(model: nn.Module, args: Sequence[Any]) -> str:
     return f"{type(model).__name__}.forward itself"
 
 
-def trace_stages(model: nn.Module, args: Sequence[Any], points: Sequence[str], chunks: int) -> list[nn.Module]:
-    """The stage modules of ``model`` cut where ``points`` begin (one line when tracing fails)."""
+def trace_stages(model: nn.Module, args: Sequence[Any], points: Sequence[str], chunks: int,
+                 why_not_blocks: str = "") -> list[nn.Module]:
+    """The stage modules of ``model`` cut where ``points`` begin (one line when tracing fails,
+    saying too why it was not cut between blocks: ``why_not_blocks``)."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     try:
         pipe = pipeline(model, mb_args=tuple(args), split_spec={p: SplitPoint.BEGINNING for p in points})
     except Exception as exc:
         where = culprit(model, args)
+        blocks = f" (not cut between blocks: {why_not_blocks})" if why_not_blocks else ""
         raise UsageError(f"Expected a model torch.export can trace, or an nn.Sequential (cut between its children "
-                         f"without tracing). Received: {type(model).__name__}, whose tracing failed in {where}: "
-                         f"{error_line(exc)}") from None
+                         f"without tracing) or a model running an nn.ModuleList of blocks (cut between them); else "
+                         f"strategy 'allreduce' (the whole model on each process). Received: {type(model).__name__}{blocks}, whose tracing "
+                         f"failed in {where}: {error_line(exc)}") from None
     if pipe.num_stages != chunks:
         raise UsageError(f"Expected split points that cut {type(model).__name__} into {chunks} stages. Received: "
                          f"{list(points)}, which make {pipe.num_stages} (a point inside a loop or called twice?)")
     stages = [pipe.get_stage_module(s) for s in range(chunks)]
+    retie(model, stages)
     for s, stage in enumerate(stages):
         if not any(p.requires_grad for p in stage.parameters()):
             where = f"beginning at {points[s - 1]!r}" if s else "the first"
             raise UsageError(f"Expected every pipeline stage to hold parameters. Received: stage {s} ({where}) "
                              "has none; move its split point")
     return stages
+
+
+def retie(model: nn.Module, stages: Sequence[nn.Module]) -> None:
+    """Point every stage back at ``model``'s own Parameters, under each name the model gives them.
+
+    torch's tracer gives a weight that several stages use (an embedding tied to the output
+    layer) a copy in each, which then train apart; on its own Parameter again, each process
+    trains it with the gradient summed over the stages that use it (`Runtime.sum_shared_grads`)
+    and its optimizer steps the model's own Parameter (the copy is not in it).
+    """
+    own = dict(model.named_parameters(remove_duplicate=False))
+    for stage in stages:
+        for name, p in list(stage.named_parameters(remove_duplicate=False)):
+            want = own.get(name)
+            if want is not None and p is not want:
+                parent, _, leaf = name.rpartition(".")
+                setattr(stage.get_submodule(parent) if parent else stage, leaf, want)

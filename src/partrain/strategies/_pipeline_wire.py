@@ -4,6 +4,8 @@ inherits the process group's timeout."""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -63,3 +65,32 @@ def broadcast_tensor(t: Any, src: int, group: Any, me: int, what: str,
     data = t.detach().contiguous() if me == src else _empty_from(h, device)
     dist.broadcast(data, src=src, group=group)
     return data
+
+
+def _on(obj: Any, device: torch.device) -> Any:
+    """``obj`` with its tensors on ``device``, its containers' types kept (a Hugging Face
+    ``ModelOutput`` stays one: callers read ``.logits``)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to(device)
+    if isinstance(obj, Mapping):
+        moved = copy.copy(obj)
+        for key, value in obj.items():
+            moved[key] = _on(value, device)  # type: ignore[index]
+        return moved
+    if isinstance(obj, (tuple, list)):
+        moved_items = [_on(v, device) for v in obj]
+        return type(obj)(*moved_items) if hasattr(obj, "_fields") else type(obj)(moved_items)
+    return obj
+
+
+def broadcast_output(out: Any, src: int, group: Any, me: int, device: torch.device) -> Any:
+    """A model's output from ``src`` on every process of ``group``: one tensor as `broadcast_tensor`
+    sends it; any other structure pickled (between the job's own processes), tensors on the CPU."""
+    flag = torch.tensor([int(isinstance(out, torch.Tensor))] if me == src else [0], dtype=torch.int64)
+    flag = flag.to(device)
+    dist.broadcast(flag, src=src, group=group)
+    if int(flag.item()):
+        return broadcast_tensor(out, src, group, me, "the model's output", device)
+    box = [_on(out, torch.device("cpu")) if me == src else None]
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
+    return _on(box[0], device)

@@ -1,7 +1,9 @@
 """``pipeline``: model parallel training, the model's layers split over processes.
 
 A model too big for one process is cut into ``stages`` chunks, one per process: an
-``nn.Sequential`` between its children, any other model by torch's tracer. A global batch
+``nn.Sequential`` between its children, a transformer between the blocks of its block list
+(an ``nn.ModuleList`` its forward pass runs in order: the built-in GPT, Hugging Face models),
+any other model by torch's tracer (`partrain.strategies._pipeline_module`). A global batch
 is cut into ``microbatches`` that flow through the stages so that every stage works on
 some micro-batch most of the time. The schedule (the
 order of forward and backward passes of the micro-batches on each stage) is
@@ -24,6 +26,9 @@ What torch's API leaves to the user, this strategy does:
   (``single``) on the same global batches;
 - the optimizer of each stage steps that stage's parameters and behaves as one optimizer
   (`StageOptimizer`: one state dict in the whole model's numbering, LR schedulers);
+- a parameter that stages on several processes use (an embedding tied to the output layer,
+  on the first and the last stage) is trained on each with the sum of their gradients, as in
+  one process;
 - checkpoints gather the whole model to the first stage (an ordinary partrain checkpoint,
   which ``single``, ``allreduce`` and ``partrain serve`` load) and a pipeline resumes from one;
 - ``model(x)`` (evaluation, under ``torch.no_grad()``) runs the pipeline forward on every
@@ -45,9 +50,7 @@ from __future__ import annotations
 
 import datetime
 import gc
-import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -60,19 +63,10 @@ from .. import comm
 from ..batch import batch_size
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
-from ..nn.split import (
-    SCHEDULES,
-    as_args,
-    chunk_ranges,
-    first_rows,
-    give_back_freed_memory,
-    plan_cuts,
-    rows,
-    sequential_children,
-    stage_ranks,
-)
-from ._pipeline_optim import StageOptimizer, keep_stage_params, recv_object, send_object
-from ._pipeline_trace import split_points, trace_stages
+from ..nn.split import SCHEDULES, give_back_freed_memory, plan_cuts, sequential_children
+from ._pipeline_module import PipelineModule, pipeline_module
+from ._pipeline_optim import StageOptimizer, recv_object, send_object
+from ._pipeline_trace import split_points
 from .base import LossFn, StepPlan, Strategy, register
 
 if TYPE_CHECKING:  # the runtime imports torch.distributed.pipelining: seconds, paid by a pipeline only
@@ -212,7 +206,7 @@ class Pipeline(Strategy):
         """This process's stages of ``model`` and an optimizer over their parameters.
 
         An ``nn.Sequential`` is cut between its children now (``split="time"``: at the first
-        batch); any other model is traced at the first batch, by torch's tracer.
+        batch); any other model at the first batch, between its blocks or by torch's tracer.
         """
         model, optimizer = super().prepare(model, optimizer)
         optim = StageOptimizer(optimizer, [], [], self._gather_states)
@@ -241,8 +235,8 @@ class Pipeline(Strategy):
         same ``x`` and ``y``); see `Strategy.train_step` for the arguments. Returns the output
         and per-sample losses on every stage (sent from the last)."""
         plan = StepPlan.of(plan, **options)
-        module = _pipeline_module(model)
-        runtime = module._ensure_cut(x)
+        module = pipeline_module(model)
+        runtime = module._ensure_cut(x, plan.forward_fn)
         if not runtime.trimmed:  # by now the caller dropped the whole model it handed to prepare
             gc.collect()
             give_back_freed_memory()
@@ -260,6 +254,7 @@ class Pipeline(Strategy):
         return out, per_sample
 
     def _exchange_gradients(self, runtime: Runtime) -> None:
+        runtime.sum_shared_grads()
         if self.replicas <= 1:
             return
         params = [p for p in runtime.parameters() if p.requires_grad]
@@ -279,7 +274,8 @@ class Pipeline(Strategy):
         """The whole model's gradient norm (2-norm over every stage's gradients; collective over
         the pipeline: every stage calls it). For `fit`'s ``clip_grad`` / ``on_nan="skip"``, which
         today take the norm of the parameters they hold (this stage's): see docs."""
-        grads = [p.grad.detach() for p in params if p.grad is not None]
+        skip = self.runtime.counted_elsewhere if self.runtime is not None else set()  # tied: counted once
+        grads = [p.grad.detach() for p in params if p.grad is not None and id(p) not in skip]
         local = (torch.nn.utils.get_total_norm(grads).to(torch.float64) ** 2 if grads
                  else torch.zeros((), dtype=torch.float64, device=self.device))
         total = local.reshape(1).to(self.device)
@@ -321,7 +317,7 @@ class Pipeline(Strategy):
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """The whole model's parameters on the first stage of each replica (gathered from the
         other stages; every stage must call this); the other stages get their own part."""
-        module = _pipeline_module(model)
+        module = pipeline_module(model)
         if module.runtime is None:  # not cut yet (split="time" before the first batch)
             return module.full_state_dict()
         return module.runtime.gather_state()
@@ -343,124 +339,6 @@ class Pipeline(Strategy):
         if self.step_seconds > 0:
             figures["utilisation"] = self.compute_seconds / self.step_seconds
         return figures
-
-
-def _pipeline_module(model: nn.Module) -> PipelineModule:
-    if not isinstance(model, PipelineModule):
-        raise UsageError("Expected the model strategy.prepare returned for strategy 'pipeline'. "
-                         f"Received: {type(model).__name__}")
-    return model
-
-
-class PipelineModule(nn.Module):
-    """This process's stages of a model cut into a pipeline.
-
-    Its children are the original model's children that this process runs, under their
-    own names (so ``state_dict()`` keys are the whole model's); for a traced model, the
-    stage modules (``stage0``, ...; their own keys are the whole model's). Calling it runs
-    the whole pipeline forward: every stage must call it with the same input (evaluation).
-    """
-
-    def __init__(self, strategy: Pipeline, model: nn.Module, optimizer: StageOptimizer) -> None:
-        super().__init__()
-        object.__setattr__(self, "strategy", strategy)
-        object.__setattr__(self, "optimizer", optimizer)
-        object.__setattr__(self, "runtime", None)
-        object.__setattr__(self, "traced", not isinstance(model, nn.Sequential))
-        # until the cut (split="time" and traced models wait for a batch) the whole model stays here
-        if self.traced:
-            self.add_module("model", model)
-            object.__setattr__(self, "_children_list", None)
-        else:
-            children = list(model.named_children())
-            for name, child in children:
-                self.add_module(name, child)
-            object.__setattr__(self, "_children_list", children)
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """The whole model's state before the cut."""
-        return self._modules["model"].state_dict() if self.traced else self.state_dict()
-
-    def _cut(self, cuts: list[int]) -> Runtime:
-        """Cut a Sequential between its children."""
-        strategy: Pipeline = self.strategy
-        children = self._children_list
-        ranges = chunk_ranges(cuts, len(children))
-        owner = self._owner(len(ranges))
-        owned = [s for s in range(len(ranges)) if owner[s] == strategy.pp_rank]
-        keep_names = {children[i][0] for s in owned for i in ranges[s]}
-        # the whole model's state layout (names, shapes, dtypes, which stage), for gathering it
-        layout = []
-        for s, r in enumerate(ranges):
-            for i in r:
-                name, child = children[i]
-                for key, value in child.state_dict().items():
-                    layout.append((f"{name}.{key}", s, tuple(value.shape), value.dtype))
-        for name, _ in children:
-            if name not in keep_names:
-                delattr(self, name)
-        chunks = {s: nn.Sequential(OrderedDict((children[i][0], children[i][1]) for i in ranges[s]))
-                  for s in owned}
-        object.__setattr__(self, "_children_list", None)
-        return self._install(chunks, owner, layout, [[children[i][0] for i in r] for r in ranges])
-
-    def _cut_traced(self, x: Any) -> Runtime:
-        """Trace the model on the first micro-batch of ``x`` and keep this process's stages."""
-        strategy: Pipeline = self.strategy
-        model = self._modules["model"]
-        chunks = strategy.stages * strategy.virtual_stages
-        b = max(1, math.ceil(rows(x) / strategy.microbatches))
-        args = as_args(first_rows(x, b))
-        points = split_points(model, args, chunks, strategy.split)
-        was_training = model.training
-        stages = trace_stages(model, args, points, chunks)
-        owner = self._owner(chunks)
-        layout = [(key, s, tuple(v.shape), v.dtype) for s, stage in enumerate(stages)
-                  for key, v in stage.state_dict().items()]
-        owned = {s: stages[s] for s in range(chunks) if owner[s] == strategy.pp_rank}
-        delattr(self, "model")
-        for s, stage in owned.items():
-            self.add_module(f"stage{s}", stage.train(was_training))
-        return self._install(owned, owner, layout, [[n] for n in ["(input)", *points]])
-
-    def _owner(self, chunks: int) -> list[int]:
-        _, _, style = SCHEDULES[self.strategy.schedule]
-        return stage_ranks(chunks, self.strategy.stages, style)
-
-    def _install(self, chunks: dict[int, nn.Module], owner: list[int],
-                 layout: list[tuple[str, int, tuple[int, ...], torch.dtype]], names: list[list[str]]) -> Runtime:
-        keep = {id(p) for c in chunks.values() for p in c.parameters()}
-        kept, total = keep_stage_params(self.optimizer.inner, keep)
-        self.optimizer._kept, self.optimizer._total = kept, total
-        from ._pipeline_runtime import Runtime
-
-        runtime = Runtime(self.strategy, chunks, owner, layout, names)
-        object.__setattr__(self, "runtime", runtime)
-        self.strategy.runtime = runtime
-        return runtime
-
-    def _ensure_cut(self, x: Any) -> Runtime:
-        if self.runtime is not None:
-            return self.runtime
-        if self.traced:
-            return self._cut_traced(x)
-        strategy: Pipeline = self.strategy
-        children = self._children_list
-        chunks = strategy.stages * strategy.virtual_stages
-        cuts = None
-        if strategy.env.rank == 0:  # one process measures; every process cuts alike
-            b = max(1, math.ceil(rows(x) / strategy.microbatches))
-            with torch.random.fork_rng(devices=[]):
-                cuts = plan_cuts(children, chunks, "time", example=lambda: first_rows(x, b))
-        cuts = comm.broadcast_object(cuts, 0, None)
-        return self._cut(cuts)
-
-    def forward(self, *args: Any) -> Any:
-        if torch.is_grad_enabled():
-            raise UsageError("Expected strategy.train_step(...) to train a pipeline (or model(x) under "
-                             "torch.no_grad() to evaluate). Received: model(x) with gradients enabled")
-        inputs = args[0] if len(args) == 1 else args
-        return self._ensure_cut(inputs).forward(inputs)
 
 
 __all__ = ["SCHEDULES", "Pipeline", "PipelineModule"]
