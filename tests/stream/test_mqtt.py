@@ -88,11 +88,11 @@ def item_payload(i: int, g: torch.Generator) -> tuple[dict, bytes]:
     return item, json.dumps({"x": x.tolist(), "y": y.tolist(), "id": f"m{i}"}).encode()
 
 
-def start_source(broker, model, records, **options) -> tuple[OnlineTrainer, MqttSource]:
+def start_source(broker, model, records, protocol: str = "5", **options) -> tuple[OnlineTrainer, MqttSource]:
     trainer = OnlineTrainer(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), "mse",
                             max_batch=64, on_step=records.append, **options)
     config = MqttConfig("127.0.0.1", broker.port, ("items/#",), reply_topic="replies/{topic}",
-                        client_id="test-stream", reconnect_delay=(0.05, 0.5))
+                        client_id="test-stream", reconnect_delay=(0.05, 0.5), protocol=protocol)
     return trainer, MqttSource(trainer, config, Codec(input_dtype=torch.float64)).start(timeout=20)
 
 
@@ -112,10 +112,11 @@ def check_against_reference(records, items_by_id, replies: Replies) -> None:
                                        err_msg=str(item_id))
 
 
-def test_1000_messages_from_4_publishers_are_each_trained_on_once(broker):
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_1000_messages_from_4_publishers_are_each_trained_on_once(broker, protocol):
     replies = Replies(broker)
     records: list = []
-    trainer, source = start_source(broker, mlp64(), records)
+    trainer, source = start_source(broker, mlp64(), records, protocol=protocol)
     items_by_id = {}
     payloads: list[list[tuple[str, bytes]]] = [[] for _ in range(4)]
     g = torch.Generator().manual_seed(0)
@@ -228,3 +229,58 @@ def test_malformed_payloads_and_redeliveries_are_counted_and_skipped(broker, cap
     lines = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
     assert len(lines) == len(bad) and all("\n" not in line and "Expected" in line for line in lines)
     assert sorted(i for r in records for i in r.ids) == ["g1", "g2", "g3"]
+
+
+class Message:
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+
+def test_the_brokers_drops_are_reported_once_per_increase_with_the_settings_to_raise(caplog):
+    trainer = OnlineTrainer(mlp64(), torch.optim.SGD(mlp64().parameters(), lr=0.1), "mse")
+    source = MqttSource(trainer, MqttConfig("127.0.0.1", 1))  # never started: the counter's callback alone
+    try:
+        with caplog.at_level(logging.WARNING, logger="partrain.stream"):
+            source._on_dropped(None, None, Message(b"40"))  # retained: drops before this run are not reported
+            source._on_dropped(None, None, Message(b"40"))
+            assert not caplog.records
+            source._on_dropped(None, None, Message(b"1765"))
+            source._on_dropped(None, None, Message(b"1765"))
+            source._on_dropped(None, None, Message(b"not a number"))
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert line.startswith("the broker dropped 1725 messages since this run started (1765 in all)")
+        assert "max_queued_messages, default 1000" in line and "max_inflight_messages" in line
+    finally:
+        trainer.close()
+
+
+def test_a_burst_the_broker_drops_is_named_with_the_settings_to_raise(mosquitto_binary, tmp_path, caplog):
+    from .conftest import Broker
+
+    directory = tmp_path / "small-broker"
+    directory.mkdir()
+    small = Broker(mosquitto_binary, directory)
+    text = small.config.read_text().replace("max_queued_messages 100000\n", "max_queued_messages 10\n")
+    small.config.write_text(text + "sys_interval 1\n")
+    small.start()
+    trainer = OnlineTrainer(mlp64(), torch.optim.SGD(mlp64().parameters(), lr=0.05), "mse")
+    config = MqttConfig("127.0.0.1", small.port, ("items/#",), client_id="test-drops")
+    source = MqttSource(trainer, config, Codec(input_dtype=torch.float64))
+    try:
+        with caplog.at_level(logging.WARNING, logger="partrain.stream"):
+            source.start(timeout=20)
+            wait_until(lambda: source.dropped_at_start is not None, "the broker's dropped counter")
+            source.pause()  # a client that takes nothing: the broker's queue for it overflows
+            publisher = client(small, "test-burst")
+            g = torch.Generator().manual_seed(0)
+            for i in range(200):
+                publisher.publish("items/a", item_payload(i, g)[1], qos=1).wait_for_publish(10)
+            close(publisher)
+            wait_until(lambda: source.dropped_reported > 0, "the drops reported", timeout=30)
+        line = next(r.getMessage() for r in caplog.records if "the broker dropped" in r.getMessage())
+        assert "max_queued_messages, default 1000" in line
+        assert source.dropped_reported >= 200 - 10 - 20  # beyond the queue and the messages in flight
+    finally:
+        trainer.close()
+        source.stop(timeout=5)
+        small.stop()

@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="publish predictions here ({topic}: the item's topic); a message's MQTT 5 "
                           "response topic wins")
     src.add_argument("--qos", type=int, default=1, choices=(1, 2), help="subscription and reply QoS")
+    src.add_argument("--mqtt-protocol", default="5", choices=("5", "3.1.1"),
+                     help="5: answers a message's response topic; 3.1.1: replies on --reply-topic only, and paho "
+                          "reads each message faster")
     src.add_argument("--client-id", default="partrain-stream",
                      help="MQTT client id: the broker keeps this session's messages across disconnects")
     src.add_argument("--connect-timeout", type=float, default=10.0,
@@ -324,7 +327,7 @@ def _start_source(args: argparse.Namespace, trainer: Any, codec: Any, done: thre
 
     host, port = parse_address(args.mqtt)
     config = MqttConfig(host, port, topics_of(args.topic), qos=args.qos, reply_topic=args.reply_topic,
-                        client_id=args.client_id)
+                        client_id=args.client_id, protocol=args.mqtt_protocol)
     source = MqttSource(trainer, config, codec).start(timeout=args.connect_timeout)
     print(f"partrain stream: training on mqtt://{host}:{port} topics {', '.join(config.topics)}", flush=True)
     if args.max_items:

@@ -30,6 +30,21 @@ Flow control: ``on_message`` runs in paho's network thread and hands the item
 to `OnlineTrainer.submit`; with overflow ``"block"`` a full queue holds that
 thread, so paho stops reading and the broker queues (back-pressure reaches the
 broker instead of memory).
+
+**The broker's own limits.** A broker keeps a bounded queue per session: mosquitto drops
+QoS 1 messages beyond ``max_queued_messages`` (default 1000) waiting for a client, beyond
+the ``max_inflight_messages`` (default 20) it has sent and not yet had acknowledged. Those
+messages were never delivered, so never accepted: the guarantees above hold, but a burst
+faster than the client drains can lose part of it at the broker. The source watches the
+broker's ``$SYS/broker/publish/messages/dropped`` counter (mosquitto publishes it every
+``sys_interval`` seconds, 10 by default; a broker without it is simply not watched) and
+logs, once per increase, how many were dropped and which settings to raise.
+
+**Protocol.** MQTT 5 by default (a message's response topic and correlation data are
+answered; sessions expire after ``session_expiry``). ``protocol="3.1.1"`` (paho's own
+default) parses each message without MQTT 5's properties, which costs paho a third of its
+time per message; replies then go to ``reply_topic`` only, and the persistent session
+(``clean_session=False``) lasts as long as the broker keeps it.
 """
 
 from __future__ import annotations
@@ -82,6 +97,17 @@ class MqttConfig:
     reconnect_delay: tuple[float, float] = (0.1, 5.0)
     username: str | None = None
     password: str | None = None
+    #: ``"5"`` or ``"3.1.1"`` (see the module docstring)
+    protocol: str = "5"
+    #: watch the broker's count of dropped messages (mosquitto's $SYS topic) and say how to avoid drops
+    watch_drops: bool = True
+
+
+#: the broker's count of messages it dropped since it started (mosquitto)
+DROPPED_TOPIC = "$SYS/broker/publish/messages/dropped"
+#: what to raise when the broker drops: the line the log writes
+DROP_HINT = ("raise the broker's per-client queue for bursts (mosquitto.conf: max_queued_messages, default 1000, "
+             "0 = no limit; max_inflight_messages, default 20; or max_queued_bytes)")
 
 
 class MqttSource:
@@ -96,6 +122,8 @@ class MqttSource:
         except ImportError:
             raise UsageError("Expected paho-mqtt for MQTT streams (pip install 'partrain[stream]'). "
                              "Received: not installed") from None
+        if config.protocol not in ("5", "3.1.1"):
+            raise UsageError(f"Expected an MQTT protocol '5' or '3.1.1'. Received: {config.protocol!r}")
         if config.qos not in (1, 2):
             raise UsageError(f"Expected --qos 1 or 2 (QoS 0 can lose accepted items). Received: {config.qos}")
         if not config.topics:
@@ -115,8 +143,13 @@ class MqttSource:
         self._replies_pending = 0
         self._early: set[int] = set()  # mids acknowledged before _reply registered them
         self._first_error: str | None = None
+        #: the broker's dropped-messages counter when first seen, and the count last reported
+        self.dropped_at_start: int | None = None
+        self.dropped_reported = 0
+        self._v5 = config.protocol == "5"
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=config.client_id,
-                             protocol=mqtt.MQTTv5, manual_ack=True)
+                             protocol=mqtt.MQTTv5 if self._v5 else mqtt.MQTTv311, manual_ack=True,
+                             **({} if self._v5 else {"clean_session": False}))
         client.max_queued_messages_set(0)  # replies queue without bound while disconnected
         low, high = config.reconnect_delay
         client.reconnect_delay_set(min_delay=low, max_delay=high)  # type: ignore[arg-type]
@@ -127,6 +160,8 @@ class MqttSource:
         client.on_message = self._on_message
         client.on_subscribe = self._on_subscribe
         client.on_publish = self._on_publish
+        if config.watch_drops:
+            client.message_callback_add(DROPPED_TOPIC, self._on_dropped)
         self.client = client
 
     # ---------------------------------------------------------------- lifecycle
@@ -134,10 +169,13 @@ class MqttSource:
     def start(self, timeout: float = 10.0) -> MqttSource:
         """Connect (paho's thread reconnects from then on); `UsageError` if no broker answers in ``timeout``."""
         Properties, PacketTypes = self._properties
-        props = Properties(PacketTypes.CONNECT)
-        props.SessionExpiryInterval = self.config.session_expiry
-        self.client.connect_async(self.config.host, self.config.port, self.config.keepalive,
-                                  clean_start=False, properties=props)
+        if self._v5:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.config.session_expiry
+            self.client.connect_async(self.config.host, self.config.port, self.config.keepalive,
+                                      clean_start=False, properties=props)
+        else:
+            self.client.connect_async(self.config.host, self.config.port, self.config.keepalive)
         self.client.loop_start()
         if not self.connected.wait(timeout):
             self.client.loop_stop()
@@ -184,6 +222,8 @@ class MqttSource:
             return
         self.connects += 1
         _, self._subscribe_mid = client.subscribe([(topic, self.config.qos) for topic in self.config.topics])
+        if self.config.watch_drops:
+            client.subscribe(DROPPED_TOPIC, 0)  # statistics: at most once is enough
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any, properties: Any) -> None:
         # connected once the broker confirms the subscription: a message published before it would not be
@@ -203,6 +243,22 @@ class MqttSource:
         self.connected.clear()
         if self._accepting:
             log.warning("disconnected from the MQTT broker (%s); reconnecting", reason)
+
+    def _on_dropped(self, client: Any, userdata: Any, message: Any) -> None:
+        """The broker's dropped-messages counter (paho's thread): one warning per increase."""
+        try:
+            count = int(message.payload)
+        except ValueError:
+            return
+        if self.dropped_at_start is None:  # the retained value: drops before this run are not ours to report
+            self.dropped_at_start = count
+            return
+        new = count - self.dropped_at_start - self.dropped_reported
+        if new > 0:
+            self.dropped_reported += new
+            log.warning("the broker dropped %d messages since this run started (%d in all): messages beyond its "
+                        "queue for a slow client are lost before delivery; %s", self.dropped_reported, count,
+                        DROP_HINT)
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         if not self._accepting:
@@ -243,7 +299,7 @@ class MqttSource:
         self.client.ack(message.mid, message.qos)
 
     def _reply_topic(self, message: Any) -> str | None:
-        props = getattr(message, "properties", None)
+        props = getattr(message, "properties", None) if self._v5 else None
         topic = getattr(props, "ResponseTopic", None) if props is not None else None
         if topic:
             return str(topic)
@@ -255,7 +311,7 @@ class MqttSource:
         """Done callback (trainer's loop thread): publish the prediction, or the error, as JSON."""
         Properties, PacketTypes = self._properties
         props = None
-        correlation = getattr(getattr(message, "properties", None), "CorrelationData", None)
+        correlation = getattr(getattr(message, "properties", None), "CorrelationData", None) if self._v5 else None
         if correlation:
             props = Properties(PacketTypes.PUBLISH)
             props.CorrelationData = correlation
