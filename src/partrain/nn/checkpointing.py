@@ -60,7 +60,11 @@ def checkpoint_blocks(model: nn.Module, spec: Spec) -> list[str]:
     if spec is True and getattr(model, "supports_gradient_checkpointing", False):
         # a Hugging Face model checkpoints its own layers (it turns its key-value cache off
         # for the recomputation, which a hook from outside would see appended twice)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return [name for name, _ in blocks]
     for _, module in blocks:
         checkpoint_activations(module)
