@@ -158,3 +158,30 @@ def test_a_tokenizer_with_other_data_is_one_line():
     with pytest.raises(UsageError) as info:
         load_dataset(DataSpec(name="digits", tokenizer="gpt2"))
     assert "Expected a tokenizer with a text dataset" in str(info.value)
+
+
+def test_a_real_hugging_face_tokenizer_saved_locally_tokenizes_and_decodes(tmp_path):
+    # a tokenizer built here and saved as a directory: the real transformers path, nothing downloaded
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    text = "the quick brown fox jumps over the lazy dog. " * 200
+    source = tmp_path / "words.txt"
+    source.write_text(text)
+    core = Tokenizer(models.BPE(unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"],
+                                                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    saved = tmp_path / "tok"
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]").save_pretrained(saved)
+    train, test = load_text(str(source), block_size=8, tokenizer=str(saved), test_fraction=0.1)
+    vocabulary = len(AutoTokenizer.from_pretrained(saved, local_files_only=True))
+    assert train.tokenizer_name == str(saved) and train.vocab_size == num_classes(train) == vocabulary > 256
+    assert int(train.tensors[0].max()) < train.vocab_size
+    ids = AutoTokenizer.from_pretrained(saved, local_files_only=True)("quick brown fox")["input_ids"]
+    assert len(ids) < len("quick brown fox")  # merged: not one token per byte
+    assert train.decode(ids) == "quick brown fox"
+    first = torch.cat([train.tensors[0][0], train.tensors[1][0][-1:]])  # a block's inputs and its last target
+    assert text.startswith(train.decode(first))
