@@ -1,127 +1,44 @@
 """A real MQTT broker for the stream tests: mosquitto on a free port of 127.0.0.1.
 
-The binary comes from the system (``mosquitto``, or ``/usr/sbin/mosquitto`` where
-Debian puts it outside a user's PATH). Where it is missing and the tests run as
-root (CI containers), the session installs it with apt-get (bounded); where it
-still cannot be had, the MQTT tests are skipped with the reason. Each test gets
-its own broker with persistence in its temporary directory, so a test can
-restart it on the same port (`Broker.restart`) and find its sessions again.
-Readiness is the broker's port accepting a connection, never a sleep.
+Finding the binary (and installing it with apt-get where it is missing and the
+tests run as root) and running it are `partrain.bench.mosquitto`'s, shared with
+``partrain bench stream``; where no broker can be had, the MQTT tests are skipped
+with the reason. Each test gets its own broker with persistence in its temporary
+directory, so a test can restart it on the same port (`Broker.restart`) and find
+its sessions again.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-SYSTEM_PATH = "/usr/sbin/mosquitto"
-INSTALL_TIMEOUT = 240  # seconds for apt-get update + install
+from partrain.bench import mosquitto
+from partrain.bench.mosquitto import free_port
+
+__all__ = ["Broker", "free_port"]  # test modules import both from here
 
 
-def _find() -> str | None:
-    found = shutil.which("mosquitto")
-    if found:
-        return found
-    return SYSTEM_PATH if os.access(SYSTEM_PATH, os.X_OK) else None
+class Broker(mosquitto.Broker):
+    """The tests' broker: sessions persisted in its directory (a restart finds them again), and a
+    queue per client that no test fills."""
 
-
-def _install() -> str:
-    """apt-get install mosquitto (root only); the reason it could not, as text."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "mosquitto is not installed and the tests do not run as root to install it"
-    if not shutil.which("apt-get"):
-        return "mosquitto is not installed and there is no apt-get"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "mosquitto"]):
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            return f"{' '.join(command)} took over {INSTALL_TIMEOUT} s"
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-            return f"{' '.join(command)} failed: {tail[0]}"
-    return ""
+    def __init__(self, binary: str, directory: Path) -> None:
+        super().__init__(binary, directory, settings=(
+            "persistence true",
+            f"persistence_location {directory}/",
+            "max_queued_messages 100000",
+        ))
 
 
 @pytest.fixture(scope="session")
 def mosquitto_binary() -> str:
-    binary = _find()
+    binary, why = mosquitto.find_or_install()
     if binary is None:
-        why = _install()
-        binary = _find()
-        if binary is None:
-            pytest.skip(f"no MQTT broker: {why or 'mosquitto not found after installing it'}")
+        pytest.skip(f"no MQTT broker: {why}")
     return binary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Broker:
-    """One mosquitto process; `restart` keeps its port and its persisted sessions."""
-
-    def __init__(self, binary: str, directory: Path) -> None:
-        self.binary = binary
-        self.port = free_port()
-        self.directory = directory
-        self.config = directory / "mosquitto.conf"
-        self.log = directory / "mosquitto.log"
-        self.config.write_text(
-            f"listener {self.port} 127.0.0.1\n"
-            "allow_anonymous true\n"
-            "persistence true\n"
-            # as root mosquitto drops to user 'mosquitto', which cannot save into this directory
-            + ("user root\n" if os.geteuid() == 0 else "")
-            + f"persistence_location {directory}/\n"
-            "max_queued_messages 100000\n"
-            "log_dest stderr\n"
-        )
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 20.0) -> None:
-        with open(self.log, "a") as log:
-            self.process = subprocess.Popen([self.binary, "-c", str(self.config)], stdout=log, stderr=log)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"mosquitto exited with {self.process.returncode}:\n{self.log.read_text()[-2000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
-                    return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"mosquitto did not listen on {self.port} within {timeout:g} s") from None
-                time.sleep(0.01)  # polling the port: the condition itself
-
-    def stop(self) -> None:
-        """SIGTERM (mosquitto saves its sessions to disk), SIGKILL if it lingers."""
-        if self.process is None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
-        self.process = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
 
 
 @pytest.fixture

@@ -1,0 +1,121 @@
+"""A real MQTT broker on a free port of 127.0.0.1: mosquitto, for ``bench stream`` and the stream tests.
+
+The binary comes from the system (``mosquitto``, or ``/usr/sbin/mosquitto`` where
+Debian puts it outside a user's PATH). Where it is missing and this runs as root
+(CI containers, benchmark machines), `find_or_install` installs it with apt-get
+(bounded); where it still cannot be had, it says why in one line and the caller
+skips what needs it. Readiness is the broker's port accepting a connection, never
+a sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+SYSTEM_PATH = "/usr/sbin/mosquitto"
+INSTALL_TIMEOUT = 240  # seconds for apt-get update + install
+
+
+def find_mosquitto() -> str | None:
+    """The mosquitto binary on PATH or at Debian's `SYSTEM_PATH`; None when there is none."""
+    found = shutil.which("mosquitto")
+    if found:
+        return found
+    return SYSTEM_PATH if os.access(SYSTEM_PATH, os.X_OK) else None
+
+
+def install_mosquitto() -> str:
+    """apt-get install mosquitto (root only); the reason it could not, as text ("" when it ran)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "mosquitto is not installed and this does not run as root to install it"
+    if not shutil.which("apt-get"):
+        return "mosquitto is not installed and there is no apt-get"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "mosquitto"]):
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return f"{' '.join(command)} took over {INSTALL_TIMEOUT} s"
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
+            return f"{' '.join(command)} failed: {tail[0]}"
+    return ""
+
+
+def find_or_install() -> tuple[str | None, str]:
+    """``(binary, "")``, installing mosquitto first where it is missing and can be; else ``(None, why)``."""
+    binary = find_mosquitto()
+    if binary is None:
+        why = install_mosquitto()
+        binary = find_mosquitto()
+        if binary is None:
+            return None, why or "mosquitto not found after installing it"
+    return binary, ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Broker:
+    """One mosquitto process on a free port, configured by ``settings`` (mosquitto.conf lines)
+    besides the listener; `restart` keeps its port (and, with persistence, its sessions)."""
+
+    def __init__(self, binary: str, directory: Path, settings: Sequence[str] = ()) -> None:
+        self.binary = binary
+        self.port = free_port()
+        self.directory = directory
+        self.config = directory / "mosquitto.conf"
+        self.log = directory / "mosquitto.log"
+        self.config.write_text(
+            f"listener {self.port} 127.0.0.1\n"
+            "allow_anonymous true\n"
+            # as root mosquitto drops to user 'mosquitto', which cannot write into this directory
+            + ("user root\n" if os.geteuid() == 0 else "")
+            + "log_dest stderr\n"
+            + "".join(f"{line}\n" for line in settings)
+        )
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> None:
+        with open(self.log, "a") as log:
+            self.process = subprocess.Popen([self.binary, "-c", str(self.config)], stdout=log, stderr=log)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"mosquitto exited with {self.process.returncode}:\n{self.log.read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"mosquitto did not listen on {self.port} within {timeout:g} s") from None
+                time.sleep(0.01)  # polling the port: the condition itself
+
+    def stop(self) -> None:
+        """SIGTERM (mosquitto saves its sessions to disk when it persists them), SIGKILL if it lingers."""
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
