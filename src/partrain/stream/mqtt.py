@@ -160,8 +160,6 @@ class MqttSource:
         client.on_message = self._on_message
         client.on_subscribe = self._on_subscribe
         client.on_publish = self._on_publish
-        if config.watch_drops:
-            client.message_callback_add(DROPPED_TOPIC, self._on_dropped)
         self.client = client
 
     # ---------------------------------------------------------------- lifecycle
@@ -261,6 +259,9 @@ class MqttSource:
                         DROP_HINT)
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        if message.topic == DROPPED_TOPIC and self.config.watch_drops:  # the broker's statistics, not an item
+            self._on_dropped(client, userdata, message)
+            return
         if not self._accepting:
             return  # not acknowledged: redelivered to the next session
         try:
