@@ -284,3 +284,30 @@ def test_a_burst_the_broker_drops_is_named_with_the_settings_to_raise(mosquitto_
         trainer.close()
         source.stop(timeout=5)
         small.stop()
+
+
+def test_under_mqtt_5_a_message_s_response_topic_and_correlation_data_are_answered(broker):
+    got: list = []
+    answered = threading.Event()
+
+    def on_reply(cl, userdata, message):
+        got.append((message.topic, json.loads(message.payload), message.properties.CorrelationData))
+        answered.set()
+
+    asker = client(broker, "test-asker", on_reply, subscribe="answers/me")
+    records: list = []
+    trainer, source = start_source(broker, mlp64(), records, protocol="5")
+    try:
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic = "answers/me"
+        props.CorrelationData = b"request-7"
+        payload = json.dumps({"x": [0.5] * 6, "y": [0.0, 1.0], "id": "r7"}).encode()
+        asker.publish("items/a", payload, qos=1, properties=props)
+        assert answered.wait(20), "no answer on the response topic"
+        ((topic, body, correlation),) = got
+        assert topic == "answers/me" and body["id"] == "r7" and correlation == b"request-7"
+    finally:
+        source.pause()
+        trainer.close()
+        source.stop()
+        close(asker)

@@ -10,7 +10,7 @@ mosquitto on ``in/bench``; each consumer answers every item with one reply on
   ``json.loads`` of each message and one JSON reply; it trains nothing: the floor;
 - ``partrain stream``: ``partrain stream partrain.bench.stream_mqtt:mlp --mqtt ...
   --topic in/# --reply-topic out/{topic} --threads 1 --checkpoint-every 0``: the
-  4-32-1 MLP of `mlp` trained (SGD, MSE) on every item, MQTT 5 (its default), a
+  4-32-1 MLP of `mlp` trained (SGD, MSE) on every item, MQTT 3.1.1 (its default, as paho's), a
   checkpoint only at the end (the bare client saves nothing either).
 
 The load (this process): one paho publisher (MQTT 3.1.1, up to 1000 messages in
@@ -243,7 +243,7 @@ class Consumer:
 CONSUMERS = {
     BARE: Consumer("MQTT 3.1.1 (paho's default)", _bare_command,
                    re.compile(r"bare client: subscribed on (?P<url>\S+)")),
-    PARTRAIN: Consumer("MQTT 5 (partrain's default)", _partrain_command,
+    PARTRAIN: Consumer("MQTT 3.1.1 (partrain's default)", _partrain_command,
                        re.compile(r"training on (?P<url>mqtt://\S+)")),
 }
 

@@ -51,12 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--topic", action="append", default=None, metavar="FILTER",
                      help="topic filter to subscribe to, repeatable (e.g. sensors/#)")
     src.add_argument("--reply-topic", default=None, metavar="TOPIC",
-                     help="publish predictions here ({topic}: the item's topic); a message's MQTT 5 "
-                          "response topic wins")
+                     help="publish predictions here ({topic}: the item's topic); with --mqtt-protocol 5 a "
+                          "message's response topic wins")
     src.add_argument("--qos", type=int, default=1, choices=(1, 2), help="subscription and reply QoS")
-    src.add_argument("--mqtt-protocol", default="5", choices=("5", "3.1.1"),
-                     help="5: answers a message's response topic; 3.1.1: replies on --reply-topic only, and paho "
-                          "reads each message faster")
+    src.add_argument("--mqtt-protocol", default="3.1.1", choices=("3.1.1", "5"),
+                     help="3.1.1 (paho's default, the faster to read: replies go to --reply-topic); 5: a message's "
+                          "response topic and correlation data are answered")
     src.add_argument("--client-id", default="partrain-stream",
                      help="MQTT client id: the broker keeps this session's messages across disconnects")
     src.add_argument("--connect-timeout", type=float, default=10.0,
