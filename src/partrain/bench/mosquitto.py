@@ -1,10 +1,10 @@
 """A real MQTT broker on a free port of 127.0.0.1: mosquitto, for ``bench stream`` and the stream tests.
 
 The binary comes from the system (``mosquitto``, or ``/usr/sbin/mosquitto`` where
-Debian puts it outside a user's PATH). Where it is missing and this runs as root
-(CI containers, benchmark machines), `find_or_install` installs it with apt-get
-(bounded); where it still cannot be had, it says why in one line and the caller
-skips what needs it. Readiness is the broker's port accepting a connection, never
+Debian puts it outside a user's PATH). Where it is missing, the tests' set-up
+(`find_or_install`, as root: CI containers) installs it with apt-get (bounded); the
+benchmark itself installs nothing and reports its MQTT goals as not measured, saying
+why in one line. Readiness is the broker's port accepting a connection, never
 a sleep.
 """
 
