@@ -687,3 +687,32 @@ def test_on_a_gpu_a_step_that_leaves_nothing_waiting_waits_for_its_update(monkey
             trainer._waiting = 0
         trainer.device = torch.device("cpu")
         trainer.close()
+
+
+def test_answers_pushed_to_a_callback_equal_the_futures_and_a_failing_callback_stops_nothing(caplog):
+    # two trainers on the same items: one answers futures, the other pushes to on_answer
+    items = [(torch.randn(6, dtype=torch.float64, generator=torch.Generator().manual_seed(i)),
+              torch.zeros(2, dtype=torch.float64)) for i in range(40)]
+    waited = OnlineTrainer(mlp64(), torch.optim.SGD(mlp64().parameters(), lr=0.05), "mse", max_batch=8)
+    futures = [waited.submit(x, y) for x, y in items]
+    waited.close()
+    pushed = OnlineTrainer(mlp64(), torch.optim.SGD(mlp64().parameters(), lr=0.05), "mse", max_batch=8)
+    got: dict[int, tuple] = {}
+
+    def answer(i):
+        def on_answer(prediction, error):
+            if i == 3:
+                raise RuntimeError("a callback of the user's that fails")
+            got[i] = (prediction, error)
+        return on_answer
+
+    with caplog.at_level(logging.ERROR, logger="partrain.batching"):
+        slots = [pushed.submit(x, y, on_answer=answer(i)) for i, (x, y) in enumerate(items)]
+        stats = pushed.close()
+    assert stats.predicted == 40 and all(slot.done() for slot in slots)
+    assert sorted(got) == [i for i in range(40) if i != 3] and all(e is None for _, e in got.values())
+    assert "an answer's callback failed" in caplog.text
+    # the same predictions as the futures' (batches may differ: compare the first step's rows only)
+    assert got[0][0].version == 0 and torch.equal(got[0][0].output, futures[0].result().output)
+    with pytest.raises(TrainerClosed):
+        pushed.submit(*items[0], on_answer=answer(0))

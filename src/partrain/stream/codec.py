@@ -183,10 +183,16 @@ def encode_reply(prediction: Any, version: int, item_id: Hashable | None) -> byt
 def encode_outcome(future: Any, item_id: Hashable | None) -> bytes:
     """The JSON answer to one submitted item, from its finished future: the prediction
     (`encode_reply`), or ``{"id": ..., "error": "..."}`` when its step failed or was cancelled."""
-    if future.cancelled() or future.exception() is not None:
-        why = "cancelled" if future.cancelled() else error_line(future.exception())
-        return json.dumps({"id": item_id, "error": why}, separators=(",", ":")).encode()
-    prediction = future.result()
+    if future.cancelled():
+        return json.dumps({"id": item_id, "error": "cancelled"}, separators=(",", ":")).encode()
+    error = future.exception()
+    return encode_answer(None if error is not None else future.result(), error, item_id)
+
+
+def encode_answer(prediction: Any, error: BaseException | None, item_id: Hashable | None) -> bytes:
+    """The JSON answer to one item: its prediction (`encode_reply`), or ``{"id": ..., "error": "..."}``."""
+    if error is not None:
+        return json.dumps({"id": item_id, "error": error_line(error)}, separators=(",", ":")).encode()
     return encode_reply(prediction.output, prediction.version, item_id)
 
 

@@ -50,7 +50,6 @@ and echoes its correlation data, and the session expires after ``session_expiry`
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 import time
@@ -59,7 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError, error_line
-from .codec import Codec, Decoded, MalformedPayload, encode_outcome
+from .codec import Codec, Decoded, MalformedPayload, encode_answer
 from .trainer import DuplicateItem, OnlineTrainer, TrainerClosed
 
 log = logging.getLogger("partrain.stream")
@@ -270,20 +269,29 @@ class MqttSource:
         except MalformedPayload as exc:
             self._malformed(message, str(exc))
             return
-        future = self._submit(message, item)
-        if future is None:
-            return
-        client.ack(message.mid, message.qos)
         reply_to = self._reply_topic(message)
-        if reply_to is not None:
-            with self._lock:
+        if reply_to is None:
+            on_answer = _ignore
+        else:
+            with self._lock:  # counted before the answer can come (the trainer's thread may answer at once)
                 self._replies_pending += 1
-            future.add_done_callback(lambda f: self._reply(f, reply_to, item, message))
+            item_id = item.item_id
+            correlation = (getattr(getattr(message, "properties", None), "CorrelationData", None)
+                           if self._v5 else None)
 
-    def _submit(self, message: Any, item: Decoded) -> concurrent.futures.Future | None:
-        """Hand the item over; acknowledge what is settled here (malformed, duplicate)."""
+            def on_answer(prediction: Any, error: BaseException | None) -> None:
+                self._reply(prediction, error, reply_to, item_id, correlation)
+        if self._submit(message, item, on_answer):
+            client.ack(message.mid, message.qos)
+        elif reply_to is not None:
+            with self._lock:  # not taken: no answer will come
+                self._replies_pending -= 1
+
+    def _submit(self, message: Any, item: Decoded, on_answer: Any) -> bool:
+        """Hand the item over (True: accepted); acknowledge what is settled here (malformed, duplicate)."""
         try:
-            return self.trainer.submit(item.x, item.y, weight=item.weight, id=item.item_id)
+            self.trainer.submit(item.x, item.y, weight=item.weight, id=item.item_id, on_answer=on_answer)
+            return True
         except DuplicateItem:
             log.debug("duplicate id %r on %s skipped", item.item_id, message.topic)
             self.client.ack(message.mid, message.qos)
@@ -293,7 +301,7 @@ class MqttSource:
             pass  # not acknowledged: the broker keeps it for the next session
         except Exception as exc:  # noqa: BLE001 - QueueFull: not acknowledged, redelivered later
             log.warning("message on %s not taken: %s", message.topic, error_line(exc))
-        return None
+        return False
 
     def _malformed(self, message: Any, why: str) -> None:
         self.trainer.count_malformed()
@@ -309,15 +317,15 @@ class MqttSource:
             return self.config.reply_topic.replace("{topic}", message.topic)
         return None
 
-    def _reply(self, future: concurrent.futures.Future, topic: str, item: Decoded, message: Any) -> None:
-        """Done callback (trainer's loop thread): publish the prediction, or the error, as JSON."""
-        Properties, PacketTypes = self._properties
+    def _reply(self, prediction: Any, error: BaseException | None, topic: str, item_id: Any,
+               correlation: bytes | None) -> None:
+        """The item's answer (trainer's loop thread): publish the prediction, or the error, as JSON."""
         props = None
-        correlation = getattr(getattr(message, "properties", None), "CorrelationData", None) if self._v5 else None
         if correlation:
+            Properties, PacketTypes = self._properties
             props = Properties(PacketTypes.PUBLISH)
             props.CorrelationData = correlation
-        payload = encode_outcome(future, item.item_id)
+        payload = encode_answer(prediction, error, item_id)
         try:
             info = self.client.publish(topic, payload, qos=self.config.qos, properties=props)
         except Exception as exc:  # noqa: BLE001 - a reply that cannot be queued is counted, never raised
@@ -337,6 +345,10 @@ class MqttSource:
         with self._lock:
             if self._replies.pop(mid, None) is None:
                 self._early.add(mid)
+
+
+def _ignore(prediction: Any, error: BaseException | None) -> None:
+    """The answer of an item nobody is to be told about (no reply topic)."""
 
 
 def topics_of(values: Sequence[str] | None) -> tuple[str, ...]:

@@ -47,6 +47,7 @@ from ..batching import (
     Inputs,
     Outputs,
     Pending,
+    Pushed,
     QueueFull,
     batch_key,
     split_outputs,
@@ -295,7 +296,8 @@ class OnlineTrainer:
     # ---------------------------------------------------------------- producers
 
     def submit(self, x: Inputs, y: Tensor | float | int | Sequence[float] | None = None, *,
-               weight: float = 1.0, id: Hashable | None = None) -> concurrent.futures.Future:  # noqa: A002
+               weight: float = 1.0, id: Hashable | None = None,  # noqa: A002
+               on_answer: Callable[[Prediction | None, BaseException | None], None] | None = None) -> Any:
         """Hand one item over from any thread; returns a future of its `Prediction`.
 
         The item is *accepted* when this returns: from then on it is trained on
@@ -304,11 +306,16 @@ class OnlineTrainer:
         past ``block_timeout``), `DuplicateItem`, `TrainerClosed`, or `UsageError`
         for an item that does not fit (one line). From a coroutine, use `asubmit`
         (``"block"`` would block the event loop).
+
+        ``on_answer(prediction, error)``: instead of a future to wait on, the answer is pushed,
+        once, on the trainer's thread (a source that replies per item, as MQTT's does: a
+        `concurrent.futures.Future` per item costs its producer thread a condition variable);
+        then a `partrain.batching.Pushed` is returned.
         """
-        return self._submit(x, y, weight, id, wait=True)
+        return self._submit(x, y, weight, id, wait=True, on_answer=on_answer)
 
     def _submit(self, x: Inputs, y: Any, weight: float, id: Hashable | None,  # noqa: A002
-                wait: bool) -> concurrent.futures.Future:
+                wait: bool, on_answer: Callable[[Any, BaseException | None], None] | None = None) -> Any:
         # Per item, on the producer's thread and under the GIL the step needs between its torch
         # calls: every microsecond here is one the step can wait. The common item (one tensor,
         # a tensor label, weight 1, no id) takes the short branches.
@@ -340,7 +347,7 @@ class OnlineTrainer:
                         self._seen.popitem(last=False)
             self._waiting += 1
             self._stats.accepted += 1
-        future: concurrent.futures.Future = concurrent.futures.Future()
+        future: Any = concurrent.futures.Future() if on_answer is None else Pushed(on_answer)
         # positional (a keyword call costs more, per item): inputs, rows, future, deadline, enqueued,
         # key, dead, dispatched, payload, evict, then _Entry's target, weight, item_id
         entry = _Entry(inputs, 1, future, None, time.monotonic(), key, False, False, None,
