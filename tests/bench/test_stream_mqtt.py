@@ -19,6 +19,7 @@ import pytest
 
 from partrain.bench.stream_mqtt import Run
 from partrain.cli import main
+from tests import system_packages
 
 MQTT_GOALS = ("stream.mqtt_vs_bare", "stream.mqtt_burst_loss", "stream.mqtt_p99_ms")
 
@@ -26,9 +27,7 @@ MQTT_GOALS = ("stream.mqtt_vs_bare", "stream.mqtt_burst_loss", "stream.mqtt_p99_
 @pytest.mark.timeout(300)
 def test_quick_run_measures_the_three_mqtt_goals(tmp_path, capsys):
     pytest.importorskip("paho.mqtt.client")
-    from partrain.bench.mosquitto import find_or_install
-
-    binary, why = find_or_install()
+    binary, why = system_packages.mosquitto()
     if binary is None:
         pytest.skip(f"no MQTT broker: {why}")
     out_file = tmp_path / "stream.json"

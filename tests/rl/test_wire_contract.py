@@ -36,6 +36,7 @@ from safetensors import numpy as st_numpy
 
 from partrain.rl import ActorCritic, Learner, LearnerServer
 from partrain.rl.wire import SEGMENT_FIELDS, encode_segment
+from tests.system_packages import find_or_install
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,6 @@ TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # the learner of the page's error table: unroll 16, max_lag 10, max_queue 8, 2 actions; segments of E = 2
 UNROLL, ENVS, OBS_SHAPE = 16, 2, (4,)
-INSTALL_TIMEOUT = 240  # seconds for apt-get update + install
 
 
 # ------------------------------------------------------------------ the page
@@ -142,35 +142,14 @@ def post(url: str, body: bytes, *, headers: dict[str, str] | None = None, params
 
 # ------------------------------------------------------------------ the shell actor's tools
 
-def _apt_install(package: str) -> str:
-    """apt-get install ``package`` (root only, bounded); the reason it could not, as text."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return f"{package} is not installed and the tests do not run as root to install it"
-    if not shutil.which("apt-get"):
-        return f"{package} is not installed and there is no apt-get"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", package]):
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            return f"{' '.join(command)} took over {INSTALL_TIMEOUT} s"
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-            return f"{' '.join(command)} failed: {tail[0]}"
-    return ""
-
-
 @pytest.fixture(scope="module")
 def shell_tools() -> dict[str, str]:
     """sh, curl and awk: found, or installed with apt-get where the tests run as root; else a skip."""
     tools = {}
     for tool, package in (("sh", "dash"), ("curl", "curl"), ("awk", "mawk")):
-        found = shutil.which(tool)
+        found, why = find_or_install(lambda tool=tool: shutil.which(tool), package)
         if found is None:
-            why = _apt_install(package)
-            found = shutil.which(tool)
-            if found is None:
-                pytest.skip(f"the shell actor needs {tool}: {why or 'not found after installing it'}")
+            pytest.skip(f"the shell actor needs {tool}: {why}")
         tools[tool] = found
     return tools
 

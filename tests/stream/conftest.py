@@ -17,6 +17,7 @@ import pytest
 
 from partrain.bench import mosquitto
 from partrain.bench.mosquitto import free_port
+from tests import system_packages
 
 __all__ = ["Broker", "free_port"]  # test modules import both from here
 
@@ -35,7 +36,7 @@ class Broker(mosquitto.Broker):
 
 @pytest.fixture(scope="session")
 def mosquitto_binary() -> str:
-    binary, why = mosquitto.find_or_install()
+    binary, why = system_packages.mosquitto()
     if binary is None:
         pytest.skip(f"no MQTT broker: {why}")
     return binary

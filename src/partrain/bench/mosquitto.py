@@ -1,10 +1,9 @@
 """A real MQTT broker on a free port of 127.0.0.1: mosquitto, for ``bench stream`` and the stream tests.
 
 The binary comes from the system (``mosquitto``, or ``/usr/sbin/mosquitto`` where
-Debian puts it outside a user's PATH). Where it is missing, the tests' set-up
-(`find_or_install`, as root: CI containers) installs it with apt-get (bounded); the
-benchmark itself installs nothing and reports its MQTT goals as not measured, saying
-why in one line. Readiness is the broker's port accepting a connection, never
+Debian puts it outside a user's PATH). Where it is missing, the tests' set-up installs
+it (tests/system_packages.py, as root: CI containers); the benchmark itself installs
+nothing and reports its MQTT goals as not measured, saying why in one line. Readiness is the broker's port accepting a connection, never
 a sleep.
 """
 
@@ -19,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 SYSTEM_PATH = "/usr/sbin/mosquitto"
-INSTALL_TIMEOUT = 240  # seconds for apt-get update + install
 
 
 def find_mosquitto() -> str | None:
@@ -28,35 +26,6 @@ def find_mosquitto() -> str | None:
     if found:
         return found
     return SYSTEM_PATH if os.access(SYSTEM_PATH, os.X_OK) else None
-
-
-def install_mosquitto() -> str:
-    """apt-get install mosquitto (root only); the reason it could not, as text ("" when it ran)."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "mosquitto is not installed and this does not run as root to install it"
-    if not shutil.which("apt-get"):
-        return "mosquitto is not installed and there is no apt-get"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", "mosquitto"]):
-        try:
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=INSTALL_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            return f"{' '.join(command)} took over {INSTALL_TIMEOUT} s"
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [""]
-            return f"{' '.join(command)} failed: {tail[0]}"
-    return ""
-
-
-def find_or_install() -> tuple[str | None, str]:
-    """``(binary, "")``, installing mosquitto first where it is missing and can be; else ``(None, why)``."""
-    binary = find_mosquitto()
-    if binary is None:
-        why = install_mosquitto()
-        binary = find_mosquitto()
-        if binary is None:
-            return None, why or "mosquitto not found after installing it"
-    return binary, ""
 
 
 def free_port() -> int:
