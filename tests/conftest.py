@@ -32,6 +32,8 @@ SLOWEST_FIRST = (
     "rl/test_cartpole.py",  # 42 s, 88 s when its first run does not solve
     "test_signals.py",  # 132 s
     "bench/test_smoke.py",  # 104 s
+    "bench/test_stream_mqtt.py",  # 40 s (bench stream --quick with a real broker)
+    "train/test_language_models.py",  # 27 s
     "strategies/test_parameter_server.py",  # 57 s
     "test_pool.py",  # 48 s
     "train/test_tasks.py",  # 47 s
@@ -39,6 +41,9 @@ SLOWEST_FIRST = (
     "test_elastic.py",  # 43 s
     "serve/test_loadtest_processes.py",  # 40 s
     "strategies/test_pipeline.py",  # 35 s
+    "bench/test_lm.py",  # 25 s
+    "strategies/test_pipeline_transformers.py",  # 22 s
+    "compare/test_compare_gpt.py",  # 20 s
     "train/test_feeding.py",  # 35 s
     "nn/test_freeze.py",  # 30 s
     "test_clusters.py",  # 29 s
