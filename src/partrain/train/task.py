@@ -424,8 +424,13 @@ class Task:
             inputs if isinstance(inputs, Mapping) else {}) else None
         self.input_name = _first_input(model)
         self.own_reduction = "mean"
-        with torch.no_grad():
-            loss = _own_loss(self.forward(model, self.split(batch)[0]))
+        try:
+            with torch.no_grad():
+                loss = _own_loss(self.forward(model, self.split(batch)[0]))
+        except Exception:  # noqa: BLE001 - e.g. a model that takes labels of another kind: the usual check says why
+            if self.own_loss or self.labels_key is None:
+                raise
+            self.labels_key, loss = None, None
         if loss is None:
             self.labels_key = None
             if self.own_loss:
