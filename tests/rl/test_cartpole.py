@@ -36,8 +36,9 @@ MAX_FRAMES = 300_000
 #: nearing 475 and stays below it for hundreds of thousands of frames (one CI run: 452 at 72k
 #: frames, 129 at 300k; 6 of 6 runs by hand solved in 71-135k): such a run is followed by a
 #: second one with other seeds, and the test fails when no run solves. A broken runtime fails
-#: every run.
-ATTEMPTS = 2
+#: every run. A CI run with a CPU-heavy test beside it had both of 2 runs short (9 and 118 at
+#: 300k frames): 3 runs, each warned about when short.
+ATTEMPTS = 3
 PYTHON = [sys.executable, "-m", "partrain", "rl"]
 
 
