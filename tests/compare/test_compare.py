@@ -29,7 +29,14 @@ import pytest
 import partrain
 from partrain.bench.compare import clusters, conv_net, dense_mlp, sgd
 from partrain.cli import main
-from partrain.compare.decide import MARGIN, TIE_FLOOR, at_depth, speed_noise
+from partrain.compare.decide import (
+    MARGIN,
+    MIN_WINDOW_S,
+    TIE_FLOOR,
+    at_depth,
+    speed_noise,
+    window_seconds,
+)
 from partrain.compare.report import format_result
 from partrain.compare.run import warm_up
 
@@ -64,6 +71,9 @@ def test_compute_bound_recommends_allreduce_with_table_json_csv_png(tmp_path):
     noise = max(speed_noise(allreduce), speed_noise(single), TIE_FLOOR)
     expected = {"allreduce"} if min(leads) > 1 + noise + MARGIN else {"single"} if max(leads) <= 1 + TIE_FLOOR \
         else {"allreduce", "single"}
+    windows = sorted(window_seconds(m)[0] for m in (allreduce, single))
+    if windows[0] == windows[0] and sum(windows) / 2 < MIN_WINDOW_S:  # a loaded runner's sub-second windows:
+        expected = {max((allreduce, single), key=lambda m: m.speed).label}  # the fastest measured (the rule)
     assert result.recommendation is not None and result.recommendation.pick in expected, format_result(result)
     expected = result.recommendation.pick
     assert allreduce.ok and allreduce.steps >= 11 and allreduce.samples == allreduce.steps * 64
