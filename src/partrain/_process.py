@@ -300,23 +300,12 @@ def watch_parent(grace: float, on_death: Callable[[], None] | None = None) -> bo
     if parent is None or parent.sentinel is None:
         return False
     main_thread = threading.main_thread().ident
-    sentinels = [parent.sentinel]
+    sentinel = parent.sentinel
     if main_thread is None:  # not started: cannot happen in a running interpreter
         return False
-    # and the parent's pidfd (Linux 5.3+): the sentinel is a pipe whose write end any process
-    # that inherited it keeps open (a suite run once saw a forked worker outlive its killed
-    # launcher by minutes, its sentinel still open); the pidfd ends with the process itself
-    gone = False
-    try:
-        sentinels.append(os.pidfd_open(parent.pid))  # type: ignore[arg-type]
-    except ProcessLookupError:  # the parent died already
-        gone = True
-    except (OSError, AttributeError, TypeError):  # no pidfd here: the sentinel alone
-        pass
 
     def watch() -> None:
-        if not gone:
-            wait(sentinels)
+        wait([sentinel])
         if on_death is not None:
             with contextlib.suppress(Exception):
                 on_death()
