@@ -1,4 +1,5 @@
-"""What a batch is, how the model is called on it, and what the loss and metrics are.
+"""What a batch is, how the model is called on it, and what the loss and metrics are (the named
+losses and metrics themselves: `partrain.train.losses`).
 
 `fit` trains on any batch structure `partrain.batch` describes (a pair ``(inputs, target)``,
 a longer tuple whose last entry is the target, or a dict with the target under
@@ -48,261 +49,47 @@ in one line for more than one worker or accumulated steps.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
-import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._tree import map_tensors
 from ..batch import batch_size, call_model, describe, primary, split_batch, tensors_of
 from ..errors import UsageError
-
-CLASSIFICATION_LOSSES = ("cross_entropy", "nll", "bce", "causal_lm")
-REGRESSION_LOSSES = ("mse", "l1", "smooth_l1", "huber")
-#: the model computes the loss itself (its output's ``loss``)
-OWN_LOSS = "own"
-LOSSES = ("auto", OWN_LOSS, *CLASSIFICATION_LOSSES, *REGRESSION_LOSSES)
-METRICS = ("accuracy", "mse", "mae", "token_accuracy", "perplexity")
-#: metrics computed from the epoch's mean loss, not summed per batch
-DERIVED_METRICS = ("perplexity",)
-PRECISIONS = ("fp32", "bf16")
-#: a target position that counts in no loss or metric (padding), as in ``F.cross_entropy``
-IGNORE_INDEX = -100
-#: the loss units of a task: samples, or the valid target positions (tokens, pixels)
-SAMPLES, TOKENS = "samples", "tokens"
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-MetricFn = Callable[[Any, Any], torch.Tensor]
-
-
-# ----- losses ----------------------------------------------------------------------------
-def _match(out: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output and float target of equal shape for an elementwise loss ((N, 1) vs (N,) is fine)."""
-    target = target.to(out.dtype if out.is_floating_point() else torch.float32)
-    if out.shape != target.shape:
-        if out.numel() != target.numel() or (out.dim() and target.dim() and out.shape[0] != target.shape[0]):
-            raise UsageError(f"Expected a model output shaped like the target {tuple(target.shape)}. "
-                             f"Received: output {tuple(out.shape)}")
-        out = out.reshape(target.shape)
-    return out, target
-
-
-def _elementwise(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        out, target = _match(out, target)
-        return fn(out, target, reduction="none")
-    return loss
-
-
-def class_dim(out: torch.Tensor, target: torch.Tensor) -> int | None:
-    """The dimension of ``out`` that holds the classes of integer ``target``: 1 (``[N, C, ...]``
-    against ``[N, ...]``, torch's convention) or the last (``[N, T, V]`` against ``[N, T]``, a
-    language model's); the last for a 3-dim output when both fit; None when neither does."""
-    if out.dim() != target.dim() + 1 or out.shape[0] != target.shape[0]:
-        return None
-    first = out.shape[2:] == target.shape[1:]
-    last = out.shape[:-1] == target.shape
-    if last and (not first or out.dim() == 3):
-        return out.dim() - 1
-    return 1 if first else None
-
-
-def _classes_at(out: torch.Tensor, target: torch.Tensor) -> int:
-    dim = class_dim(out, target)
-    if dim is None:
-        raise UsageError(f"Expected a model output with one more dimension than the targets {tuple(target.shape)} "
-                         "(the classes, at dim 1 or last). Received: output "
-                         f"{tuple(out.shape)}")
-    return dim
-
-
-def _classification(fn: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``fn`` (``F.cross_entropy``, ``F.nll_loss``) per sample: summed over a sample's valid
-    positions when its target has more than one (the task divides by the valid positions)."""
-    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        try:
-            if target.dim() <= 1:
-                return fn(out, target, reduction="none")
-            if _classes_at(out, target) == 1:
-                values = fn(out, target, reduction="none", ignore_index=IGNORE_INDEX)
-            else:  # [N, T, V]: the 2-d form, the fast path of both kernels
-                values = fn(out.reshape(-1, out.shape[-1]), target.reshape(-1), reduction="none",
-                            ignore_index=IGNORE_INDEX).view(target.shape)
-        except IndexError:  # a label beyond the classes in a batch the start could not see: one line
-            check_labels(out, target)
-            raise
-        return values.flatten(1).sum(1)
-    return loss
-
-
-def causal_lm(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Token cross-entropy with the targets shifted by one (logits at ``t`` predict target
-    ``t + 1``), summed per sequence over its valid targets."""
-    if out.dim() != 3 or target.dim() != 2 or out.shape[:2] != target.shape:
-        raise UsageError(f"Expected logits [N, T, V] and targets [N, T] for loss 'causal_lm'. Received: output "
-                         f"{tuple(out.shape)}, targets {tuple(target.shape)}")
-    return _classification(F.cross_entropy)(out[:, :-1], target[:, 1:])
-
-
-def check_labels(output: Any, targets: torch.Tensor, loss: str = "cross_entropy") -> None:
-    """Integer labels all within the model's classes (one line naming the range when not),
-    for a named loss whose class dimension is known (`class_dim`); ``-100`` is padding."""
-    out = primary(output)
-    if targets.is_floating_point() or targets.numel() == 0 or loss not in ("cross_entropy", "nll", "causal_lm"):
-        return
-    sample = targets[: out.shape[0]]
-    dim = class_dim(out, sample) if sample.shape[0] == out.shape[0] else None
-    if dim is None:
-        return
-    classes = out.shape[dim]
-    valid = targets[targets != IGNORE_INDEX]
-    if valid.numel() == 0:
-        return
-    low, high = int(valid.min()), int(valid.max())
-    if low < 0 or high >= classes:
-        raise UsageError(f"Expected class labels in [0, {classes - 1}] for a model with {classes} outputs"
-                         f"{' (-100: padding)' if targets.dim() > 1 else ''}. Received labels from {low} to {high}")
-
-
-#: the built-in losses by name, one value per element (elementwise ones on targets shaped like the
-#: output, `_match`); the streaming trainer's built-in losses are these too
-NAMED_LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "cross_entropy": _classification(F.cross_entropy),
-    "nll": _classification(F.nll_loss),
-    "causal_lm": causal_lm,
-    "bce": _elementwise(F.binary_cross_entropy_with_logits),
-    "mse": _elementwise(F.mse_loss),
-    "l1": _elementwise(F.l1_loss),
-    "smooth_l1": _elementwise(F.smooth_l1_loss),
-    "huber": _elementwise(F.huber_loss),
-}
-
-
-def per_sample(values: torch.Tensor, n: int, what: str = "loss_fn") -> torch.Tensor:
-    """``values`` as one number per sample: shape ``(n,)``, trailing dimensions averaged."""
-    if not isinstance(values, torch.Tensor):
-        raise UsageError(f"Expected {what} to return a tensor of per-sample values. Received: {type(values).__name__}")
-    if values.dim() == 0:
-        if n == 1:
-            return values.reshape(1)
-        raise UsageError(
-            f"Expected {what} to return one value per sample (shape ({n},)). Received: a single number for "
-            f"{n} samples - a mean-reduced loss; use reduction='none' (partrain divides by the global batch)")
-    if values.shape[0] != n:
-        raise UsageError(f"Expected {what} to return one value per sample (shape ({n}, ...)). "
-                         f"Received: shape {tuple(values.shape)}")
-    return values.flatten(1).mean(1) if values.dim() > 1 else values
-
-
-def _per_sample_module(loss: nn.Module) -> nn.Module:
-    """A ``torch.nn`` loss with ``reduction='mean'`` as the same loss per sample (or one line why not)."""
-    reduction = getattr(loss, "reduction", "none")
-    if reduction == "none":
-        return loss
-    name = type(loss).__name__
-    if reduction != "mean":
-        raise UsageError(f"Expected a per-sample loss (reduction='none' or 'mean'). Received: {name}(reduction="
-                         f"{reduction!r}): partrain divides per-sample losses by the global batch itself")
-    if getattr(loss, "weight", None) is not None:
-        raise UsageError(f"Expected {name} without class weights, or with reduction='none'. Received: {name}("
-                         "weight=..., reduction='mean'), whose mean divides by the summed weights, which a "
-                         "per-sample loss cannot reproduce; pass reduction='none' to train on the weighted sum / N")
-    exact = copy.copy(loss)
-    exact.reduction = "none"
-    return exact
-
-
-# ----- metrics ---------------------------------------------------------------------------
-def token_accuracy(output: Any, target: torch.Tensor, shift: int = 0) -> torch.Tensor:
-    """Per sample, the correct argmax predictions summed over its valid positions (the task
-    divides by the valid positions); ``shift=1``: logits at ``t`` predict target ``t + 1``."""
-    out = primary(output)
-    if shift:
-        out, target = out[:, :-shift], target[:, shift:]
-    hit = (out.argmax(_classes_at(out, target)) == target) & (target != IGNORE_INDEX)
-    return (hit.flatten(1).sum(1) if hit.dim() > 1 else hit).to(torch.float64)
-
-
-def accuracy(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Per-sample accuracy: argmax over classes, or the sign of a logit for binary targets."""
-    out = primary(output)
-    if not target.is_floating_point() and out.dim() == target.dim() + 1:
-        hit = (out.argmax(_classes_at(out, target)) == target).to(torch.float64)
-        if target.dim() > 1:  # the mean over each sample's valid positions (-100: padding)
-            valid = (target != IGNORE_INDEX).flatten(1)
-            return (hit.flatten(1) * valid).sum(1) / valid.sum(1).clamp(min=1)
-    else:
-        out, target = _match(out, target)
-        hit = ((out > 0) == (target > 0.5)).to(torch.float64)
-    return hit.flatten(1).mean(1) if hit.dim() > 1 else hit
-
-
-def squared_error(output: Any, target: torch.Tensor) -> torch.Tensor:
-    out, target = _match(primary(output), target)
-    return (out - target).pow(2)
-
-
-def absolute_error(output: Any, target: torch.Tensor) -> torch.Tensor:
-    out, target = _match(primary(output), target)
-    return (out - target).abs()
-
-
-_METRICS: dict[str, MetricFn] = {"accuracy": accuracy, "mse": squared_error, "mae": absolute_error,
-                                 "token_accuracy": token_accuracy}
-
-
-# ----- a model's own loss ----------------------------------------------------------------
-#: Hugging Face heads by class-name ending, and the units their mean loss averages over:
-#: a causal LM's valid targets after the shift by one, other token heads' valid targets, or
-#: the samples (the loss families of ``transformers.loss``; a class's name sets its loss there too)
-_HF_HEADS: tuple[tuple[tuple[str, ...], str, int], ...] = (
-    (("ForCausalLM", "LMHeadModel"), TOKENS, 1),
-    (("ForMaskedLM", "ForTokenClassification", "ForConditionalGeneration"), TOKENS, 0),
-    (("ForSequenceClassification", "ForImageClassification", "ForQuestionAnswering", "ForMultipleChoice",
-      "ForAudioClassification"), SAMPLES, 0),
+from .losses import (  # noqa: F401 - re-exported: the task's vocabulary is imported from here
+    CLASSIFICATION_LOSSES,
+    DERIVED_METRICS,
+    HF_HEADS,
+    IGNORE_INDEX,
+    LOSSES,
+    METRIC_FNS,
+    METRICS,
+    NAMED_LOSSES,
+    OWN_LOSS,
+    PRECISIONS,
+    REGRESSION_LOSSES,
+    SAMPLES,
+    TOKENS,
+    LossFn,
+    MetricFn,
+    absolute_error,
+    accuracy,
+    causal_lm,
+    check_labels,
+    class_dim,
+    first_input_name,
+    own_loss_of,
+    own_loss_units,
+    per_sample,
+    per_sample_module,
+    squared_error,
+    takes_argument,
+    token_accuracy,
 )
-
-
-def own_loss_units(model: nn.Module) -> tuple[str, int] | None:
-    """``(units, shift)`` that ``model``'s own mean loss averages over: a Hugging Face head's by its
-    class name (`_HF_HEADS`), samples for any other model; None: a Hugging Face model whose loss
-    partrain does not know (it cannot re-weight it exactly)."""
-    name = type(model).__name__
-    if not type(model).__module__.startswith("transformers."):
-        return SAMPLES, 0
-    for endings, units, shift in _HF_HEADS:
-        if name.endswith(endings):
-            return units, shift
-    return None
-
-
-def _takes(model: nn.Module, name: str, kwargs: bool = False) -> bool:
-    """``model.forward`` has a parameter ``name`` (with ``kwargs``: or takes ``**kwargs``)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or kwargs and any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def _first_input(model: nn.Module) -> str:
-    try:
-        params = [p for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        params = []
-    return params[0].name if params else "input_ids"
-
-
-def _own_loss(output: Any) -> torch.Tensor | None:
-    loss = output.get("loss") if isinstance(output, Mapping) else None
-    return loss if isinstance(loss, torch.Tensor) else None
 
 
 # ----- the task --------------------------------------------------------------------------
@@ -328,7 +115,7 @@ class Task:
             if loss_fn not in LOSSES:
                 raise UsageError(f"Expected a loss among {list(LOSSES)} or a function. Received: {loss_fn!r}")
         elif isinstance(loss_fn, nn.Module):
-            loss_fn = _per_sample_module(loss_fn)
+            loss_fn = per_sample_module(loss_fn)
         elif not callable(loss_fn):
             raise UsageError(f"Expected loss_fn to be a loss name or a function. Received: {type(loss_fn).__name__}")
         if precision not in PRECISIONS:
@@ -411,7 +198,7 @@ class Task:
             if fn is None and (name == "token_accuracy" or (token and name == "accuracy")):
                 fn = functools.partial(token_accuracy, shift=self.shift)
                 self.unit_metrics.add(name)
-            self.metric_fns[name] = fn or _METRICS[name]
+            self.metric_fns[name] = fn or METRIC_FNS[name]
 
     def adopt_own_loss(self, model: nn.Module, batch: Any) -> bool:
         """With ``"auto"`` or ``"own"``: when ``model``'s output carries a ``loss`` (the target passed
@@ -420,13 +207,13 @@ class Task:
             return False
         inputs, target = split_batch(batch, self.target_key)
         loose = isinstance(inputs, Mapping) or isinstance(inputs, torch.Tensor)
-        self.labels_key = "labels" if loose and _takes(model, "labels") and "labels" not in (
+        self.labels_key = "labels" if loose and takes_argument(model, "labels") and "labels" not in (
             inputs if isinstance(inputs, Mapping) else {}) else None
-        self.input_name = _first_input(model)
+        self.input_name = first_input_name(model)
         self.own_reduction = "mean"
         try:
             with torch.no_grad():
-                loss = _own_loss(self.forward(model, self.split(batch)[0]))
+                loss = own_loss_of(self.forward(model, self.split(batch)[0]))
         except Exception:  # noqa: BLE001 - e.g. a model that takes labels of another kind: the usual check says why
             if self.own_loss or self.labels_key is None:
                 raise
@@ -447,11 +234,11 @@ class Task:
         if self.units == TOKENS:
             self.kind = "classification"
         count = self.count(target)
-        if self.labels_key is not None and count > 0 and _takes(model, "num_items_in_batch", kwargs=True):
+        if self.labels_key is not None and count > 0 and takes_argument(model, "num_items_in_batch", kwargs=True):
             self.own_reduction = "sum"  # the model sums when told how many units it averages over
             try:
                 with torch.no_grad():
-                    summed = _own_loss(self.forward(model, self.split(batch)[0]))
+                    summed = own_loss_of(self.forward(model, self.split(batch)[0]))
             except Exception:  # noqa: BLE001 - it does not take the keyword after all: the mean, re-weighted
                 summed = None
             if summed is None or not torch.allclose(summed.double(), loss.double() * count, rtol=1e-3, atol=1e-6):
@@ -475,7 +262,7 @@ class Task:
         micro-batch per step, and a Hugging Face head whose loss units partrain does not know)."""
         if self.own_loss and not self.own_units_known and (workers > 1 or accumulate > 1):
             raise UsageError(f"Expected a model whose own loss partrain can re-weight exactly (Hugging Face heads "
-                             f"ending in {', '.join(e for ends, _, _ in _HF_HEADS for e in ends)}) for {workers} "
+                             f"ending in {', '.join(e for ends, _, _ in HF_HEADS for e in ends)}) for {workers} "
                              f"workers x accumulate {accumulate}. Received: {self.own_model}; pass loss_fn (e.g. "
                              "'causal_lm' on its logits) or run one worker")
 
@@ -540,7 +327,7 @@ class Task:
 
     def _own(self, output: Any, target: Any, n: int) -> torch.Tensor:
         """The model's own loss as its sum over the batch's units, spread evenly over the samples."""
-        loss = _own_loss(output)
+        loss = own_loss_of(output)
         if loss is None:
             raise UsageError(f"Expected the model's output to carry a 'loss' on every batch. Received: {describe(output)}")
         total = loss.float()
