@@ -17,7 +17,7 @@ OUT_FILES = ("compare.json", "compare.csv", "compare.png")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..train.cli import add_model_data_arguments, add_optimizer_arguments
+    from ..train.cli_args import add_model_data_arguments, add_optimizer_arguments
     from .run import CANDIDATES, DEFAULT_LINKS, OPT_IN
 
     p = sub.add_parser(
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..data.datasets import load_dataset
     from ..models import build_named_model
-    from ..train.cli import data_spec, model_kwargs, optimizer_fn_of
+    from ..train.cli_args import data_spec, model_kwargs, optimizer_fn_of
     from .options import parse_bandwidth, parse_budget, parse_links, parse_straggler
     from .report import format_result, to_json
     from .run import CANDIDATES, OVER_BUDGET, compare
