@@ -230,13 +230,7 @@ def run(args: argparse.Namespace) -> Report:
 
     ratio_of = {single: (fit_vs_plain, "this / plain loop"), allreduce: (allreduce_vs_ddp, "this / raw DDP"),
                 two_workers: (scaling, "this / 1 worker"), one_process: (vs_all_cores, "2 workers / this")}
-    rows = []
-    for label in labels:
-        spread = Spread.of(rates[label])
-        report.figure(f"{_key(label)}_samples_per_s", spread)
-        ratio, of = ratio_of.get(label, (None, ""))
-        rows.append([label, spread.cell(), ratio.cell() if ratio else "", of])
-    report.table(["variant", "samples/s median (min-max)", "ratio", "ratio of"], rows)
+    rate_table(report, {label: rates[label] for label in labels}, ratio_of, "samples/s")
     runs = f"{len(startup.values)} run{'s' * (len(startup.values) != 1)}"
     report.table(["start-up: seconds to the first step (--json's startup_s)", f"median (min-max) of {runs}"],
                  [[STARTUP, startup.cell()], [STARTUP_ALLREDUCE, startup_allreduce.cell()]])
@@ -253,7 +247,7 @@ def run(args: argparse.Namespace) -> Report:
     report.goal("core.scaling", scaling, ">=", 1.6, "compute-bound: 2 workers / 1 worker, samples/s")
     report.goal("core.startup_s", startup, "<=", 3.0, "a bare `partrain train`: seconds to the first step")
     for baseline, goal in ((plain, "core.fit_vs_plain"), (ddp, "core.allreduce_vs_ddp")):
-        line = resolution(baseline, Spread.of(rates[baseline]), MARGIN, goal)
+        line = resolution(baseline, Spread.of(rates[baseline]), MARGIN, goal, "samples/s")
         if line:
             report.note(line)
     return report
@@ -263,7 +257,20 @@ def run(args: argparse.Namespace) -> Report:
 MARGIN = 0.02
 
 
-def resolution(label: str, rates: Spread, margin: float, goal: str) -> str | None:
+def rate_table(report: Report, rates: dict[str, list[float]], ratio_of: dict[str, tuple[Spread, str]],
+               unit: str) -> None:
+    """Each variant's rate over the rounds (median (min-max)), with its ratio where it has one, as
+    a table and as figures ``<variant>_<unit>`` (``samples/s`` -> ``samples_per_s``)."""
+    rows = []
+    for label, values in rates.items():
+        spread = Spread.of(values)
+        report.figure(f"{_key(label)}_{unit.replace('/', '_per_')}", spread)
+        ratio, of = ratio_of.get(label, (None, ""))
+        rows.append([label, spread.cell(), ratio.cell() if ratio else "", of])
+    report.table(["variant", f"{unit} median (min-max)", "ratio", "ratio of"], rows)
+
+
+def resolution(label: str, rates: Spread, margin: float, goal: str, unit: str = "samples/s") -> str | None:
     """One line when a baseline's own rate moved more between rounds than the goal's margin: the
     goal's verdict then rests on the machine's noise as much as on the difference it asks about."""
     if len(rates.values) < 2 or not rates.median > 0:
@@ -271,7 +278,7 @@ def resolution(label: str, rates: Spread, margin: float, goal: str) -> str | Non
     spread = (rates.high - rates.low) / rates.median
     if spread <= margin:
         return None
-    return (f"{label}: its rate spread {spread:.0%} between rounds ({rates.low:,.0f} to {rates.high:,.0f} samples/s), "
+    return (f"{label}: its rate spread {spread:.0%} between rounds ({rates.low:,.0f} to {rates.high:,.0f} {unit}), "
             f"wider than {goal}'s {margin:.0%} margin: the verdict cannot resolve {margin:.0%} on this machine "
             "(more --rounds, a quieter machine)")
 

@@ -65,7 +65,7 @@ from ..models.gpt import gpt
 from ..nn.checkpointing import checkpoint_blocks
 from ..tables import format_number
 from ..train.fit import fit
-from .core import _key, steady_rate
+from .core import MARGIN, rate_table, resolution, steady_rate
 from .harness import (
     Report,
     Spread,
@@ -293,13 +293,7 @@ def run(args: argparse.Namespace) -> Report:
     fit_vs_plain = paired_ratio(rates[single], rates[plain])
     scaling = paired_ratio(rates[two_workers], rates[one_worker])
     ratio_of = {single: (fit_vs_plain, "this / plain loop"), two_workers: (scaling, "this / 1 worker")}
-    rows = []
-    for label in variants:
-        spread = Spread.of(rates[label])
-        report.figure(f"{_key(label)}_tokens_per_s", spread)
-        ratio, of = ratio_of.get(label, (None, ""))
-        rows.append([label, spread.cell(), ratio.cell() if ratio else "", of])
-    report.table(["variant", "tokens/s median (min-max)", "ratio", "ratio of"], rows)
+    rate_table(report, rates, ratio_of, "tokens/s")
     report.figure("ratio_fit_single_vs_plain", fit_vs_plain)
     report.figure("ratio_2_workers_vs_1_worker", scaling)
 
@@ -333,5 +327,8 @@ def run(args: argparse.Namespace) -> Report:
                 f"one step's peak memory on {device}: checkpointing / none")
     report.goal("lm.loss_vs_plain", loss_gap, "<=", 0.01,
                 f"held-out loss after {steps} steps: |fit - plain| / plain")
+    line = resolution(plain, Spread.of(rates[plain]), MARGIN, "lm.fit_vs_plain", "tokens/s")
+    if line:
+        report.note(line)
     return report
 
