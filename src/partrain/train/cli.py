@@ -182,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     pre = preprocessing(spec)
     if pre is not None:
         model_spec["preprocess"] = pre
+    if getattr(train_ds, "tokenizer_name", None):  # text data: serving turns text into these ids again
+        model_spec["tokenizer"] = train_ds.tokenizer_name
     result = fit(
         model_fn,
         spec,

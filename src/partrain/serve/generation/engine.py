@@ -240,8 +240,8 @@ class GenerationEngine:
             raise RequestError(f"Expected no stop strings for model {self.name!r}: it has no tokenizer to read "
                                f"text with. Received: stop={list(params.stop)!r} (use stop_token_ids)")
         stop_ids = set(params.stop_token_ids)
-        if tok is not None and not params.ignore_eos:
-            stop_ids.update(tok.eos_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(tok.eos_token_ids if tok is not None else self.runner.eos_token_ids)
         seq = _Sequence(prompt=prompt, params=params, max_tokens=max_tokens, sink=sink,
                         generator=None if params.greedy else make_generator(params.seed, self._fallback),
                         text=TextStream(tok, params.stop) if tok is not None else None,

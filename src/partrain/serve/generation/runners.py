@@ -31,6 +31,7 @@ class Runner(ABC):
     block_size: int  # longest sequence (prompt + generated tokens)
     vocab_size: int
     slots: int = 0
+    eos_token_ids: tuple[int, ...] = ()  # the model's own end-of-text tokens (its config's)
 
     @abstractmethod
     def bytes_per_slot(self) -> int:
