@@ -218,12 +218,12 @@ class GenerationEngine:
             raise RequestError(f"Expected token ids in [0, {vocab}) for model {self.name!r}. Received: ids in "
                                f"[{lo}, {hi}]")
         if len(prompt) >= block:
-            raise RequestError(f"Expected a prompt shorter than model {self.name!r}'s context of {block} tokens "
+            raise RequestError(f"Expected a prompt shorter than the context of model {self.name!r}, {block} tokens "
                                f"(room for one new token at least). Received: {len(prompt)} tokens")
         if params.max_tokens is None:
             return min(DEFAULT_MAX_TOKENS, block - len(prompt))
         if len(prompt) + params.max_tokens > block:
-            raise RequestError(f"Expected prompt + max_tokens <= model {self.name!r}'s context of {block} tokens. "
+            raise RequestError(f"Expected prompt + max_tokens <= the context of model {self.name!r}, {block} tokens. "
                                f"Received: {len(prompt)} + {params.max_tokens} = {len(prompt) + params.max_tokens}")
         return params.max_tokens
 

@@ -93,6 +93,8 @@ class TextStream:
         self.stopped = False
 
     def push(self, token: int) -> str:
+        if self.stopped:
+            return ""  # the text ended at its stop string
         self.ids.append(token)
         prefix = self.tokenizer.decode(self.ids[self._window:self._decoded_upto])
         full = self.tokenizer.decode(self.ids[self._window:])
@@ -106,6 +108,8 @@ class TextStream:
 
     def finish(self) -> str:
         """Everything not handed out yet (the sequence ended without a stop string)."""
+        if self.stopped:
+            return ""
         if self._decoded_upto < len(self.ids):  # an incomplete character at the end: as the tokenizer reads it
             prefix = self.tokenizer.decode(self.ids[self._window:self._decoded_upto])
             self.text += self.tokenizer.decode(self.ids[self._window:])[len(prefix):]
