@@ -14,7 +14,7 @@ unexport PYTHONDONTWRITEBYTECODE
 WHEELS ?= $(or $(firstword $(PIP_FIND_LINKS)),/opt/wheels)
 UV := $(VENV)/bin/uv pip install --python $(PY) --quiet --constraint constraints.txt
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench bench-check clean
 
 # torch is pinned by constraints.txt: no installer ever resolves a newer torch.
 $(VENV)/.base: pyproject.toml constraints.txt
@@ -48,6 +48,11 @@ lint: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(VENV)/bin/partrain bench core --quick
+
+# Every benchmark's --quick pinned to one core: exit 0, no traceback, a goals block (issue 53).
+# 10-20 minutes, so not part of `make test`.
+bench-check: $(VENV)/.dev
+	$(PY) tools/bench_quick_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
