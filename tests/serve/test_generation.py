@@ -351,3 +351,25 @@ def test_hugging_face_models_equal_their_own_generate(kind: str) -> None:
         ref = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              pad_token_id=0)[0, len(p):].tolist()
         assert c.tokens == ref
+
+
+def test_a_request_ending_at_its_first_token_leaves_before_the_decode_step() -> None:
+    """A request whose prefill already gives its last token (max_tokens 1) joins while another
+    runs: it must leave before the step it would have had no token for, and the other goes on."""
+    model = tiny_gpt()
+    runner = Gate(model)
+    engine = GenerationEngine(runner, max_running=4).start()
+    try:
+        long_events, short_events = [], []
+        finished = threading.Event()
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=8, temperature=0),
+                      lambda e: (long_events.append(e), e.finish_reason and finished.set()))
+        assert runner.stepping.wait(60)  # the long one is in its first decode step
+        engine.submit([7, 8], SamplingParams(max_tokens=1, temperature=0), short_events.append)
+        runner.gate.set()
+        assert finished.wait(60)
+    finally:
+        engine.stop()
+    assert [e.token for e in short_events] == alone(model, [7, 8], 1)
+    assert [e.token for e in long_events] == alone(model, [1, 2, 3], 8)
+    assert long_events[-1].finish_reason == "length"

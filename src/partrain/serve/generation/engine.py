@@ -327,6 +327,7 @@ class GenerationEngine:
                 admitted = [s for s in admitted if not s.done]
                 if admitted:
                     self._prefill(admitted, events)
+                    self._release()  # those that ended at their first token leave before the decode step
                 if self._running:
                     self._decode(events)
             except Exception as exc:  # noqa: BLE001 - the model failed: end the sequences of this step
