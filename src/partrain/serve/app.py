@@ -17,6 +17,8 @@ Endpoints (``{m}`` a model name; every model route also exists under
 ``/v2/models/{m}``          GET    model metadata: inputs/outputs, -1 = variable dim
 ``/v2/models/{m}/ready``    GET    200 ``{"name", "ready": true}`` or 503
 ``/v2/models/{m}/infer``    POST   inference (JSON or binary tensor data extension)
+``.../{m}/generate``        POST   generation, one JSON answer (generative models; `generate_http`)
+``.../{m}/generate_stream`` POST   generation as Server-Sent Events, one per token
 ``/metrics``                GET    Prometheus text format
 ==========================  =====  =================================================
 
@@ -59,6 +61,8 @@ from starlette.routing import Route
 
 from ..batching import Batcher, BatcherClosed, QueueFull
 from .body import DEFAULT_MAX_BODY_BYTES, body_decoder
+from .generate_http import GenerateRoutes, generate_metadata
+from .generation import GenerationEngine
 from .protocol import (
     HEADER,
     ProtocolError,
@@ -69,7 +73,7 @@ from .protocol import (
 
 OPEN_PATHS = ("/v2/health/live", "/v2/health/ready")
 PATHS = ("/v2, /v2/health/live, /v2/health/ready, /v2/models, /v2/models/NAME[/versions/V], "
-         ".../ready, .../infer, /v2/repository/index, /metrics")
+         ".../ready, .../infer, .../generate, .../generate_stream, /v2/repository/index, /metrics")
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -139,16 +143,34 @@ class _Server:
                         pad=m.pad, pad_value=m.pad_value, name=m.name)
             self.metrics.watch(m.name, b)
             self.batchers[m.name] = b
+        # generative models: one engine each, built here (per app, so per replica), started with the batchers
+        self.engines: dict[str, GenerationEngine] = {m.name: m.generator() for m in models if m.generator}
+        self.generate = GenerateRoutes(self.engines, registry, lookup=self.lookup, read_body=self.read_body,
+                                       ensure_started=self.ensure_started)
 
     async def start(self) -> None:
         self.started = True
+        for e in self.engines.values():
+            if not e.running:
+                e.start()  # allocates its KV cache; no await before: a request may come at once
         for b in self.batchers.values():
             if b._task is None:
                 await b.start()
 
+    async def ensure_started(self) -> None:
+        if not self.started:
+            await self.start()  # an ASGI client that skips the lifespan (httpx ASGITransport)
+
     async def stop(self) -> None:
         for b in self.batchers.values():
             await b.stop(drain=True)
+        for e in self.engines.values():
+            await e.astop(drain=True)
+
+    def model_running(self, name: str) -> bool:
+        """The model's batcher runs, and its generation engine when it has one."""
+        engine = self.engines.get(name)
+        return self.batchers[name].running and (engine is None or engine.running)
 
     # ------------------------------------------------------------ helpers
 
@@ -181,7 +203,7 @@ class _Server:
         """One entry per served model, as Triton's repository index has them (plus platform)."""
         entries = []
         for name, model in self.models.items():
-            ready = self.batchers[name].running  # as GET /v2/models/{name}/ready says
+            ready = self.model_running(name)  # as GET /v2/models/{name}/ready says
             if ready_only and not ready:
                 continue
             reason = "" if ready else "stopping" if self.started else "not started"
@@ -195,14 +217,14 @@ class _Server:
     async def server_metadata(self, request: Request) -> Response:
         from .. import __version__
 
-        return json_response({"name": self.server_name, "version": __version__,
-                              "extensions": ["binary_tensor_data", "classification"]})
+        extensions = ["binary_tensor_data", "classification"] + (["generate"] if self.engines else [])
+        return json_response({"name": self.server_name, "version": __version__, "extensions": extensions})
 
     async def live(self, request: Request) -> Response:
         return json_response({"live": True})
 
     async def ready(self, request: Request) -> Response:
-        ready = all(b.running for b in self.batchers.values())
+        ready = all(self.model_running(name) for name in self.models)
         return json_response({"ready": ready}, 200 if ready else 503)
 
     async def list_models(self, request: Request) -> Response:
@@ -224,11 +246,16 @@ class _Server:
         return json_response(self.index(ready_only))
 
     async def model_metadata(self, request: Request) -> Response:
-        return json_response(self.lookup(request).metadata())
+        model = self.lookup(request)
+        meta = model.metadata()
+        engine = self.engines.get(model.name)
+        if engine is not None:
+            meta.setdefault("parameters", {})["generate"] = generate_metadata(engine)
+        return json_response(meta)
 
     async def model_ready(self, request: Request) -> Response:
         model = self.lookup(request)
-        ready = self.batchers[model.name].running
+        ready = self.model_running(model.name)
         return json_response({"name": model.name, "ready": ready}, 200 if ready else 503)
 
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -253,8 +280,7 @@ class _Server:
         body = await self.read_body(request)
         req = decode_infer_request(body, request.headers.get(HEADER), model)
         batcher = self.batchers[model.name]
-        if not self.started:
-            await self.start()  # an ASGI client that skips the lifespan (httpx ASGITransport)
+        await self.ensure_started()
         deadline = None if req.timeout is None else time.monotonic() + req.timeout
         x = req.inputs[0] if len(req.inputs) == 1 else req.inputs
         try:
@@ -300,8 +326,10 @@ def create_app(models: Mapping[str, ServedModel] | Sequence[ServedModel], *, tok
     """Build the OIP v2 app serving ``models`` (each with its own `Batcher`).
 
     Batchers start in the app's lifespan and drain on shutdown (every accepted
-    request is answered). ``app.state.batchers`` maps model name -> Batcher and
-    ``app.state.registry`` is the app's Prometheus registry.
+    request is answered); so do the generation engines of models with a
+    ``generator`` (built here, one per app). ``app.state.batchers`` maps model name
+    -> Batcher, ``app.state.engines`` name -> `GenerationEngine` (generative models
+    only) and ``app.state.registry`` is the app's Prometheus registry.
     """
     items = list(models.values()) if isinstance(models, Mapping) else list(models)
     if not items:
@@ -333,6 +361,8 @@ def create_app(models: Mapping[str, ServedModel] | Sequence[ServedModel], *, tok
         *route("/v2/models/{name}", server.model_metadata, ["GET"]),
         *route("/v2/models/{name}/ready", server.model_ready, ["GET"]),
         *route("/v2/models/{name}/infer", server.infer, ["POST"]),
+        *route("/v2/models/{name}/generate", server.generate.generate, ["POST"]),
+        *route("/v2/models/{name}/generate_stream", server.generate.generate_stream, ["POST"]),
         *route("/metrics", server.metrics_endpoint, ["GET"]),
     ]
 
@@ -362,6 +392,7 @@ def create_app(models: Mapping[str, ServedModel] | Sequence[ServedModel], *, tok
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.batchers = server.batchers
+    app.state.engines = server.engines
     app.state.registry = server.metrics.registry
     app.state.models = server.models
     return app

@@ -31,13 +31,16 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from .shapes import DYNAMIC, PROBE_SIZES, ShapeNotInferred, infer_input, pads_right_exactly, probe
+
+if TYPE_CHECKING:
+    from .generation import GenerationEngine
 
 try:  # orjson parses a request of 784 floats ~10x faster than json (optional, `serve` extra)
     import orjson
@@ -173,6 +176,9 @@ class ServedModel:
     extra: dict[str, Any] = field(default_factory=dict)
     # the metadata's "parameters": e.g. {"preprocess": {"scale", "offset", "raw"}, "task": ...}
     parameters: dict[str, Any] = field(default_factory=dict)
+    # a causal language model's engine factory: each app (replica) builds and starts its own
+    # engine, which answers /generate and /generate_stream (`partrain.serve.generate_http`)
+    generator: Callable[[], GenerationEngine] | None = None
 
     @classmethod
     def from_module(
