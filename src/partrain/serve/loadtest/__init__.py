@@ -23,17 +23,19 @@ against which URL), `target` (the model's metadata), `inputs` (the samples),
 `wire` (request bodies and answers, through the one OIP codec in
 `partrain.serve.protocol`), `client` (HTTP connections), `runner` (closed and
 open loop, timing, one outcome per request), `checking` (answers vs a local
-model) and `report` (figures and text).
+model) and `report` (figures and text). `generate` loads a generative model's
+``/generate_stream`` route with the same loops and connections, and times each token.
 """
 
 from __future__ import annotations
 
 from ..protocol import TensorSpec
-from .checking import AnswerChecker, load_reference_model
+from .checking import AnswerChecker, GreedyChecker, load_reference_model
 from .client import ConnectionPool
 from .config import LoadConfig, parse_target
+from .generate import GenerateSettings, Prompt, prepare_generate, run_generate, run_generate_async
 from .inputs import concrete_shape, npz_inputs, random_inputs
-from .report import LoadReport
+from .report import GenerateReport, LoadReport
 from .runner import prepare, run_load, run_load_async
 from .target import ModelInfo, fetch_model_info, parse_metadata
 from .wire import RequestEncoder, read_answer
@@ -41,9 +43,13 @@ from .wire import RequestEncoder, read_answer
 __all__ = [
     "AnswerChecker",
     "ConnectionPool",
+    "GenerateReport",
+    "GenerateSettings",
+    "GreedyChecker",
     "LoadConfig",
     "LoadReport",
     "ModelInfo",
+    "Prompt",
     "RequestEncoder",
     "TensorSpec",
     "concrete_shape",
@@ -53,8 +59,11 @@ __all__ = [
     "parse_metadata",
     "parse_target",
     "prepare",
+    "prepare_generate",
     "random_inputs",
     "read_answer",
+    "run_generate",
+    "run_generate_async",
     "run_load",
     "run_load_async",
 ]

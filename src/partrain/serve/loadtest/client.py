@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 
@@ -35,7 +36,8 @@ class _Connection:
         return (self.conn.our_state is self._h11.IDLE and not self.reader.at_eof()
                 and not self.writer.is_closing())
 
-    async def post(self, target: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    async def post(self, target: str, body: bytes, headers: dict[str, str],
+                   on_data: Callable[[bytes], None] | None = None) -> tuple[int, dict[str, str], bytes]:
         h11 = self._h11
         head = [("Host", self.host), ("Content-Length", str(len(body))), *headers.items()]
         self.writer.write(self.conn.send(h11.Request(method="POST", target=target, headers=head))
@@ -51,7 +53,10 @@ class _Connection:
                 status = event.status_code
                 response_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in event.headers}
             elif isinstance(event, h11.Data):
-                chunks.append(bytes(event.data))
+                if on_data is not None and status == 200:
+                    on_data(bytes(event.data))  # a stream: each piece as it arrives
+                else:
+                    chunks.append(bytes(event.data))
             elif isinstance(event, h11.EndOfMessage):
                 break
             elif isinstance(event, h11.ConnectionClosed):
@@ -82,7 +87,10 @@ class ConnectionPool:
         self._slots = asyncio.Semaphore(size)
         self._idle: list[_Connection] = []
 
-    async def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    async def post(self, path: str, body: bytes, headers: dict[str, str],
+                   on_data: Callable[[bytes], None] | None = None) -> tuple[int, dict[str, str], bytes]:
+        """Status, headers and body of one POST. With ``on_data``, a 200 answer's body goes to
+        ``on_data`` piece by piece as it arrives (a stream of server-sent events) instead."""
         async with self._slots:
             conn = None
             while self._idle and conn is None:
@@ -94,7 +102,7 @@ class ConnectionPool:
             if conn is None:
                 conn = await _Connection.open(self.host, self.port, self.tls, self.host_header)
             try:
-                result = await conn.post(self.prefix + path, body, {**self.headers, **headers})
+                result = await conn.post(self.prefix + path, body, {**self.headers, **headers}, on_data)
             except BaseException:
                 conn.close()
                 raise

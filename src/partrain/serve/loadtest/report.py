@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
+
+
+def percentile_ms(seconds: Sequence[float], q: float) -> float:
+    """The ``q`` percentile of durations in seconds, in milliseconds (nan when there are none)."""
+    if len(seconds) == 0:
+        return float("nan")
+    return float(np.percentile(np.asarray(seconds), q) * 1e3)
 
 
 @dataclass
@@ -89,9 +97,7 @@ class LoadReport:
 
     def percentile(self, q: float) -> float:
         """Latency percentile in milliseconds (nan when nothing was answered)."""
-        if not self.latencies:
-            return float("nan")
-        return float(np.percentile(np.asarray(self.latencies), q) * 1e3)
+        return percentile_ms(self.latencies, q)
 
     @property
     def lost(self) -> int:
@@ -137,4 +143,92 @@ class LoadReport:
             lines.append(f"  answers checked against the local model: {self.checked}, {verdict}")
         else:
             lines.append("  answers not checked (no --check model)")
+        return "\n".join(lines)
+
+
+@dataclass
+class GenerateReport(LoadReport):
+    """What a generate load test saw: `LoadReport`'s counts (``latencies`` end to end) and per token.
+
+    ``ttft``: seconds from a request's send (open loop: its scheduled arrival) to the
+    first event carrying a token; ``tpot``: seconds per output token after the first,
+    per request with two tokens or more. ``checked``/``wrong`` count greedy answers
+    compared with the local model; ``ties`` those that differ from it only where its
+    two best logits are within the tie tolerance (float rounding, not a wrong answer).
+    """
+
+    workload: str = ""  # prompts, lengths and sampling, one line
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0  # summed over the answers (their usage)
+    output_tokens: int = 0  # tokens streamed in the answers
+    miscounted: int = 0  # answers with another number of tokens than asked, or than their usage says
+    first_miscounted: str = ""
+    ties: int = 0
+    first_tie: str = ""
+    repeats_differ: int = 0  # seeded (sampled) answers unlike the first answer to the same prompt and seed
+    unchecked: str = ""  # why answers were not checked against the local model, when they were not
+
+    @property
+    def token_throughput(self) -> float:
+        """Output tokens per second of the whole run."""
+        return self.output_tokens / self.elapsed if self.elapsed > 0 else float("nan")
+
+    def failures(self, max_error_rate: float = 0.0) -> list[str]:
+        lines = super().failures(max_error_rate)
+        if self.miscounted:
+            lines.append(f"{self.miscounted} of {self.ok} answers did not have the tokens asked for; "
+                         f"first: {self.first_miscounted}")
+        return lines
+
+    def figures(self) -> dict[str, float]:
+        """`LoadReport.figures` (``p50_ms``...: end to end) and the token figures."""
+        out = super().figures()
+        out.update({
+            "output_tokens": self.output_tokens, "prompt_tokens": self.prompt_tokens,
+            "output_tokens_per_s": self.token_throughput,
+            "miscounted": self.miscounted, "ties": self.ties, "repeats_differ": self.repeats_differ,
+        })
+        for name, values in (("ttft", self.ttft), ("tpot", self.tpot)):
+            for q in (50, 90, 99):
+                out[f"{name}_p{q}_ms"] = percentile_ms(values, q)
+        return out
+
+    def format(self) -> str:
+        if self.ok == 0:
+            one_each = f"no answers to check, 0 of {self.sent} answered"
+        else:
+            one_each = "yes" if self.lost == 0 else "NO"
+        errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "none"
+        if self.first_error:
+            errors += f" (first: {self.first_error})"
+
+        def spread(values: Sequence[float], qs: tuple[int, ...] = (50, 90, 99)) -> str:
+            return "  ".join(f"p{q} {percentile_ms(values, q):.2f} ms" for q in qs)
+
+        lines = [
+            f"{self.mode}: {self.sent} requests in {self.elapsed:.2f} s",
+            *([f"  sending   {self.workload}"] if self.workload else []),
+            f"  answered  {self.ok} of {self.sent}  ({self.throughput:,.2f} requests/s, "
+            f"{self.token_throughput:,.1f} output tokens/s; {self.output_tokens} tokens out, "
+            f"{self.prompt_tokens} in)",
+            f"  TTFT      {spread(self.ttft)}  (time to first token)",
+            f"  TPOT      {spread(self.tpot)}  (time per output token after the first)",
+            f"  latency   {spread(self.latencies, (50, 99))}  (end to end)",
+            f"  errors    {errors}",
+            f"  exactly one answer each: {one_each} "
+            f"(missing {self.missing}, duplicated {self.duplicates}, wrong id {self.id_mismatches})",
+        ]
+        if self.ok:
+            counted = "yes" if not self.miscounted else f"NO, {self.miscounted} ({self.first_miscounted})"
+            lines.append(f"  tokens as asked: {counted}")
+        if self.repeats_differ:
+            lines.append(f"  seeded repeats of a prompt that differ from its first answer: {self.repeats_differ}")
+        if self.checked:
+            verdict = "all right" if self.wrong == 0 else f"{self.wrong} WRONG ({self.first_wrong})"
+            if self.ties:
+                verdict += f"; {self.ties} differ only at near-ties of the logits ({self.first_tie})"
+            lines.append(f"  greedy answers checked against the local model: {self.checked}, {verdict}")
+        else:
+            lines.append(f"  answers not checked ({self.unchecked or 'no --check model'})")
         return "\n".join(lines)

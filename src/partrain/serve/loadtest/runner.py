@@ -13,8 +13,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -29,7 +28,7 @@ from .target import ModelInfo, query_model_info
 from .wire import RequestEncoder, read_answer
 
 
-class _Recorder:
+class Recorder:
     """One outcome per request: latency or error kind, and the answer to check later."""
 
     def __init__(self) -> None:
@@ -54,7 +53,7 @@ class _Recorder:
             self.first_error = f"request {index}: {kind}" + (f": {detail}" if detail else "")
 
 
-def _error_detail(content: bytes) -> str:
+def error_detail(content: bytes) -> str:
     """What an error answer says: its ``{"error": ...}`` message, else the start of the body."""
     try:
         message = json.loads(content)["error"]
@@ -63,26 +62,37 @@ def _error_detail(content: bytes) -> str:
     return " ".join(str(message).split())[:300]
 
 
-async def _send(pool: ConnectionPool, path: str, encoder: RequestEncoder, index: int, sample: int,
-                start: float, timeout: float, recorder: _Recorder, keep: bool) -> None:
+async def exchange(pool: ConnectionPool, path: str, body: bytes, headers: dict[str, str], index: int,
+                   timeout: float, recorder: Recorder,
+                   on_data: Callable[[bytes], None] | None = None) -> tuple[int, dict[str, str], bytes] | None:
+    """One POST within ``timeout``: status, headers and body, or None when it got no answer (a
+    timeout or a connection failure, recorded as request ``index``'s outcome; cancellation is
+    recorded and raised). ``on_data`` takes a streamed answer's pieces (`ConnectionPool.post`)."""
     import h11
 
-    request_id = str(index)
-    body, headers = encoder.encode(request_id, sample)
     try:
-        status, response_headers, content = await asyncio.wait_for(pool.post(path, body, headers), timeout)
+        return await asyncio.wait_for(pool.post(path, body, headers, on_data), timeout)
     except asyncio.TimeoutError:
         recorder.failed(index, "timeout", f"no answer within {timeout:g} s")
-        return
     except asyncio.CancelledError:
         recorder.failed(index, "cancelled", "still unanswered when the run's time limit passed")
         raise
     except (OSError, h11.ProtocolError) as exc:  # refused, reset, closed mid-answer, garbled HTTP
         recorder.failed(index, "connection error", f"{type(exc).__name__}: {exc}")
+    return None
+
+
+async def _send(pool: ConnectionPool, path: str, encoder: RequestEncoder, index: int, sample: int,
+                start: float, timeout: float, recorder: Recorder, keep: bool) -> None:
+    request_id = str(index)
+    body, headers = encoder.encode(request_id, sample)
+    answer = await exchange(pool, path, body, headers, index, timeout, recorder)
+    if answer is None:
         return
+    status, response_headers, content = answer
     latency = time.perf_counter() - start
     if status != 200:
-        recorder.failed(index, f"HTTP {status}", _error_detail(content))
+        recorder.failed(index, f"HTTP {status}", error_detail(content))
         return
     try:
         answer_id, outputs = read_answer(content, response_headers)
@@ -94,8 +104,12 @@ async def _send(pool: ConnectionPool, path: str, encoder: RequestEncoder, index:
     recorder.answered(index, latency, sample, outputs, keep)
 
 
-async def _closed_loop(make_pool: Any, path: str, cfg: LoadConfig, encoder: RequestEncoder,
-                       recorder: _Recorder, keep: bool, t0: float) -> int:
+Send = Callable[[ConnectionPool, int, float], Awaitable[None]]
+"""``send(pool, index, start)``: request number ``index`` over ``pool``, timed from ``start``; it
+records its own outcome and raises nothing but cancellation."""
+
+
+async def _closed_loop(make_pool: Callable[[int], ConnectionPool], send: Send, cfg: LoadConfig, t0: float) -> int:
     counter = iter(range(cfg.requests if cfg.requests is not None else 2**62))
     end = t0 + cfg.duration if cfg.duration is not None else math.inf
     sent = 0
@@ -109,16 +123,14 @@ async def _closed_loop(make_pool: Any, path: str, cfg: LoadConfig, encoder: Requ
                 if now >= end:
                     return
                 sent += 1
-                await _send(pool, path, encoder, index, index % len(encoder), now, cfg.timeout, recorder,
-                            keep)
+                await send(pool, index, now)
 
     assert cfg.concurrency is not None
     await asyncio.gather(*(client_loop() for _ in range(cfg.concurrency)))
     return sent
 
 
-async def _open_loop(pool: ConnectionPool, path: str, cfg: LoadConfig, encoder: RequestEncoder,
-                     recorder: _Recorder, keep: bool, t0: float) -> int:
+async def _open_loop(pool: ConnectionPool, send: Send, cfg: LoadConfig, t0: float) -> int:
     assert cfg.rate is not None
     rng = random.Random(cfg.seed)
     count = cfg.requests if cfg.requests is not None else 2**62
@@ -130,8 +142,7 @@ async def _open_loop(pool: ConnectionPool, path: str, cfg: LoadConfig, encoder: 
             delay = t0 + arrival - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.ensure_future(_send(pool, path, encoder, index, index % len(encoder),
-                                               t0 + arrival, cfg.timeout, recorder, keep))
+            task = asyncio.ensure_future(send(pool, index, t0 + arrival))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             index += 1
@@ -145,6 +156,34 @@ async def _open_loop(pool: ConnectionPool, path: str, cfg: LoadConfig, encoder: 
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
     return index
+
+
+async def drive(cfg: LoadConfig, base: str, send: Send, recorder: Recorder) -> tuple[str, int, float]:
+    """Run ``cfg``'s closed or open loop of ``send`` calls, bounded by ``cfg.run_limit()``.
+
+    Returns the mode's description, the requests sent and the seconds it took. The
+    infer and the generate load share it: only what one request is differs.
+    """
+
+    def make_pool(size: int) -> ConnectionPool:
+        return ConnectionPool(base, size, cfg.headers)
+
+    async with make_pool(cfg.connections or 256) as shared:
+        t0 = time.perf_counter()
+        if cfg.concurrency is not None:
+            mode = f"closed loop, concurrency {cfg.concurrency}"
+            loop = _closed_loop(make_pool, send, cfg, t0)
+        else:
+            mode = f"open loop, {cfg.arrivals} arrivals at {cfg.rate:g}/s"
+            loop = _open_loop(shared, send, cfg, t0)
+        task = asyncio.ensure_future(loop)
+        try:
+            sent = await asyncio.wait_for(asyncio.shield(task), cfg.run_limit())
+        except asyncio.TimeoutError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            sent = max(recorder.seen, default=-1) + 1
+        return mode, sent, time.perf_counter() - t0
 
 
 async def run_load_async(cfg: LoadConfig, samples: Sequence[Mapping[str, np.ndarray]] | None = None,
@@ -166,28 +205,13 @@ async def run_load_async(cfg: LoadConfig, samples: Sequence[Mapping[str, np.ndar
                          f"Received: one built on {len(checker.expected)}")
     encoder = RequestEncoder(samples, binary=cfg.binary)
     path = f"/v2/models/{model}/infer"
-    recorder = _Recorder()
+    recorder = Recorder()
     keep = checker is not None
 
-    def make_pool(size: int) -> ConnectionPool:
-        return ConnectionPool(base, size, cfg.headers)
+    async def send(pool: ConnectionPool, index: int, start: float) -> None:
+        await _send(pool, path, encoder, index, index % len(encoder), start, cfg.timeout, recorder, keep)
 
-    async with make_pool(cfg.connections or 256) as shared:
-        t0 = time.perf_counter()
-        if cfg.concurrency is not None:
-            mode = f"closed loop, concurrency {cfg.concurrency}"
-            loop = _closed_loop(make_pool, path, cfg, encoder, recorder, keep, t0)
-        else:
-            mode = f"open loop, {cfg.arrivals} arrivals at {cfg.rate:g}/s"
-            loop = _open_loop(shared, path, cfg, encoder, recorder, keep, t0)
-        task = asyncio.ensure_future(loop)
-        try:
-            sent = await asyncio.wait_for(asyncio.shield(task), cfg.run_limit())
-        except asyncio.TimeoutError:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            sent = max(recorder.seen, default=-1) + 1
-        elapsed = time.perf_counter() - t0
+    mode, sent, elapsed = await drive(cfg, base, send, recorder)
 
     report = LoadReport(mode=mode, elapsed=elapsed, sent=sent, latencies=recorder.latencies,
                         errors=recorder.errors, id_mismatches=recorder.id_mismatches,

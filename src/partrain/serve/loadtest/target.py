@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...errors import UsageError
@@ -13,11 +13,16 @@ from ..protocol import DATATYPES, TensorSpec
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What ``GET /v2/models/{name}`` says about a model (shapes: -1 = any size)."""
+    """What ``GET /v2/models/{name}`` says about a model (shapes: -1 = any size).
+
+    ``parameters`` is the metadata's own ``parameters`` object as sent (partrain's server
+    puts input limits there, and for a generative model its ``generate`` settings).
+    """
 
     name: str
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...] = ()
+    parameters: dict[str, Any] = field(default_factory=dict, compare=False)
 
 
 def _tensor_specs(items: Any, where: str) -> tuple[TensorSpec, ...]:
@@ -38,7 +43,9 @@ def parse_metadata(body: Any, model: str) -> ModelInfo:
         if t.datatype not in DATATYPES:
             raise UsageError(f"Expected input datatypes among {sorted(DATATYPES)}. "
                              f"Received: {t.datatype!r} for input {t.name!r}")
-    return ModelInfo(str(body.get("name", model)), inputs, outputs)
+    parameters = body.get("parameters")
+    return ModelInfo(str(body.get("name", model)), inputs, outputs,
+                     dict(parameters) if isinstance(parameters, dict) else {})
 
 
 async def fetch_model_info(client: Any, base: str, model: str, timeout: float) -> ModelInfo:
