@@ -45,7 +45,8 @@ from partrain.serve.generation import (
     SamplingParams,
     runner_for,
 )
-from partrain.serve.loading import LanguageModel, engine_factory, load_model_spec
+from partrain.serve.generation.models import LanguageModel, engine_factory
+from partrain.serve.loading import load_model_spec
 
 from ..waiting import BOUND, async_wait_until
 from .conftest import TestClient

@@ -37,17 +37,22 @@ import os
 import re
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import UsageError, error_line, first_line
+from ..errors import UsageError, error_line
+from .generation.models import (
+    LanguageModel,
+    context_of,
+    engine_factory,
+    gpt_language_model,
+    hf_causal_lm,
+    is_hf_causal_lm,
+)
 from .protocol import DATATYPES, ServedModel
 from .shapes import ShapeNotInferred, infer_input
-
-if TYPE_CHECKING:
-    from .generation import GenerationEngine, Tokenizer
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -220,7 +225,7 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
             elif shape is None and shapes is not None:  # one input: a language model's block is its limit
                 shapes, max_shape = _token_length(module, shapes)
             parameters = spec_parameters(spec, source)
-            lm = _gpt(module, spec.get("tokenizer"))
+            lm = gpt_language_model(module, spec.get("tokenizer"))
     elif ":" in source and not os.path.exists(source):
         module = _call_factory(source)
         if isinstance(module, ServedModel):
@@ -231,9 +236,9 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
         if not isinstance(module, nn.Module) and not callable(module):
             raise UsageError(f"Expected {source!r} to return an nn.Module or ServedModel. Received: {type(module).__name__}")
         shapes = shape or getattr(module, "example_input_shape", None)
-        lm = _gpt(module, None) if isinstance(module, nn.Module) else None
-        if lm is None and _is_hf_causal_lm(module):
-            lm = LanguageModel(module, _context(module.config, source), None)
+        lm = gpt_language_model(module, None) if isinstance(module, nn.Module) else None
+        if lm is None and is_hf_causal_lm(module):
+            lm = LanguageModel(module, context_of(module.config, source), None)
             module = lm.logits
         if lm is not None and shapes is None:  # token ids up to the context, as for a checkpoint
             shapes, max_shape = (-1,), (lm.context,)
@@ -264,102 +269,6 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
             options.setdefault("max_queue", settings["max_queue"])
         served.generator = engine_factory(name, lm, options)
     return served
-
-
-# --------------------------------------------------------------------------- causal language models
-
-
-class LanguageModel:
-    """A causal language model to generate with: the module a runner drives (`runner_for`), its
-    context (longest sequence) and tokenizer (None: token ids only); ``logits`` is what ``infer`` serves."""
-
-    def __init__(self, model: nn.Module, context: int, tokenizer: Tokenizer | None,
-                 logits: nn.Module | None = None) -> None:
-        self.model = model
-        self.context = context
-        self.tokenizer = tokenizer
-        self.logits = logits if logits is not None else CausalLMLogits(model) if _is_hf_causal_lm(model) else model
-
-
-class CausalLMLogits(nn.Module):
-    """A Hugging Face causal LM as ``infer`` serves it: token ids [N, T] -> FP32 logits [N, T, V]."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False).logits.float()
-
-
-def _gpt(module: nn.Module, tokenizer: str | None) -> LanguageModel | None:
-    """The built-in GPT as a `LanguageModel` (its tokenizer as its checkpoint names it), else None."""
-    from ..models.gpt import GPT
-    from .generation import load_tokenizer
-
-    if not isinstance(module, GPT):
-        return None
-    return LanguageModel(module, module.block_size, load_tokenizer(tokenizer, module.vocab_size))
-
-
-def _is_hf_causal_lm(module: Any) -> bool:
-    """A Hugging Face model with a language-modelling head (what ``AutoModelForCausalLM`` builds)."""
-    if not (isinstance(module, nn.Module) and type(module).__module__.startswith("transformers.")):
-        return False
-    head = getattr(module, "get_output_embeddings", None)
-    return callable(head) and head() is not None
-
-
-def _context(config: Any, source: str) -> int:
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
-            return value
-    raise UsageError(f"Expected the config of {source!r} to give the longest sequence (max_position_embeddings or "
-                     f"n_positions). Received: neither")
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def hf_causal_lm(directory: str) -> LanguageModel:
-    """The Hugging Face causal LM saved in ``directory`` (``save_pretrained``), in eval mode, with its
-    tokenizer when one is saved there. Local files only; one line for anything else."""
-    from ..extras import require
-    from .generation import HFTokenizer
-
-    if not os.path.isfile(os.path.join(directory, "config.json")):
-        raise UsageError(f"Expected a directory holding a Hugging Face causal language model (config.json and "
-                         f"weights, as save_pretrained writes them). Received: {directory!r} without config.json")
-    require("hf")
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UsageError(f"Expected a Hugging Face causal language model in {directory!r} (a config of a model "
-                         f"with a language-modelling head, and its weights). Received: {first_line(exc)}") from None
-    model.eval()
-    has_tokenizer = any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES)
-    return LanguageModel(model, _context(model.config, directory), HFTokenizer(directory) if has_tokenizer else None)
-
-
-def engine_factory(name: str, lm: LanguageModel, options: Mapping[str, Any]) -> Callable[[], GenerationEngine]:
-    """The factory of ``lm``'s `GenerationEngine` (one per app); built once here to check ``options``."""
-    from .generation import GenerationEngine, runner_for
-
-    def build() -> GenerationEngine:
-        return GenerationEngine(runner_for(lm.model), lm.tokenizer, name=name, **options)
-
-    try:
-        build()
-    except ValueError as exc:  # a cache budget below one sequence, a bad option
-        raise UsageError(f"{first_line(exc)} (model {name!r}: --kv-cache-mb, --max-running, "
-                         f"--max-prefill-tokens)") from None
-    except (TypeError, NotImplementedError) as exc:  # a model no runner drives
-        raise UsageError(f"Expected model {name!r} to be a causal language model partrain can generate with. "
-                         f"Received: {error_line(exc)}") from None
-    return build
 
 
 def _token_length(module: Any, recorded: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
