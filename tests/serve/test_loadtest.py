@@ -120,7 +120,10 @@ class ServerThread:
     """uvicorn serving ``app`` on a free loopback port in a thread; stopped in `close`."""
 
     def __init__(self, app, lifespan: str = "off"):
-        self.sock = socket.socket()
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only for a socket
+        # that names TCP (with proto 0, every request after the first on a connection waited ~40 ms
+        # for Nagle's algorithm and streamed events arrived in one piece)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="error", lifespan=lifespan)
