@@ -24,4 +24,5 @@ BENCHMARKS = {
     "compare": "partrain.bench.compare",
     "rl": "partrain.bench.rl",
     "lm": "partrain.bench.lm",
+    "generate": "partrain.bench.generate",
 }

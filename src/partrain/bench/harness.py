@@ -65,6 +65,7 @@ GOALS: dict[str, tuple[str, ...]] = {
     "compare": ("compare.regret_max", "compare.prediction_error", "compare.budget_overrun"),
     "rl": ("rl.time_to_475_vs_sb3", "rl.fps_vs_sb3", "rl.policy_lag_p50"),
     "lm": ("lm.fit_vs_plain", "lm.scaling", "lm.activation_memory", "lm.loss_vs_plain"),
+    "generate": ("generate.vs_sequential", "generate.vs_static", "generate.ttft_p99_over_p50", "generate.vs_hf"),
 }
 
 SMOKE_NOTE = "smoke run: figures are noise"
