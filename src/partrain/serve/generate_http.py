@@ -173,14 +173,31 @@ class _Pending:
 
     Submitting happens here, before any answer starts: `RequestError`, `QueueFull` and
     `BatcherClosed` reach the handler while it can still choose the status.
+
+    ``whole`` (``/generate``: nothing is sent before the end) keeps the events on the
+    engine's thread until the last one and hands them over at once: one wake-up of the
+    event loop per request instead of one per token. ``first_at`` is when the first
+    event came (``time.perf_counter``), for the time-to-first-token metric.
     """
 
-    def __init__(self, engine: GenerationEngine, req: GenerateRequest) -> None:
+    def __init__(self, engine: GenerationEngine, req: GenerateRequest, whole: bool = False) -> None:
         loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self.first_at: float | None = None
+        held: list[Event] = []
+
+        def hand_over(events: list[Event]) -> None:
+            for event in events:
+                self._events.put_nowait(event)
 
         def sink(event: Event) -> None:  # on the engine's thread
-            loop.call_soon_threadsafe(self._events.put_nowait, event)
+            if self.first_at is None:
+                self.first_at = time.perf_counter()
+            if whole and event.finish_reason is None:
+                held.append(event)
+                return
+            loop.call_soon_threadsafe(hand_over, [*held, event])
+            held.clear()
 
         self._handle = engine.submit(req.prompt, req.params, sink)
         self.finished = False
@@ -294,32 +311,33 @@ class GenerateRoutes:
             m.errors.labels(model.name, str(exc.status)).inc()
             raise
 
-    async def _submit(self, request: Request, engine: GenerationEngine) -> tuple[GenerateRequest, _Pending]:
+    async def _submit(self, request: Request, engine: GenerationEngine,
+                      whole: bool = False) -> tuple[GenerateRequest, _Pending]:
         body = await self.read_body(request)
         await self.ensure_started()
         try:
             req = parse_generate_request(body, engine)
-            return req, _Pending(engine, req)
+            return req, _Pending(engine, req, whole)
         except RequestError as exc:
             raise ProtocolError(str(exc), 400) from None
         except (QueueFull, BatcherClosed) as exc:
             raise ProtocolError(str(exc), 503, {"Retry-After": "1"}) from None
 
-    def _observe(self, model: ServedModel, event: Event, first: bool, t0: float) -> None:
+    def _observe(self, model: ServedModel, event: Event, first: bool, t0: float, pending: _Pending) -> None:
         if first and event.finish_reason not in ("error", "cancelled"):
-            self.metrics.ttft.labels(model.name).observe(time.perf_counter() - t0)
+            self.metrics.ttft.labels(model.name).observe((pending.first_at or time.perf_counter()) - t0)
         if event.token is not None:
             self.metrics.tokens.labels(model.name).inc()
 
     async def _generate(self, request: Request, model: ServedModel, engine: GenerationEngine) -> Response:
         t0 = time.perf_counter()
-        req, pending = await self._submit(request, engine)
+        req, pending = await self._submit(request, engine, whole=True)
 
         async def collect() -> list[Event]:
             events: list[Event] = []
             while not events or events[-1].finish_reason is None:
                 events.append(await pending.next())
-                self._observe(model, events[-1], len(events) == 1, t0)
+                self._observe(model, events[-1], len(events) == 1, t0, pending)
             return events
 
         try:
@@ -348,7 +366,7 @@ class GenerateRoutes:
             first = True
             while True:
                 event = await pending.next()
-                self._observe(model, event, first, t0)
+                self._observe(model, event, first, t0, pending)
                 first = False
                 if event.finish_reason == "error":
                     error = _failure(model, event.error)
