@@ -47,12 +47,17 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
             os.unlink(tmp)
 
 
-def load_checkpoint(path: str) -> dict[str, Any]:
-    """Read a checkpoint with ``weights_only=True``: no code is unpickled."""
+def load_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
+    """Read a checkpoint with ``weights_only=True``: no code is unpickled.
+
+    ``mmap``: the tensors map the file instead of being read into memory (a page is
+    read when first touched): a process that uses part of the weights reads only that
+    part, and weights used in place (`fit_weights` with ``assign``) are never copied.
+    """
     if not os.path.exists(path):
         raise UsageError(f"Expected an existing checkpoint file. Received: {path!r} (no such file)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise UsageError(f"Expected {path!r} to be a partrain checkpoint. Received: {type(exc).__name__}: {first}") from None
@@ -61,8 +66,11 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     return state
 
 
-def fit_weights(model: nn.Module, weights: Any, label: str) -> None:
+def fit_weights(model: nn.Module, weights: Any, label: str, assign: bool = False) -> None:
     """``model.load_state_dict(weights)``, or one line naming the tensors that do not fit.
+
+    ``assign``: the model takes the checkpoint's tensors themselves instead of copying
+    them into its own (for a model built on the meta device, which has none).
 
     torch's own error lists every key over many lines (a one-line report shows the
     first, which says nothing useful); this names the count and the first few, with
@@ -92,7 +100,7 @@ def fit_weights(model: nn.Module, weights: Any, label: str) -> None:
     if problems:
         raise UsageError(f"Expected checkpoint weights to fit {label}. Received: " + ", ".join(problems))
     try:
-        model.load_state_dict(weights)
+        model.load_state_dict(weights, assign=assign)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise UsageError(f"Expected checkpoint weights to fit {label}. Received: {error_line(exc)}") from None
 

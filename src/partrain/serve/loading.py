@@ -216,7 +216,7 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
                 raise UsageError(f"Expected {source!r} to be a TorchScript archive. Received: {type(exc).__name__}: {exc}") from None
             shapes = shape or getattr(module, "example_input_shape", None)
         else:
-            module, spec = model_from_checkpoint(source)
+            module, spec = model_from_checkpoint(source, weights=transform is None)  # a stage: its part only
             shapes = shape or (tuple(spec["input_shape"]) if spec.get("input_shape") else None)
             if shape is None and spec.get("inputs"):  # several inputs, as training fed them
                 shapes, found_dtypes, names = _spec_inputs(spec["inputs"], source)
@@ -344,15 +344,16 @@ def _call_factory(source: str) -> Any:
                          f"Received: {exc}") from None
 
 
-def module_from_source(source: str) -> tuple[nn.Module, dict[str, Any]]:
+def module_from_source(source: str, weights: bool = True) -> tuple[nn.Module, dict[str, Any]]:
     """The ``nn.Module`` a partrain checkpoint or a ``module:factory`` gives, and its model spec
     (the checkpoint's; for a factory, its name and the current directory). One line otherwise.
 
     For the commands that need the module itself, not a served callable: ``partrain stream``
-    (it trains it) and ``partrain serve --stages`` (it cuts it).
+    (it trains it) and ``partrain serve --stages`` (it cuts it: ``weights=False``, then
+    `materialize` on its part).
     """
     if os.path.isfile(source):
-        return model_from_checkpoint(source)
+        return model_from_checkpoint(source, weights)
     if ":" in source and not os.path.exists(source):
         module = _call_factory(source)
         if not isinstance(module, nn.Module):
@@ -415,17 +416,25 @@ def spec_parameters(spec: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def model_from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
+def model_from_checkpoint(path: str, weights: bool = True) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild the model a ``partrain train`` checkpoint describes, in eval mode, and its spec.
 
     The spec names a built-in model or ``module:function`` (imported from the
     current directory or the spec's ``path``); its weights must fit (`fit_weights`);
     a ``preprocess`` entry wraps the model in `Preprocess`.
+
+    The model is built on the meta device (no memory, no random initialisation) and
+    takes the checkpoint's tensors as they map the file: the weights are read once, on
+    first use, and held once. ``weights=False`` leaves them out: the caller keeps a part
+    of the model and calls `materialize` on it (a stage of ``--stages``), so that no
+    process holds more of the model than its part. A model that cannot be built on the
+    meta device (its construction reads tensor values, or it keeps buffers outside its
+    state dict) is built as before, with its weights.
     """
     from ..checkpoint import fit_weights, load_checkpoint
     from ..models import build_model
 
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, mmap=True)
     spec = state.get("model_spec")
     if not spec:
         raise UsageError(f"Expected a model spec in checkpoint {path!r} to rebuild its model. Received: none "
@@ -438,13 +447,51 @@ def model_from_checkpoint(path: str) -> tuple[nn.Module, dict[str, Any]]:
         raise UsageError(f"Expected the model spec's path in {path!r} as a directory. Received: {path_entry!r}")
     if ":" in name:
         import_callable(name, "model factory", path_entry)
-    model = build_model(name, **kwargs)
-    fit_weights(model, state.get("model"), f"model {name!r} built from its spec")
+    label = f"model {name!r} built from its spec"
+    model = _on_meta(lambda: build_model(name, **kwargs))
+    if model is None:  # built for real: its weights go in now, whatever the caller keeps
+        model = build_model(name, **kwargs)
+        fit_weights(model, state.get("model"), label)
+    elif weights:
+        fit_weights(model, state.get("model"), label, assign=True)
     model.eval()
     pre = preprocess_of(spec, path)
     if pre is not None:
         model = Preprocess(model, pre["scale"], pre["offset"]).eval()
     return model, spec
+
+
+def _on_meta(build: Callable[[], nn.Module]) -> nn.Module | None:
+    """``build()`` on the meta device, or None when the model cannot be rebuilt from its state
+    dict alone there (its construction failed on meta tensors, or it holds buffers the state
+    dict leaves out: they would stay meta)."""
+    try:
+        with torch.device("meta"):
+            model = build()
+    except Exception:  # noqa: BLE001 - a construction that needs real values: build it for real
+        return None
+    if any(m._non_persistent_buffers_set for m in model.modules()):
+        return None
+    return model
+
+
+def materialize(module: nn.Module, path: str) -> nn.Module:
+    """Give ``module`` (a part of the model `model_from_checkpoint` built with ``weights=False``)
+    its weights from the checkpoint at ``path``: only its own tensors are read. A module with
+    no meta tensors is returned as it is."""
+    from ..checkpoint import fit_weights, load_checkpoint
+
+    tensors = [*module.parameters(), *module.buffers()]
+    if not any(t.is_meta for t in tensors):
+        return module
+    own = module.state_dict(keep_vars=True)
+    weights = load_checkpoint(path, mmap=True).get("model")
+    if not isinstance(weights, dict):
+        raise UsageError(f"Expected the checkpoint's 'model' entry to be a state dict in {path!r}. "
+                         f"Received: {type(weights).__name__}")
+    fit_weights(module, {k: v for k, v in weights.items() if k in own}, f"a part of the model in {path!r}",
+                assign=True)
+    return module.eval()
 
 
 def load_models(specs: Sequence[str], *, device: torch.device | str | None = None, **options: Any) -> list[ServedModel]:

@@ -3,9 +3,12 @@
 For a model too big for one process (or, with one device per stage, one device): the
 server process runs the first stage and answers HTTP as usual; P - 1 stage processes
 each hold one contiguous run of the model's top-level children (an ``nn.Sequential``,
-cut where the parameters balance, as the `pipeline` training strategy cuts it). Each
-process builds the whole model once and keeps its own run of layers, so after loading
-a process holds about 1/P of the parameters.
+cut where the parameters balance, as the `pipeline` training strategy cuts it). From a
+``partrain train`` checkpoint, each process builds the model on the meta device (no
+memory), cuts it and reads only its own run's weights from the checkpoint (mapped, not
+copied): no process ever holds more than its part. From a ``module:factory`` (user code
+that builds and loads the model), each process builds the whole model once and keeps its
+own run of layers.
 
 A batch the `Batcher` hands the model goes through in ``microbatches`` pieces: the
 server computes piece j on its stage and sends it on without waiting, so stage 1
@@ -57,10 +60,19 @@ IDLE = datetime.timedelta(days=3650)
 # ----- the model's stages ------------------------------------------------------------------------
 
 def module_of(source: str) -> nn.Module:
-    """The ``nn.Module`` a MODEL argument gives (a ``partrain train`` checkpoint or module:factory)."""
+    """The ``nn.Module`` a MODEL argument gives (a ``partrain train`` checkpoint or module:factory),
+    without its weights where it can (`own_part` reads a part's)."""
     from .loading import module_from_source, parse_model_arg
 
-    return module_from_source(parse_model_arg(source)[1])[0].eval()
+    return module_from_source(parse_model_arg(source)[1], weights=False)[0].eval()
+
+
+def own_part(part: nn.Module, source: str) -> nn.Module:
+    """``part`` of the model ``source`` gives, with its weights (read now when `module_of` left them out)."""
+    from .loading import materialize, parse_model_arg
+
+    path = parse_model_arg(source)[1]
+    return materialize(part, path) if os.path.isfile(path) else part
 
 
 def cut(module: nn.Module, stages: int) -> tuple[list[nn.Sequential], nn.Module | None]:
@@ -168,7 +180,7 @@ def _stage_main(rank: int, stages: int, store_dir: str, source: str, threads: in
     comm.init_process_group("gloo", store=store, rank=rank, world_size=stages, timeout=IDLE.total_seconds())
     try:
         chunks, _ = cut(module_of(source), stages)
-        chunk = chunks[rank]
+        chunk = own_part(chunks[rank], source)
         del chunks
         dst = rank + 1 if rank + 1 < stages else 0
         sends = _Sends()
@@ -222,7 +234,7 @@ def stage_processes(source: str, stages: int, *, microbatches: int = 4, threads:
 
         def first_stage(module: nn.Module) -> nn.Module:
             chunks, pre = cut(module, stages)
-            return FirstStage(chunks[0], pre, stages, microbatches)
+            return FirstStage(own_part(chunks[0], source), pre, stages, microbatches)
 
         yield first_stage
         if all(p.is_alive() for p in procs):
