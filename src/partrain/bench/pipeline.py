@@ -26,9 +26,16 @@ freed, so the peak is the memory in use. With partrain's default heap reuse (`tu
 faster steps) the peak also holds freed, fragmented heap, which moved a stage's figure
 between 340 and 450 MiB from run to run for the same job.
 
+Serving: ``partrain serve --stages 2`` against the unsplit server, 16 closed-loop clients,
+twice: the training rows' model from a ``module:factory``, and a model whose weights dominate
+its processes (8 x ``Linear(8192)``: 2.1 GB of float32) from a ``partrain train``-format
+checkpoint, where each stage process reads only its own layers' weights.
+
 Goals: ``pipeline.utilisation_vs_ideal`` (1f1b at m = 8) >= 0.9; ``pipeline.memory_per_stage``
 (a stage's peak / one process's) <= 0.6; ``pipeline.vs_raw_torch`` (raw step time / partrain's)
->= 0.95.
+>= 0.95; ``pipeline.serve_memory_per_stage`` (the weight-dominated model: the largest stage
+process's peak RSS / the unsplit server's) <= 0.6; ``pipeline.serve_vs_unsplit`` (its req/s
+with 2 stages / unsplit) >= 0.5.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import os
 import re
 import resource
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..checkpoint import save_checkpoint
 from ..errors import UsageError
 from ..launch import launch
 from ..strategies.allreduce import AllReduce
@@ -77,15 +86,17 @@ class Size:
     steps: int  # timed steps per round
     rounds: int
     memory_width: int  # the memory jobs' model
+    served_width: int  # the weight-dominated model served from a checkpoint (8 layers: 2.1 GB at 8192)
     sweep: tuple[int, ...]  # micro-batch counts for gpipe and 1f1b
     schedules: tuple[str, ...]
 
 
-FULL = Size(width=1024, layers=8, batch=128, steps=4, rounds=5, memory_width=2048, sweep=MICROBATCHES,
-            schedules=SCHEDULE_NAMES)
-QUICK = Size(width=512, layers=8, batch=64, steps=2, rounds=2, memory_width=1024, sweep=(1, 8),
-             schedules=SCHEDULE_NAMES)
-TOY = Size(width=32, layers=8, batch=16, steps=1, rounds=1, memory_width=64, sweep=(8,), schedules=("1f1b",))
+FULL = Size(width=1024, layers=8, batch=128, steps=4, rounds=5, memory_width=2048, served_width=8192,
+            sweep=MICROBATCHES, schedules=SCHEDULE_NAMES)
+QUICK = Size(width=512, layers=8, batch=64, steps=2, rounds=2, memory_width=1024, served_width=2048,
+             sweep=(1, 8), schedules=SCHEDULE_NAMES)
+TOY = Size(width=32, layers=8, batch=16, steps=1, rounds=1, memory_width=64, served_width=64, sweep=(8,),
+           schedules=("1f1b",))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -267,8 +278,8 @@ def run(args: argparse.Namespace) -> Report:
     preset, smoke = pick_size(args, FULL, QUICK, TOY)
     size = Size(width=args.width or preset.width, layers=args.layers or preset.layers,
                 batch=args.batch or preset.batch, steps=args.steps or preset.steps,
-                rounds=args.rounds or preset.rounds, memory_width=preset.memory_width, sweep=preset.sweep,
-                schedules=preset.schedules)
+                rounds=args.rounds or preset.rounds, memory_width=preset.memory_width,
+                served_width=preset.served_width, sweep=preset.sweep, schedules=preset.schedules)
     if size.batch % 32 and not smoke:
         raise UsageError(f"Expected --batch divisible by 32 (16 micro-batches of an even size). "
                          f"Received: {size.batch}")
@@ -328,6 +339,10 @@ def run(args: argparse.Namespace) -> Report:
         report.goal("pipeline.memory_per_stage", None, "<=", 0.6,
                     "the largest stage's peak RSS above its start / one process's (not at toy size)")
         report.note("serving a split model (partrain serve --stages): not measured at toy size")
+        report.goal("pipeline.serve_memory_per_stage", None, "<=", 0.6,
+                    "weight-dominated model: the largest stage process's peak RSS / the unsplit server's")
+        report.goal("pipeline.serve_vs_unsplit", None, ">=", 0.5,
+                    "weight-dominated model: --stages 2 req/s / the unsplit server's, 16 clients")
         return report
     report.progress("memory jobs (fresh processes: whole model, then 2 stages)")
     with _exact_malloc():
@@ -365,15 +380,64 @@ def _vm_kib(pid: int, key: str) -> float:
     return 0.0
 
 
-def _children(pid: int) -> list[int]:
-    with contextlib.suppress(OSError):
-        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    return []
+def _serving_processes(pid: int) -> list[int]:
+    """``pid`` and every process below it that serves. The stage processes are children of the
+    fork server, itself a child of the server; the fork server holds no part of the model (its
+    RSS is an interpreter with torch imported) and is left out. Its children are forks of it,
+    with its command line: a process is the fork server when its command line names the fork
+    server and its parent's does not."""
+
+    def forkserver(p: int) -> bool:
+        with contextlib.suppress(OSError):
+            return b"forkserver" in open(f"/proc/{p}/cmdline", "rb").read()
+        return False
+
+    found, todo = [pid], [pid]
+    while todo:
+        parent = todo.pop(0)
+        with contextlib.suppress(OSError):
+            for child in map(int, open(f"/proc/{parent}/task/{parent}/children").read().split()):
+                todo.append(child)
+                if not (forkserver(child) and not forkserver(parent)):
+                    found.append(child)
+    return found
 
 
 def _serving(size: Size, report: Report, smoke: bool) -> None:
-    """`partrain serve --stages 2` against the unsplit model on the same 2 cores: req/s, p50 and
-    peak RSS per process, 16 closed-loop clients, alternating rounds, answers checked."""
+    """`partrain serve --stages 2` against the unsplit model on the same 2 cores, twice: the
+    training rows' model from a factory, and a model whose weights dominate its processes
+    (``served_width``) from a ``partrain train``-format checkpoint (each stage reads only its
+    own layers). Req/s, p50 and peak RSS per process, 16 closed-loop clients, alternating
+    rounds, answers checked."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PARTRAIN_BENCH_WIDTH=str(size.width),
+               PARTRAIN_BENCH_LAYERS=str(size.layers))
+    os.environ["PARTRAIN_BENCH_WIDTH"], os.environ["PARTRAIN_BENCH_LAYERS"] = str(size.width), str(size.layers)
+    small = _serve_rows(report, SERVED, served_model(), size.width, env, smoke, size,
+                        f"{size.layers} x Linear({size.width}) from a module:factory")
+    report.figure("serve_stages_vs_unsplit", small[0])
+    with tempfile.TemporaryDirectory(prefix="partrain-bench-pipeline-") as tmp:
+        path = os.path.join(tmp, "served.pt")
+        large = block_model(size.served_width, size.layers).eval()
+        save_checkpoint(path, {"model": large.state_dict(), "model_spec": {
+            "name": "partrain.bench.pipeline:block_model",
+            "kwargs": {"width": size.served_width, "layers": size.layers}}})
+        weights_mb = sum(p.numel() * p.element_size() for p in large.parameters()) / 2**20
+        vs_unsplit, memory = _serve_rows(report, f"m={path}", large, size.served_width, env, smoke, size,
+                                         f"{size.layers} x Linear({size.served_width}) from a checkpoint "
+                                         f"({weights_mb:,.0f} MiB of float32 weights)")
+        del large
+    report.figure("serve_weights_mb", weights_mb)
+    report.goal("pipeline.serve_memory_per_stage", memory, "<=", 0.6,
+                "weight-dominated model: the largest stage process's peak RSS / the unsplit server's")
+    report.goal("pipeline.serve_vs_unsplit", vs_unsplit, ">=", 0.5,
+                "weight-dominated model: --stages 2 req/s / the unsplit server's, 16 clients")
+
+
+def _serve_rows(report: Report, model_arg: str, reference: nn.Module, width: int, env: dict[str, str],
+                smoke: bool, size: Size, title: str) -> tuple[Spread, float]:
+    """One pair of servers (unsplit, 2 stages) of ``model_arg`` under the same load: their table, and
+    (stages' req/s over the unsplit server's, round by round; the largest stage's peak RSS over the
+    unsplit server's)."""
     from ..serve.loadtest import (
         AnswerChecker,
         LoadConfig,
@@ -383,25 +447,22 @@ def _serving(size: Size, report: Report, smoke: bool) -> None:
         run_load,
     )
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PARTRAIN_BENCH_WIDTH=str(size.width),
-               PARTRAIN_BENCH_LAYERS=str(size.layers))
-    base = (sys.executable, "-m", "partrain", "serve", SERVED, "--port", "0", "--max-batch-size", "64")
+    base = (sys.executable, "-m", "partrain", "serve", model_arg, "--port", "0", "--max-batch-size", "64")
     variants = {"unsplit, 1 process x 2 threads": (*base, "--threads", "2"),
                 "--stages 2 --microbatches 4, 2 x 1 thread": (*base, "--stages", "2", "--microbatches", "4",
                                                               "--threads", "1")}
-    info = ModelInfo("m", (TensorSpec("input", "FP32", (-1, size.width)),))
-    samples = random_inputs(info, 64, (1, size.width), seed=0)
-    os.environ["PARTRAIN_BENCH_WIDTH"], os.environ["PARTRAIN_BENCH_LAYERS"] = str(size.width), str(size.layers)
-    checker = AnswerChecker(served_model(), samples)
+    info = ModelInfo("m", (TensorSpec("input", "FP32", (-1, width)),))
+    samples = random_inputs(info, 64, (1, width), seed=0)
+    checker = AnswerChecker(reference, samples)
     duration = 3.0 if smoke else 8.0
-    report.progress("serving: the unsplit model and --stages 2 (16 clients, alternating rounds)")
+    report.progress(f"serving {title}: the unsplit model and --stages 2 (16 clients, alternating rounds)")
     with contextlib.ExitStack() as stack:
         servers = {name: stack.enter_context(server_process(name, cmd, ANNOUNCE, ready_path="/v2/health/ready",
-                                                            env=env, start_timeout=180))
+                                                            env=env, start_timeout=300))
                    for name, cmd in variants.items()}
 
         def load(name: str) -> Any:
-            cfg = LoadConfig(url=servers[name].url, model="m", concurrency=16, duration=duration, timeout=30.0)
+            cfg = LoadConfig(url=servers[name].url, model="m", concurrency=16, duration=duration, timeout=60.0)
             return run_load(cfg, samples=samples, checker=checker)
 
         for name in servers:
@@ -411,20 +472,23 @@ def _serving(size: Size, report: Report, smoke: bool) -> None:
                              f"round {r + 1}: {name}: {res.throughput:,.0f} req/s"))
         peaks = {}
         for name, server in servers.items():
-            pids = [server.process.pid, *_children(server.process.pid)]
+            pids = _serving_processes(server.process.pid)
             peaks[name] = [_vm_kib(pid, "VmHWM") / 1024 for pid in pids if _vm_kib(pid, "VmRSS") > 50 * 1024]
-    rows, rates = [], {}
+    rows, key = [], "small" if model_arg == SERVED else "checkpoint"
     for name in variants:
         reports = runs[name]
-        rates[name] = Spread.of([r.throughput for r in reports])
+        rate = Spread.of([r.throughput for r in reports])
         latencies = sorted(x for r in reports for x in r.latencies)
         p50 = latencies[len(latencies) // 2] * 1e3 if latencies else float("nan")
         bad = sum(r.failed + r.lost + r.wrong for r in reports)
-        rows.append([name, rates[name].cell(), f"{p50:.1f}", ", ".join(f"{p:.0f}" for p in peaks[name]), str(bad)])
-        report.figure(f"serve_req_per_s[{name}]", rates[name])
-        report.figure(f"serve_p50_ms[{name}]", p50)
+        rows.append([name, rate.cell(), f"{p50:.1f}", ", ".join(f"{p:.0f}" for p in peaks[name]), str(bad)])
+        suffix = "" if key == "small" else f"[{key}]"
+        report.figure(f"serve_req_per_s[{name}]{suffix}", rate)
+        report.figure(f"serve_p50_ms[{name}]{suffix}", p50)
     report.table(["server", "req/s median (min-max)", "p50 ms", "peak RSS MiB per process", "failed/lost/wrong"],
-                 rows, title=f"serving {size.layers} x Linear({size.width}) over HTTP: the unsplit model vs 2 stages")
-    split, whole = runs[list(variants)[1]], runs[list(variants)[0]]
-    report.figure("serve_stages_vs_unsplit", paired_ratio([r.throughput for r in split],
-                                                           [r.throughput for r in whole]))
+                 rows, title=f"serving {title} over HTTP: the unsplit model vs 2 stages")
+    whole_name, split_name = list(variants)
+    ratio = paired_ratio([r.throughput for r in runs[split_name]], [r.throughput for r in runs[whole_name]])
+    whole_peak = max(peaks[whole_name], default=float("nan"))
+    memory = max(peaks[split_name], default=float("nan")) / whole_peak if whole_peak else float("nan")
+    return ratio, memory
