@@ -68,8 +68,8 @@ def _infer(url: str, x: torch.Tensor) -> tuple[int, torch.Tensor | str]:
 
 
 def _start() -> tuple[Command, str]:
-    cmd = Command(["serve", SPEC, "--stages", "2", "--microbatches", "3", "--threads", "1", "--port", "0",
-                   "--input-dtype", "FP64"])
+    cmd = Command(["serve", SPEC, "--stages", "2", "--microbatches", "3", "--min-microbatch-rows", "1",
+                   "--threads", "1", "--port", "0", "--input-dtype", "FP64"])
     cmd.wait_for(lambda: any("serving" in line for line in cmd.out), "the server's announcement")
     url = next(line for line in cmd.out if "serving" in line).split(" at ")[1].split("/v2/")[0]
     return cmd, url
@@ -123,7 +123,9 @@ def test_a_dead_stage_is_an_error_naming_the_stages_not_a_hang() -> None:
                                "with 9 (0, 1, 2, 3, 4, 5, 6, 7, 8)"),
     ([SPEC, "--stages", "0"], "Expected --stages >= 1. Received: --stages=0"),
     ([SPEC, "--stages", "2", "--microbatches", "0"], "Expected --microbatches >= 1. Received: --microbatches=0"),
-], ids=["replicas", "not sequential", "too many stages", "zero stages", "zero microbatches"])
+    ([SPEC, "--stages", "2", "--min-microbatch-rows", "0"],
+     "Expected --min-microbatch-rows >= 1. Received: --min-microbatch-rows=0"),
+], ids=["replicas", "not sequential", "too many stages", "zero stages", "zero microbatches", "zero piece rows"])
 def test_bad_input_is_one_line_before_any_process(argv, line, capsys) -> None:
     assert main(["serve", *argv]) == 2
     assert capsys.readouterr().err.splitlines() == [f"partrain serve: error: {line}"]

@@ -17,7 +17,7 @@ from .body import DEFAULT_MAX_BODY_BYTES
 from .loading import load_models, model_names, parse_dtypes, parse_shapes
 from .protocol import DATATYPES, ServedModel
 from .replicas import default_threads, run_server
-from .stages import stage_processes
+from .stages import MIN_PIECE_ROWS, stage_processes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -60,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, default=4,
                    help="with --stages: pieces each batch goes through the stages in, so that they overlap "
                         "(default 4)")
+    p.add_argument("--min-microbatch-rows", type=int, default=MIN_PIECE_ROWS,
+                   help="with --stages: the fewest rows of a piece; a smaller batch goes in fewer pieces (a piece "
+                        "of few rows reads its stage's weights for little arithmetic, so more pieces cost more than "
+                        f"they overlap; default {MIN_PIECE_ROWS})")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per replica (default: cores // replicas)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda (a replica per visible GPU) or cuda:N "
@@ -92,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     _positive("--threads", args.threads)
     _positive("--stages", args.stages)
     _positive("--microbatches", args.microbatches)
+    _positive("--min-microbatch-rows", args.min_microbatch_rows)
     _positive("--max-running", args.max_running)
     _positive("--kv-cache-mb", args.kv_cache_mb)
     _positive("--max-prefill-tokens", args.max_prefill_tokens)
@@ -140,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
         # one process builds its models itself: noted on the way; replicas got noted above
         return server(noted if args.replicas == 1 and args.device == "cpu" else make_models)
     threads = args.threads or default_threads(args.stages)
-    with stage_processes(args.models[0], args.stages, microbatches=args.microbatches, threads=threads) as first:
+    with stage_processes(args.models[0], args.stages, microbatches=args.microbatches, threads=threads,
+                         min_rows=args.min_microbatch_rows) as first:
         return server(functools.partial(make_models, transform=first))
 
 
