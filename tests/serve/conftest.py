@@ -16,6 +16,19 @@ from partrain.models import cnn
 from partrain.serve import DATATYPES, ServedModel, TensorSpec, create_app
 
 
+def train_tiny_gpt(directory, block: int) -> str:  # noqa: ANN001
+    """A GPT checkpoint trained by ``partrain train`` on the bundled text (width 16, one layer,
+    blocks of ``block`` bytes, two steps) in ``directory``; its path."""
+    from partrain.cli import main
+
+    out = directory / "run"
+    code = main(["train", "--quiet", "--model", "gpt", "--dataset", "text", "--block-size", str(block),
+                 "--model-opt", "n_embd=16", "--model-opt", "n_layer=1", "--workers", "1", "--epochs", "1",
+                 "--samples-per-epoch", "64", "--out", str(out)])
+    assert code == 0
+    return str(out / "checkpoint.pt")
+
+
 def echo_model(datatype: str) -> ServedModel:
     """Returns its input unchanged: a round trip of one datatype through the server."""
     spec = TensorSpec("input", datatype, (-1, 3))

@@ -49,7 +49,7 @@ from partrain.serve.generation.models import LanguageModel, engine_factory
 from partrain.serve.loading import load_model_spec
 
 from ..waiting import BOUND, async_wait_until
-from .conftest import TestClient
+from .conftest import TestClient, train_tiny_gpt
 
 BLOCK = 32
 
@@ -59,12 +59,7 @@ BLOCK = 32
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("gpt") / "run"
-    code = main(["train", "--quiet", "--model", "gpt", "--dataset", "text", "--block-size", str(BLOCK),
-                 "--model-opt", "n_embd=16", "--model-opt", "n_layer=1", "--workers", "1", "--epochs", "1",
-                 "--samples-per-epoch", "64", "--out", str(out)])
-    assert code == 0
-    return str(out / "checkpoint.pt")
+    return train_tiny_gpt(tmp_path_factory.mktemp("gpt"), BLOCK)
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,12 @@ import httpx
 import pytest
 import torch
 
-from partrain.cli import main
 from partrain.models import build_model
 from partrain.serve import ServedModel, create_app
 from partrain.serve.loading import load_model_spec
 from partrain.serve.protocol import HEADER, decode_response, encode_request
 
-from .conftest import TestClient
+from .conftest import TestClient, train_tiny_gpt
 
 BLOCK = 16
 VOCAB = 256  # byte tokens
@@ -35,12 +34,7 @@ VOCAB = 256  # byte tokens
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    out = tmp_path_factory.mktemp("gpt") / "run"
-    code = main(["train", "--quiet", "--model", "gpt", "--dataset", "text", "--block-size", str(BLOCK),
-                 "--model-opt", "n_embd=16", "--model-opt", "n_layer=1", "--workers", "1", "--epochs", "1",
-                 "--samples-per-epoch", "64", "--out", str(out)])
-    assert code == 0
-    return str(out / "checkpoint.pt")
+    return train_tiny_gpt(tmp_path_factory.mktemp("gpt"), BLOCK)
 
 
 @pytest.fixture(scope="module")

@@ -119,24 +119,28 @@ class LoadReport:
             out[f"errors.{kind}"] = n
         return out
 
-    def format(self) -> str:
-        """A few readable lines for the terminal."""
-        if self.ok == 0:
-            # "yes" would be vacuous: no request got an answer to count
-            one_each = f"no answers to check, 0 of {self.sent} answered"
-        else:
-            one_each = "yes" if self.lost == 0 else "NO"
+    def _errors_line(self) -> str:
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "none"
         if self.first_error:
             errors += f" (first: {self.first_error})"
+        return f"  errors    {errors}"
+
+    def _one_each_line(self) -> str:
+        # "yes" would be vacuous when no request got an answer to count
+        one_each = (f"no answers to check, 0 of {self.sent} answered" if self.ok == 0
+                    else "yes" if self.lost == 0 else "NO")
+        return (f"  exactly one answer each: {one_each} "
+                f"(missing {self.missing}, duplicated {self.duplicates}, wrong id {self.id_mismatches})")
+
+    def format(self) -> str:
+        """A few readable lines for the terminal."""
         lines = [
             f"{self.mode}: {self.sent} requests in {self.elapsed:.2f} s",
             f"  answered  {self.ok} of {self.sent}  ({self.throughput:,.1f} requests/s)",
             f"  latency   p50 {self.percentile(50):.2f} ms  p90 {self.percentile(90):.2f} ms  "
             f"p99 {self.percentile(99):.2f} ms",
-            f"  errors    {errors}",
-            f"  exactly one answer each: {one_each} "
-            f"(missing {self.missing}, duplicated {self.duplicates}, wrong id {self.id_mismatches})",
+            self._errors_line(),
+            self._one_each_line(),
         ]
         if self.checked:
             verdict = "all right" if self.wrong == 0 else f"{self.wrong} WRONG ({self.first_wrong})"
@@ -195,14 +199,6 @@ class GenerateReport(LoadReport):
         return out
 
     def format(self) -> str:
-        if self.ok == 0:
-            one_each = f"no answers to check, 0 of {self.sent} answered"
-        else:
-            one_each = "yes" if self.lost == 0 else "NO"
-        errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "none"
-        if self.first_error:
-            errors += f" (first: {self.first_error})"
-
         def spread(values: Sequence[float], qs: tuple[int, ...] = (50, 90, 99)) -> str:
             return "  ".join(f"p{q} {percentile_ms(values, q):.2f} ms" for q in qs)
 
@@ -215,9 +211,8 @@ class GenerateReport(LoadReport):
             f"  TTFT      {spread(self.ttft)}  (time to first token)",
             f"  TPOT      {spread(self.tpot)}  (time per output token after the first)",
             f"  latency   {spread(self.latencies, (50, 99))}  (end to end)",
-            f"  errors    {errors}",
-            f"  exactly one answer each: {one_each} "
-            f"(missing {self.missing}, duplicated {self.duplicates}, wrong id {self.id_mismatches})",
+            self._errors_line(),
+            self._one_each_line(),
         ]
         if self.ok:
             counted = "yes" if not self.miscounted else f"NO, {self.miscounted} ({self.first_miscounted})"
