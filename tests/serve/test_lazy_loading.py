@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from partrain.checkpoint import save_checkpoint
-from partrain.serve.loading import model_from_checkpoint
+from partrain.serve.checkpoints import model_from_checkpoint
 from partrain.serve.stages import cut, own_part
 
 

@@ -29,7 +29,8 @@ from partrain.cli import main
 from partrain.errors import UsageError
 from partrain.models import cnn
 from partrain.serve import create_app
-from partrain.serve.loading import Preprocess, load_model_spec
+from partrain.serve.checkpoints import Preprocess
+from partrain.serve.loading import load_model_spec
 from partrain.serve.protocol import HEADER, decode_response, encode_request
 
 from .conftest import TestClient

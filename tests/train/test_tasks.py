@@ -348,7 +348,7 @@ def test_a_python_trained_model_records_its_spec_and_rebuilds(tmp_path):
     model, _ = load_model(str(tmp_path / "checkpoint.pt"))
     x = torch.randn(4, 6)
     assert torch.equal(model(x), result.model()(x))
-    from partrain.serve.loading import (
+    from partrain.serve.checkpoints import (
         model_from_checkpoint,  # what `partrain serve CHECKPOINT` runs
     )
 

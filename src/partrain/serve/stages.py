@@ -74,7 +74,8 @@ def module_of(source: str) -> nn.Module:
 
 def own_part(part: nn.Module, source: str) -> nn.Module:
     """``part`` of the model ``source`` gives, with its weights (read now when `module_of` left them out)."""
-    from .loading import materialize, parse_model_arg
+    from .checkpoints import materialize
+    from .loading import parse_model_arg
 
     path = parse_model_arg(source)[1]
     return materialize(part, path) if os.path.isfile(path) else part
@@ -83,7 +84,7 @@ def own_part(part: nn.Module, source: str) -> nn.Module:
 def cut(module: nn.Module, stages: int) -> tuple[list[nn.Sequential], nn.Module | None]:
     """``module``'s children in ``stages`` runs balanced by parameters, and the `Preprocess`
     wrapper around them if there is one (it runs on the first stage)."""
-    from .loading import Preprocess
+    from .checkpoints import Preprocess
 
     pre = None
     if isinstance(module, Preprocess):

@@ -145,7 +145,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 def load_model(spec: str) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, Any] | None]:
     """MODEL as ``(model to train, the part a checkpoint saves, its model_spec)``."""
-    from ..serve.loading import Preprocess, module_from_source
+    from ..serve.checkpoints import Preprocess
+    from ..serve.loading import module_from_source
 
     model, model_spec = module_from_source(spec)
     inner = model.model if isinstance(model, Preprocess) else model

@@ -22,7 +22,8 @@ def load_reference_model(spec: str) -> Any:
     import torch
 
     from ...models import build_model
-    from ..loading import import_callable, model_from_checkpoint
+    from ..checkpoints import model_from_checkpoint
+    from ..loading import import_callable
 
     name, sep, rest = spec.partition("=")
     if sep and name.isidentifier() and not os.path.exists(spec):
