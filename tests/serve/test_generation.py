@@ -86,22 +86,32 @@ def alone(model: GPT, prompt: list[int], n: int) -> list[int]:
 def test_greedy_through_the_batch_equals_the_model_alone(dtype: torch.dtype) -> None:
     """Nine prompts of 1-23 tokens, 5-21 new tokens each, through 3 slots: requests wait,
     join as others leave (out of order: different lengths), and sequences move between
-    slots. Each answer equals the model on that prompt alone, without a cache."""
+    slots. Each answer equals the model on that prompt alone, without a cache.
+
+    The first decode step waits until all nine are queued (`Gate`), so the slots fill up
+    whatever the machine's speed: what shares a step is decided here, not by timing."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # float32: one thread, so no kernel splits a sum differently
     try:
         model = tiny_gpt(dtype)
-        engine = GenerationEngine(GPTRunner(model), max_running=3).start()
+        runner = Gate(model)
+        engine = GenerationEngine(runner, max_running=3).start()
+        ps = prompts(9)
+        lengths = [5 + 2 * i for i in range(9)]
+        events: list[list] = [[] for _ in ps]
+        finished = [threading.Event() for _ in ps]
         try:
-            ps = prompts(9)
-            lengths = [5 + 2 * i for i in range(9)]
-            done = run_together(engine, [(p, SamplingParams(max_tokens=n, temperature=0))
-                                         for p, n in zip(ps, lengths)])
+            for i, (p, n) in enumerate(zip(ps, lengths)):
+                engine.submit(p, SamplingParams(max_tokens=n, temperature=0),
+                              lambda e, i=i: (events[i].append(e), e.finish_reason and finished[i].set()))
+            runner.gate.set()
+            assert all(f.wait(120) for f in finished)
         finally:
+            runner.gate.set()
             engine.stop()
-        for p, n, c in zip(ps, lengths, done):
-            assert c.tokens == alone(model, p, n)
-            assert c.finish_reason == "length" and c.prompt_tokens == len(p)
+        for p, n, answer in zip(ps, lengths, events):
+            assert [e.token for e in answer if e.token is not None] == alone(model, p, n)
+            assert answer[-1].finish_reason == "length"
         assert engine.stats.peak_running == 3 and engine.stats.finished == 9
         assert engine.stats.mean_batch > 1  # steps were shared
     finally:
