@@ -383,3 +383,21 @@ def test_a_request_ending_at_its_first_token_leaves_before_the_decode_step() -> 
     assert [e.token for e in short_events] == alone(model, [7, 8], 1)
     assert [e.token for e in long_events] == alone(model, [1, 2, 3], 8)
     assert long_events[-1].finish_reason == "length"
+
+
+def test_a_transformers_without_the_per_layer_cache_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before transformers 4.54 the cache kept per-model lists the Hugging Face runner cannot read:
+    refused at start with the version, not a failure at the first request."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+
+    class ListCache:  # the old shape: key_cache / value_cache lists, no layers
+        def __init__(self, num_hidden_layers: int | None = None) -> None:
+            self.key_cache: list = []
+            self.value_cache: list = []
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, n_positions=16,
+                                                                 vocab_size=32))
+    monkeypatch.setattr(transformers, "DynamicCache", ListCache)
+    with pytest.raises(TypeError, match=r"^Expected transformers 4.54 or later .*Received: transformers "):
+        runner_for(model)

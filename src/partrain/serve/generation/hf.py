@@ -38,8 +38,14 @@ class HFRunner(Runner):
     """A ``transformers`` causal LM (``...ForCausalLM`` / ``...LMHeadModel``) with slot caches."""
 
     def __init__(self, model: nn.Module) -> None:
-        from transformers import DynamicCache
+        import transformers
 
+        DynamicCache = transformers.DynamicCache  # noqa: N806 - the class, as transformers names it
+        # the per-layer cache (``cache.layers[i].keys``, built from tensors by ``ddp_cache_data``)
+        # came with transformers 4.54; before it the cache kept lists this runner does not read
+        if not hasattr(DynamicCache(), "layers") or "ddp_cache_data" not in inspect.signature(DynamicCache).parameters:
+            raise TypeError(f"Expected transformers 4.54 or later to generate with a Hugging Face model (its "
+                            f"per-layer DynamicCache). Received: transformers {transformers.__version__}")
         self._cache_class = DynamicCache
         config = model.config
         self.model = model.eval()
