@@ -409,7 +409,8 @@ def _serving(size: Size, report: Report, smoke: bool) -> None:
     (``served_width``) from a ``partrain train``-format checkpoint (each stage reads only its
     own layers). Req/s, p50 and peak RSS per process, 16 closed-loop clients, alternating
     rounds, answers checked."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PARTRAIN_BENCH_WIDTH=str(size.width),
+    # the servers run with the environment a user has: their threads come from --threads alone
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PARTRAIN_BENCH_WIDTH=str(size.width),
                PARTRAIN_BENCH_LAYERS=str(size.layers))
     os.environ["PARTRAIN_BENCH_WIDTH"], os.environ["PARTRAIN_BENCH_LAYERS"] = str(size.width), str(size.layers)
     small = _serve_rows(report, SERVED, served_model(), size.width, env, smoke, size,
