@@ -59,6 +59,7 @@ from .harness import (
     Report,
     Spread,
     alternate,
+    child_processes,
     paired_ratio,
     pick_size,
     positive_int,
@@ -284,7 +285,7 @@ def _maybe_kill(agent: int, watch: _Watch) -> dict[str, float] | None:
     interval = max(b - a for a, b in zip(watch.checkpoints, watch.checkpoints[1:]))
     if time.time() < last + interval / 2:
         return None
-    workers = _children(agent)
+    workers = child_processes(agent)
     if len(workers) != 2:
         return None  # between attempts or at the end: look again
     os.kill(workers[-1], signal.SIGKILL)
@@ -310,23 +311,6 @@ def _checkpoint_step(path: str, mtime: float) -> int | None:
 
     step = load_checkpoint(path)["step"]
     return int(step) if os.stat(path).st_mtime == mtime else None
-
-
-def _children(pid: int) -> list[int]:
-    """Live child processes of ``pid``, from /proc (the agent's workers)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
-        if int(ppid) == pid and state != "Z":
-            found.append(int(entry))
-    return sorted(found)
 
 
 def _rows(path: str) -> list[dict[str, Any]]:

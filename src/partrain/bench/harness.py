@@ -501,3 +501,20 @@ def start_servers(stack: contextlib.ExitStack, servers: list[Any]) -> list[Any]:
     if failure is not None:
         raise failure
     return entered
+
+
+def child_processes(pid: int) -> list[int]:
+    """Live child processes of ``pid``, from /proc (what a benchmark's launcher or server started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found.append(int(entry))
+    return sorted(found)

@@ -66,6 +66,7 @@ from .harness import (
     Report,
     Spread,
     alternate,
+    child_processes,
     paired_ratio,
     pick_size,
     positive_int,
@@ -395,11 +396,10 @@ def _serving_processes(pid: int) -> list[int]:
     found, todo = [pid], [pid]
     while todo:
         parent = todo.pop(0)
-        with contextlib.suppress(OSError):
-            for child in map(int, open(f"/proc/{parent}/task/{parent}/children").read().split()):
-                todo.append(child)
-                if not (forkserver(child) and not forkserver(parent)):
-                    found.append(child)
+        for child in child_processes(parent):
+            todo.append(child)
+            if not (forkserver(child) and not forkserver(parent)):
+                found.append(child)
     return found
 
 

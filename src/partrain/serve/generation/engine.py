@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -71,7 +71,6 @@ class Completion:
     text: str | None
     finish_reason: str
     prompt_tokens: int
-    time_to_first_token: float | None = None
 
 
 @dataclass(eq=False)
@@ -83,7 +82,6 @@ class _Sequence:
     generator: torch.Generator | None
     text: TextStream | None
     stop_ids: frozenset[int]
-    submitted: float = field(default_factory=time.perf_counter)
     slot: int = -1
     length: int = 0  # tokens in the cache
     next_token: int | None = None  # chosen, not yet fed to the model

@@ -79,18 +79,12 @@ class SamplingParams:
         if unknown:
             raise RequestError(f"Expected generation parameters among {', '.join(cls.KEYS)}. Received: "
                                f"{', '.join(map(repr, unknown))}")
-        kwargs = dict(obj)
-        stop = kwargs.get("stop")
-        if stop is not None:
-            kwargs["stop"] = (stop,) if isinstance(stop, str) else _sequence("stop", stop)
-        if kwargs.get("stop_token_ids") is not None:
-            kwargs["stop_token_ids"] = _sequence("stop_token_ids", kwargs["stop_token_ids"])
-        for key in ("temperature", "top_p"):
-            if key in kwargs and kwargs[key] is None:
-                del kwargs[key]
+        kwargs = {k: v for k, v in obj.items() if v is not None}  # null: the default
+        if isinstance(kwargs.get("stop"), str):
+            kwargs["stop"] = (kwargs["stop"],)
         for key in ("stop", "stop_token_ids"):
-            if kwargs.get(key, ()) is None:
-                del kwargs[key]
+            if key in kwargs:
+                kwargs[key] = _sequence(key, kwargs[key])
         return cls(**kwargs)
 
 

@@ -89,6 +89,7 @@ class TextStream:
         self.text = ""  # the decoded text so far, final up to `sent` + held back
         self._decoded_upto = 0  # ids whose text is in self.text
         self._window = 0  # first id of the window decoded again each time
+        self._prefix = ""  # the window's text up to _decoded_upto (decoded once, when it changes)
         self.sent = 0  # chars of self.text handed out
         self.stopped = False
 
@@ -96,14 +97,15 @@ class TextStream:
         if self.stopped:
             return ""  # the text ended at its stop string
         self.ids.append(token)
-        prefix = self.tokenizer.decode(self.ids[self._window:self._decoded_upto])
         full = self.tokenizer.decode(self.ids[self._window:])
-        if full.endswith("\ufffd") or not full.startswith(prefix):
+        if full.endswith("\ufffd") or not full.startswith(self._prefix):
             return ""  # a character or word still incomplete: wait for the next token
-        self.text += full[len(prefix):]
+        self.text += full[len(self._prefix):]
         self._decoded_upto = len(self.ids)
+        self._prefix = full  # the window's text up to here: the next token's prefix
         if len(self.ids) - self._window > 8:
             self._window = len(self.ids) - 4
+            self._prefix = self.tokenizer.decode(self.ids[self._window:])
         return self._release(final=False)
 
     def finish(self) -> str:
@@ -111,8 +113,7 @@ class TextStream:
         if self.stopped:
             return ""
         if self._decoded_upto < len(self.ids):  # an incomplete character at the end: as the tokenizer reads it
-            prefix = self.tokenizer.decode(self.ids[self._window:self._decoded_upto])
-            self.text += self.tokenizer.decode(self.ids[self._window:])[len(prefix):]
+            self.text += self.tokenizer.decode(self.ids[self._window:])[len(self._prefix):]
             self._decoded_upto = len(self.ids)
         return self._release(final=True)
 

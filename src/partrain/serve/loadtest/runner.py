@@ -64,22 +64,28 @@ def error_detail(content: bytes) -> str:
 
 async def exchange(pool: ConnectionPool, path: str, body: bytes, headers: dict[str, str], index: int,
                    timeout: float, recorder: Recorder,
-                   on_data: Callable[[bytes], None] | None = None) -> tuple[int, dict[str, str], bytes] | None:
-    """One POST within ``timeout``: status, headers and body, or None when it got no answer (a
-    timeout or a connection failure, recorded as request ``index``'s outcome; cancellation is
-    recorded and raised). ``on_data`` takes a streamed answer's pieces (`ConnectionPool.post`)."""
+                   on_data: Callable[[bytes], None] | None = None) -> tuple[dict[str, str], bytes] | None:
+    """One POST within ``timeout``: a 200 answer's headers and body, or None when there is no 200
+    answer (a timeout, a connection failure or another status, recorded as request ``index``'s
+    outcome; cancellation is recorded and raised). ``on_data`` takes a streamed answer's pieces
+    (`ConnectionPool.post`)."""
     import h11
 
     try:
-        return await asyncio.wait_for(pool.post(path, body, headers, on_data), timeout)
+        status, response_headers, content = await asyncio.wait_for(pool.post(path, body, headers, on_data), timeout)
     except asyncio.TimeoutError:
         recorder.failed(index, "timeout", f"no answer within {timeout:g} s")
+        return None
     except asyncio.CancelledError:
         recorder.failed(index, "cancelled", "still unanswered when the run's time limit passed")
         raise
     except (OSError, h11.ProtocolError) as exc:  # refused, reset, closed mid-answer, garbled HTTP
         recorder.failed(index, "connection error", f"{type(exc).__name__}: {exc}")
-    return None
+        return None
+    if status != 200:
+        recorder.failed(index, f"HTTP {status}", error_detail(content))
+        return None
+    return response_headers, content
 
 
 async def _send(pool: ConnectionPool, path: str, encoder: RequestEncoder, index: int, sample: int,
@@ -89,11 +95,8 @@ async def _send(pool: ConnectionPool, path: str, encoder: RequestEncoder, index:
     answer = await exchange(pool, path, body, headers, index, timeout, recorder)
     if answer is None:
         return
-    status, response_headers, content = answer
+    response_headers, content = answer
     latency = time.perf_counter() - start
-    if status != 200:
-        recorder.failed(index, f"HTTP {status}", error_detail(content))
-        return
     try:
         answer_id, outputs = read_answer(content, response_headers)
     except (ProtocolError, ValueError, KeyError, TypeError) as exc:
