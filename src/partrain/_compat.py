@@ -105,3 +105,9 @@ def checkpoint_activations(module: torch.nn.Module) -> None:
         module.forward = functools.partial(call, forward, use_reentrant=False)  # type: ignore[method-assign]
         return
     checkpoint(module)
+
+
+def apply_to_tensors(module: torch.nn.Module, fn: Any) -> torch.nn.Module:
+    """``fn`` applied to every parameter and buffer of ``module`` in place, as ``Module.to`` applies
+    its move (torch's private ``Module._apply``: ``to`` cannot leave some tensors where they are)."""
+    return module._apply(fn)

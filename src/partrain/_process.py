@@ -124,14 +124,21 @@ def join_store(env: DistEnv, timeout: float) -> dist.Store:
     return dist.PrefixStore(f"partrain/attempt{attempt}", store)
 
 
-def tune_allocator() -> bool:
+#: glibc's mmap threshold in the processes partrain tunes: blocks from 32 MiB are mapped and
+#: unmapped (glibc's own largest dynamic threshold), smaller ones reused from the heap
+MMAP_THRESHOLD = 32 * 1024 * 1024
+
+
+def tune_allocator(mmap_threshold: int = MMAP_THRESHOLD) -> bool:
     """Keep freed tensor memory in glibc's heap instead of returning it to the OS.
 
     glibc serves large blocks with mmap and gives them back on free, so every training
     step page-faults its activations in afresh; with several processes per machine this
     cost 15-20% of a DDP step on CPU (bench core, raw DDP vs fit, same kernels). Raising
-    the mmap and trim thresholds makes the heap reuse those blocks. Applied in worker
-    processes partrain starts or joins; ``PARTRAIN_MALLOC_TUNING=0`` turns it off.
+    the mmap and trim thresholds makes the heap reuse those blocks; blocks from
+    ``mmap_threshold`` up are still mapped (a strategy whose processes hold a model too large
+    for one, ``pipeline``, maps its parameter-sized blocks: see `Pipeline.setup`). Applied in
+    worker processes partrain starts or joins; ``PARTRAIN_MALLOC_TUNING=0`` turns it off.
     """
     if os.environ.get("PARTRAIN_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
         return False
@@ -140,7 +147,7 @@ def tune_allocator() -> bool:
 
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024) and libc.mallopt(m_trim_threshold, 1 << 30)
+        ok = libc.mallopt(m_mmap_threshold, int(mmap_threshold)) and libc.mallopt(m_trim_threshold, 1 << 30)
         return bool(ok)
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
         return False

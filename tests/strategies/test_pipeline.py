@@ -88,7 +88,7 @@ def _trained(strategy: Pipeline, name: str, model_fn: Any) -> tuple[Pipeline, An
     pipe = Pipeline(schedule=schedule, microbatches=4, split=split or "params")
     pipe.setup(strategy.env, timeout=30)
     torch.manual_seed(0)
-    model = model_fn()
+    model = pipe.build_model(model_fn)  # this process's stages alone (a cut by time: the whole model)
     model, optimizer = pipe.prepare(model, sgd(model.parameters()))
     for x, y in _batches():
         out, losses = pipe.train_step(model, optimizer, x, y, per_sample_ce, loss_scale=1 / len(y))

@@ -18,13 +18,11 @@ ideal ``m / (m + p - 1)`` of a pipeline of p stages.
 
 Memory: two more jobs in fresh processes (peak RSS is a process's lifetime high) train a
 larger model of the same shape with Adam: every process holding the whole model, and a
-2-stage pipeline. The figure is each process's peak RSS above its RSS before the model
-was built (the interpreter and torch are the same in both), and the raw peak. Both jobs run
-with glibc's mmap threshold fixed at 128 KiB (``PARTRAIN_MALLOC_TUNING=0``,
-``MALLOC_MMAP_THRESHOLD_=131072``): every tensor's pages go back to the system when it is
-freed, so the peak is the memory in use. With partrain's default heap reuse (`tune_allocator`,
-faster steps) the peak also holds freed, fragmented heap, which moved a stage's figure
-between 340 and 450 MiB from run to run for the same job.
+2-stage pipeline whose processes build only their own stages (`Strategy.build_model`, as `fit`
+builds). The figure is each process's peak RSS above its RSS before the model was built (the
+interpreter and torch are the same in both; the pipeline's own imports count), and the raw
+peak. Both jobs run as a user's do: partrain's allocator settings, nothing set for the
+benchmark.
 
 Serving: ``partrain serve --stages 2`` against the unsplit server, 16 closed-loop clients,
 twice: the training rows' model from a ``module:factory``, and a model whose weights dominate
@@ -240,27 +238,13 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
 
 
-@contextlib.contextmanager
-def _exact_malloc() -> Any:
-    """Processes started inside give every freed tensor back to the system (see the module doc)."""
-    saved = {k: os.environ.get(k) for k in ("PARTRAIN_MALLOC_TUNING", "MALLOC_MMAP_THRESHOLD_")}
-    os.environ.update(PARTRAIN_MALLOC_TUNING="0", MALLOC_MMAP_THRESHOLD_="131072")
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _memory_worker(strategy: Any, size: Size, pipeline: bool) -> tuple[float, float]:
     """(peak RSS above the RSS before the model, raw peak RSS), in MiB, after 3 Adam steps."""
     x = torch.randn(size.batch, size.memory_width)
     y = torch.randint(0, 10, (size.batch,))
     before = _rss_mb()
-    model = block_model(size.memory_width, size.layers)
+    build = functools.partial(block_model, size.memory_width, size.layers)
+    model = strategy.build_model(build) if pipeline else build()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     if pipeline:
         model, optimizer = strategy.prepare(model, optimizer)
@@ -346,19 +330,17 @@ def run(args: argparse.Namespace) -> Report:
                     "weight-dominated model: --stages 2 req/s / the unsplit server's, 16 clients")
         return report
     report.progress("memory jobs (fresh processes: whole model, then 2 stages)")
-    with _exact_malloc():
-        whole = launch(_memory_worker, size, False, workers=2, strategy="allreduce", threads=1, timeout=600,
-                       device="cpu")
-        stages = launch(_memory_worker, size, True, workers=2, strategy=Pipeline(stages=STAGES, microbatches=8),
-                        threads=1, timeout=600, device="cpu")
+    whole = launch(_memory_worker, size, False, workers=2, strategy="allreduce", threads=1, timeout=600,
+                   device="cpu")
+    stages = launch(_memory_worker, size, True, workers=2, strategy=Pipeline(stages=STAGES, microbatches=8),
+                    threads=1, timeout=600, device="cpu")
     whole_net, whole_raw = max(w[0] for w in whole), max(w[1] for w in whole)
     stage_net, stage_raw = max(s[0] for s in stages), max(s[1] for s in stages)
     mem_rows = [["whole model, one process", f"{whole_net:.0f}", f"{whole_raw:.0f}", "1.00"]]
     for i, (net, raw_peak) in enumerate(stages):
         mem_rows.append([f"pipeline stage {i}", f"{net:.0f}", f"{raw_peak:.0f}", f"{net / whole_net:.2f}"])
     report.table(["process", "peak MiB above start", "peak RSS MiB", "x one process"], mem_rows,
-                 title=f"memory: {size.layers} x Linear({size.memory_width}) + Adam, 3 steps, batch {size.batch} "
-                       "(glibc mmap threshold 128 KiB: peaks are memory in use)")
+                 title=f"memory: {size.layers} x Linear({size.memory_width}) + Adam, 3 steps, batch {size.batch}")
     for name, value in (("memory_whole_mb", whole_net), ("memory_stage_mb", stage_net),
                         ("memory_whole_raw_mb", whole_raw), ("memory_stage_raw_mb", stage_raw)):
         report.figure(name, value)

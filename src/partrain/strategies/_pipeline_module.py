@@ -86,6 +86,9 @@ class PipelineModule(nn.Module):
                 for key, value in child.state_dict().items():
                     layout.append((f"{name}.{key}", s, tuple(value.shape), value.dtype))
         held = [{id(p) for i in r for p in children[i][1].parameters()} for r in ranges]
+        left_out = [children[i][0] for s in owned for i in ranges[s] if any(p.is_meta for p in children[i][1].parameters())]
+        if left_out:  # build_model and the cut disagree: never train a meta stage
+            raise RuntimeError(f"pipeline: this process's children {left_out} were built without their parameters")
         for name, _ in children:
             if name not in keep_names:
                 delattr(self, name)

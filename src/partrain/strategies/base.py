@@ -41,6 +41,7 @@ from ..data.sharding import ClaimingBatchSampler, ShardedBatchSampler
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
 from ..nn.freeze import keep_frozen
+from ..nn.partial import move_model
 
 WORKER = "worker"
 
@@ -173,6 +174,12 @@ class Strategy(ABC):
         return self.env.device
 
     # ----- the training loop's side -------------------------------------------------
+    def build_model(self, model_fn: Callable[[], nn.Module]) -> nn.Module:
+        """This process's model, from ``model_fn()`` with the random state the caller seeded:
+        the whole model. A strategy whose processes each train a part of it (``pipeline``) builds
+        that part alone, the rest on the meta device, with the values the whole build gives it."""
+        return model_fn()
+
     def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
         """Wrap ``model`` and ``optimizer`` for this strategy (they keep their interfaces).
 
@@ -180,7 +187,7 @@ class Strategy(ABC):
         (`partrain.nn.freeze`) stay exact under it.
         """
         keep_frozen(optimizer)
-        return model.to(self.device), optimizer
+        return move_model(model, self.device), optimizer
 
     def shard(self, num_samples: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
               drop_last: bool = False, dataset_size: int | None = None) -> ShardedBatchSampler:

@@ -60,10 +60,19 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .. import comm
+from .._process import tune_allocator
 from ..batch import batch_size
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
-from ..nn.split import SCHEDULES, give_back_freed_memory, plan_cuts, sequential_children
+from ..nn.partial import build_part
+from ..nn.split import (
+    SCHEDULES,
+    chunk_ranges,
+    give_back_freed_memory,
+    plan_cuts,
+    sequential_children,
+    stage_ranks,
+)
 from ._pipeline_module import PipelineModule, pipeline_module
 from ._pipeline_optim import StageOptimizer, recv_object, send_object
 from ._pipeline_trace import split_points
@@ -71,6 +80,17 @@ from .base import LossFn, StepPlan, Strategy, register
 
 if TYPE_CHECKING:  # the runtime imports torch.distributed.pipelining: seconds, paid by a pipeline only
     from ._pipeline_runtime import Runtime
+
+
+#: glibc's mmap threshold in a stage process: blocks from 8 MiB (2M float32) up are mapped.
+#: A pipeline is for models too large for one process, whose parameter-sized blocks
+#: (gradients, optimizer state and its temporaries) are allocated and freed every step. In the
+#: heap (partrain's 32 MiB threshold elsewhere) their 64-byte-aligned requests do not fit the
+#: holes freed blocks of the same size leave: a stage of 4 x Linear(2048) with Adam peaked 400-445
+#: MiB above its start, against 316-320 with those blocks mapped (bench pipeline's memory job).
+#: Smaller blocks (a micro-batch's activations, a Linear(1024)'s gradient) stay in the heap,
+#: where a step reuses them without page faults.
+STAGE_MMAP_THRESHOLD = 8 * 1024 * 1024
 
 
 @register
@@ -112,6 +132,7 @@ class Pipeline(Strategy):
         self.pp_ranks: list[int] = [0]  # global ranks of this process's pipeline
         # the split, from prepare (or the first batch, for split="time")
         self.runtime: Runtime | None = None
+        self._built_cuts: list[int] | None = None  # where build_model cut, when it built only this part
         #: seconds stages computed, and waited for neighbours, within schedule steps
         self.compute_seconds = 0.0
         self.bubble_seconds = 0.0
@@ -141,6 +162,8 @@ class Pipeline(Strategy):
 
     def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         super().setup(env, store=store, timeout=timeout)
+        if env.world_size > 1:  # where the launcher tuned the allocator (`tune_allocator`)
+            tune_allocator(STAGE_MMAP_THRESHOLD)
         world = env.world_size
         self._check_world(world)
         p = self.stages
@@ -201,7 +224,35 @@ class Pipeline(Strategy):
         """``src`` is a replica: its first stage sends."""
         return comm.broadcast_object(obj, src * self.stages, None)
 
-    # ----- prepare: cut the model, keep this process's stages ---------------------------
+    # ----- build and prepare: this process's stages of the model -------------------------
+    def build_model(self, model_fn: Callable[[], nn.Module]) -> nn.Module:
+        """Only this process's stages of an ``nn.Sequential`` cut by parameters or child names,
+        the other stages' parameters on the meta device; each stage's initial values are those
+        the whole model built from the same seed has (`partrain.nn.partial`). Any other model, or
+        a split by time (it needs a batch), is built whole and cut as before."""
+        self._built_cuts = None
+        if self.split == "time":
+            return model_fn()
+        found: dict[str, Any] = {}
+
+        def keep(skeleton: nn.Module) -> set[str] | None:
+            if not isinstance(skeleton, nn.Sequential):
+                return None
+            children = sequential_children(skeleton)
+            chunks = self.stages * self.virtual_stages
+            if chunks > len(children):
+                return None  # prepare says why, in one line
+            found["cuts"] = cuts = plan_cuts(children, chunks, self.split)
+            owner = stage_ranks(chunks, self.stages, SCHEDULES[self.schedule][2])
+            mine = [i for s, r in enumerate(chunk_ranges(cuts, len(children))) if owner[s] == self.pp_rank for i in r]
+            return {f"{children[i][0]}.{name}" for i in mine
+                    for name, _ in children[i][1].named_parameters(remove_duplicate=False)}
+
+        model, partial = build_part(model_fn, keep)
+        if partial:
+            self._built_cuts = found["cuts"]  # prepare cuts where the build did
+        return model
+
     def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
         """This process's stages of ``model`` and an optimizer over their parameters.
 
@@ -221,7 +272,9 @@ class Pipeline(Strategy):
             names = ", ".join(n for n, _ in children)
             raise UsageError(f"Expected at least {chunks} top-level children to cut into {chunks} stages. "
                              f"Received: a model with {len(children)} ({names})")
-        if self.split != "time":
+        if self._built_cuts is not None:
+            module._cut(self._built_cuts)
+        elif self.split != "time":
             module._cut(plan_cuts(children, chunks, self.split))
         return module, optim
 

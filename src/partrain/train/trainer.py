@@ -33,6 +33,7 @@ from ..errors import UsageError, first_line
 from ..metrics import MetricsWriter
 from ..nn.checkpointing import checkpoint_blocks
 from ..nn.freeze import load_freeze_state_dict
+from ..nn.partial import move_model
 from ..strategies.base import Strategy
 from .checkpointer import Checkpointer, checkpoint_path
 from .compiling import FusedStep, compile_model, compile_settings, fused_blocker, optimizer_blocker
@@ -135,16 +136,17 @@ class Trainer:
         strategy, cfg, job = self.strategy, self.cfg, self.job
         self.train_ds, self.test_ds = resolve_data(job.data)
         torch.manual_seed(cfg.seed)  # same initial weights on every worker
-        model = job.model_fn()
+        settings = compile_settings(cfg.compile, strategy.device)
+        # compiling tries the whole model on a batch first: it is built whole
+        model = job.model_fn() if settings is not None else strategy.build_model(job.model_fn)
         if ckpt is not None:
             model.load_state_dict(ckpt["model"])
             if ckpt.get("freeze"):  # frozen slices stay frozen across a resume
                 load_freeze_state_dict(model, ckpt["freeze"], strict=False)
-        model = model.to(strategy.device)
+        model = move_model(model, strategy.device)
         checkpoint_blocks(model, cfg.activation_checkpointing)
         self.feeder = Feeder(self.train_ds, strategy.device, cfg.loader_settings(), self.task.collate_fn,
                              on_device=cfg.data_on_device)
-        settings = compile_settings(cfg.compile, strategy.device)
         # data on the device and compile: the whole step as one compiled function when it can be
         blocker = fused_blocker(strategy, model, cfg) if settings is not None and cfg.data_on_device else None
         self.lengths = lengths_of(self.train_ds) if cfg.bucket is not False else None
