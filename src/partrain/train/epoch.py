@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 
 #: fused epochs read the device's loss sum (the finiteness check) every this many steps
 CHECK_EVERY = 64
+#: eager epochs add the micro-batches' losses and metrics into the epoch's sums every this many
+#: micro-batches, and whenever the sums are read: a step adds nothing up itself
+SUM_EVERY = 32
 
 
 @dataclass
@@ -118,6 +121,7 @@ def run_epoch(trainer: Trainer, epoch: int) -> EpochTotals:
         if bar is not None:
             bar.update(1)
             if i % 10 == 0 or i + 1 == n_batches:
+                body.add_up()
                 bar.set_postfix(loss=f"{totals.loss_sum.item() / max(totals.seen, 1):.4f}", refresh=False)
         if not update:
             continue
@@ -153,6 +157,9 @@ class EagerSteps:
         self.count = len(self.batches)
         self.guard = UpdateGuard(trainer.strategy, trainer.model, trainer.optimizer, trainer.task, trainer.cfg, epoch)
         self.pending = False  # gradients of an unfinished accumulation window
+        # the micro-batches' per-sample losses and metric values since the sums were last added up
+        self.losses: list[torch.Tensor] = []
+        self.metrics: list[list[torch.Tensor]] = []
 
     def __iter__(self) -> Iterator[tuple[int, bool]]:
         t, totals, guard, sampler = self.trainer, self.totals, self.guard, self.sampler
@@ -200,9 +207,11 @@ class EagerSteps:
             self.pending = not update
             if update:
                 t.position.step += 1
-            totals.loss_sum += per_sample.sum()
+            self.losses.append(per_sample)
             if task.metric_names:
-                totals.metric_sums += task.metric_values(out, target)
+                self.metrics.append(task.metric_samples(out, target))
+            if len(self.losses) >= SUM_EVERY:
+                self.add_up()
             totals.seen += n
             totals.units += units
             totals.times.step_done(strategy.comm_seconds - comm_before)
@@ -225,11 +234,25 @@ class EagerSteps:
                 yield batch, count, total
             i += len(window)
 
+    def add_up(self) -> None:
+        """The micro-batches' losses and metric values since the last call, into the epoch's sums
+        (one sum per figure for up to `SUM_EVERY` micro-batches, in float64)."""
+        totals = self.totals
+        if self.losses:
+            totals.loss_sum += torch.cat(self.losses).sum(dtype=torch.float64)
+            self.losses = []
+        if self.metrics:
+            totals.metric_sums += torch.stack([torch.cat(values).sum(dtype=torch.float64)
+                                               for values in zip(*self.metrics)])
+            self.metrics = []
+
     def before_checkpoint(self) -> None:
+        self.add_up()
         self.totals.skipped = self.guard.skipped
 
     def finish(self) -> None:
         t = self.trainer
+        self.add_up()
         if self.pending:  # the last accumulation window of claimed batches was partial
             self.guard.check_loss()
             t.strategy.optimizer_step(t.optimizer)
@@ -274,6 +297,9 @@ class FusedSteps:
             if self.stop_on_nan and position.step - self.checked >= CHECK_EVERY:
                 self.before_checkpoint()
             yield i, True
+
+    def add_up(self) -> None:
+        """Nothing: the steps add to the sums on the device."""
 
     def before_checkpoint(self) -> None:
         if self.stop_on_nan:

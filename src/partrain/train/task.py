@@ -340,13 +340,16 @@ class Task:
 
     def metric_values(self, output: Any, target: Any) -> torch.Tensor:
         """Per-metric sums over the batch (float64, on the output's device)."""
-        out = _float_output(output) if self.precision == "bf16" else output
-        device = primary(out).device if self.metric_fns else torch.device("cpu")
         if not self.metric_fns:
-            return torch.zeros(0, dtype=torch.float64, device=device)
+            return torch.zeros(0, dtype=torch.float64, device=torch.device("cpu"))
+        return torch.stack([v.sum(dtype=torch.float64) for v in self.metric_samples(output, target)])
+
+    def metric_samples(self, output: Any, target: Any) -> list[torch.Tensor]:
+        """Each metric's per-sample values on the batch, in `metric_names`' order (`metric_values`
+        sums them; a training epoch sums many batches' at once)."""
+        out = _float_output(output) if self.precision == "bf16" else output
         n = batch_size(target)
-        return torch.stack([per_sample(fn(out, target), n, f"metric {name!r}").sum().to(torch.float64)
-                            for name, fn in self.metric_fns.items()])
+        return [per_sample(fn(out, target), n, f"metric {name!r}") for name, fn in self.metric_fns.items()]
 
     def means(self, loss_sum: float, units: float, samples: float, sums: Sequence[float]) -> tuple[float, dict[str, float]]:
         """The loss per unit and every reported metric from sums over some batches."""
