@@ -107,6 +107,42 @@ def checkpoint_activations(module: torch.nn.Module) -> None:
     checkpoint(module)
 
 
+def fsdp2() -> Any:
+    """FSDP2's public module (``fully_shard``, ``FSDPModule``, ``MixedPrecisionPolicy``,
+    ``CPUOffloadPolicy``): ``torch.distributed.fsdp`` since torch 2.6, before it the private
+    ``torch.distributed._composable.fsdp``."""
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "fully_shard"):
+        return fsdp
+    from torch.distributed._composable import fsdp as composable  # pragma: no cover - torch < 2.6
+
+    return composable
+
+
+def dtensor_class() -> type:
+    """``DTensor``: ``torch.distributed.tensor.DTensor`` since torch 2.5, before it the private
+    ``torch.distributed._tensor.DTensor``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch < 2.5
+        from torch.distributed._tensor import DTensor
+    return DTensor
+
+
+def dtensor_module() -> Any:
+    """DTensor's module (``DTensor``, ``Shard``, ``Replicate``, ``distribute_tensor``,
+    ``distribute_module``): ``torch.distributed.tensor`` since torch 2.5, before it the private
+    ``torch.distributed._tensor``."""
+    import torch.distributed.tensor as dt
+
+    if hasattr(dt, "distribute_module"):
+        return dt
+    from torch.distributed import _tensor  # pragma: no cover - torch < 2.5
+
+    return _tensor
+
+
 def apply_to_tensors(module: torch.nn.Module, fn: Any) -> torch.nn.Module:
     """``fn`` applied to every parameter and buffer of ``module`` in place, as ``Module.to`` applies
     its move (torch's private ``Module._apply``: ``to`` cannot leave some tensors where they are)."""

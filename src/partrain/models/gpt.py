@@ -38,8 +38,11 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` [N, T, C] -> [N, T, C]. ``attn_mask`` (bool, broadcast to [N, H, T, T],
         True = may attend) replaces the plain causal mask when given; it must be causal."""
-        n, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
+        n, t, _ = x.shape
+        # three equal parts, each as wide as the heads this process computes: all of them, or
+        # under tensor parallel its share (the strategy sets n_head to the local count)
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+        c = q.size(-1)
         q, k, v = (z.view(n, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         p = self.dropout if self.training else 0.0
         if attn_mask is None:

@@ -18,6 +18,8 @@ _CLASSES = {
     "Hogwild": "hogwild",
     "LocalSGD": "local_sgd",
     "Pipeline": "pipeline",
+    "FullyShard": "fsdp",
+    "TensorParallel": "tensor_parallel",
 }
 
 __all__ = ["StepPlan", "Strategy", "available", "get_strategy", "parse_options", "register", *_CLASSES]

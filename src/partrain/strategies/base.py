@@ -134,6 +134,11 @@ class Strategy(ABC):
         """`num_workers` of a job of ``workers`` worker processes, known before any starts."""
         return workers
 
+    def check_model(self, model: nn.Module, workers: int) -> None:
+        """The caller's look at one model built there, before any worker starts (``workers``: the
+        job's worker processes): one line for what `prepare` would refuse there (a tensor-parallel
+        plan that names no module, heads that do not divide). Here: nothing."""
+
     def roles(self, world_size: int) -> list[str]:
         """The role of each global rank."""
         return [WORKER] * world_size
@@ -436,7 +441,8 @@ def _load_builtin() -> None:
     # importing the modules registers their strategies
     import importlib
 
-    for mod in ("single", "allreduce", "parameter_server", "hogwild", "local_sgd", "pipeline"):
+    for mod in ("single", "allreduce", "parameter_server", "hogwild", "local_sgd", "pipeline", "fsdp",
+                "tensor_parallel"):
         try:
             importlib.import_module(f"partrain.strategies.{mod}")
         except ModuleNotFoundError as exc:

@@ -134,7 +134,9 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
     if starts_processes(launch_cfg.workers, strat, launch_cfg.nnodes, launch_cfg.master_addr):
         start_server_early()  # it imports torch while this process loads the data and checks the model
     train_ds, test_ds = _check_data(data, cfg, launch_cfg, strat, task, ckpt)
-    task = _check_model(model_fn, optimizer_fn, train_ds, test_ds, data, task, cfg, ckpt)
+    known = launch_cfg.workers is not None and external_launcher() is None
+    task = _check_model(model_fn, optimizer_fn, train_ds, test_ds, data, task, cfg, ckpt, strat,
+                        launch_cfg.workers * launch_cfg.nnodes if known else None)
     if task.own_loss:
         task.check_exact(strat.data_parallel_workers(launch_cfg.workers) * launch_cfg.nnodes, cfg.accumulate)
         if not cfg.quiet and _is_first_process(launch_cfg):
@@ -205,10 +207,10 @@ def _check_data(data: DataArg, cfg: FitConfig, launch_cfg: LaunchConfig, strat: 
 
 def _check_model(model_fn: Callable[[], nn.Module], optimizer_fn: Callable[..., Optimizer], train_ds: Dataset,
                  test_ds: Dataset | None, data: DataArg, task: Task, cfg: FitConfig,
-                 ckpt: dict[str, Any] | None) -> Task:
+                 ckpt: dict[str, Any] | None, strat: Strategy, workers: int | None) -> Task:
     """One model built (with the run's seed) and checked against the data, the loss, the optimizer
-    settings, the monitored figure and the checkpoint's weights; ``cfg.model_spec`` filled in.
-    Returns the task resolved on the data."""
+    settings, the monitored figure, the checkpoint's weights and the strategy (for ``workers``
+    processes, when known here); ``cfg.model_spec`` filled in. Returns the task resolved on the data."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = model_fn()
@@ -221,6 +223,8 @@ def _check_model(model_fn: Callable[[], nn.Module], optimizer_fn: Callable[..., 
     _check_monitor(cfg, task, has_test=test_ds is not None and len(test_ds) > 0)  # type: ignore[arg-type]
     if ckpt is not None:
         fit_weights(model, ckpt["model"], f"the model of model_fn to resume {cfg.resume!r}")
+    if workers is not None:
+        strat.check_model(model, workers)
     if cfg.model_spec is None:
         cfg.model_spec = infer_model_spec(model_fn, train_ds, task, data, task.collate_fn)
     return task
