@@ -32,7 +32,8 @@ def test_train_options_are_frozen():
     sub = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
     flags = sorted(opt for a in sub._actions for opt in a.option_strings if opt.startswith("--"))
     assert flags == sorted([
-        "--help", "--strategy", "--strategy-opt", "--workers", "--threads", "--backend", "--device", "--timeout",
+        "--help", "--strategy", "--strategy-opt", "--mesh", "--workers", "--threads", "--backend", "--device",
+        "--timeout",
         "--nnodes", "--node-rank", "--master-addr", "--master-port", "--model", "--dataset", "--target",
         "--synthetic-samples", "--synthetic-shape", "--synthetic-classes", "--test-fraction", "--sync-bn",
         "--model-opt", "--block-size", "--tokenizer", "--activation-checkpointing",
@@ -40,6 +41,7 @@ def test_train_options_are_frozen():
         "--weight-decay", "--max-steps", "--max-seconds", "--samples-per-epoch", "--seed", "--out", "--resume", "--quiet",
         "--loss", "--lr-schedule", "--warmup-steps", "--clip-grad", "--precision", "--on-nan", "--early-stop",
         "--monitor", "--overwrite", "--config", "--tensorboard", "--checkpoint-every", "--checkpoint-seconds",
+        "--checkpoint-async",
         "--loader", "--loader-workers", "--prefetch", "--data-on-device", "--compile", "--json",
     ])
 

@@ -44,7 +44,7 @@ def test_predict_picks_the_formula_and_default_shards():
 
 
 @pytest.mark.parametrize("call,expected", [
-    (lambda: predict("hogwild", 8, 1e6, 1e-3, LINK), "Expected a strategy among ['allreduce', 'ps', 'localsgd']"),
+    (lambda: predict("hogwild", 8, 1e6, 1e-3, LINK), "Expected a strategy among ['allreduce', 'ps', 'localsgd', 'fsdp']"),
     (lambda: predict("allreduce", 0, 1e6, 1e-3, LINK), "Expected a positive number of workers. Received: 0"),
     (lambda: predict("allreduce", 2, 1e6, 0.0, LINK), "Expected model_bytes >= 0 and compute_s > 0"),
     (lambda: ps_seconds(2, 1e6, LINK, shards=0), "Expected at least one server shard. Received: 0"),

@@ -147,3 +147,25 @@ def apply_to_tensors(module: torch.nn.Module, fn: Any) -> torch.nn.Module:
     """``fn`` applied to every parameter and buffer of ``module`` in place, as ``Module.to`` applies
     its move (torch's private ``Module._apply``: ``to`` cannot leave some tensors where they are)."""
     return module._apply(fn)
+
+
+def dcp_file_reader(path: str, read_metadata: Any) -> Any:
+    """``torch.distributed.checkpoint.FileSystemReader(path)`` whose ``.metadata`` is read by
+    ``read_metadata(path)`` instead of torch's plain ``pickle.load`` (which would run any code a
+    file holds). The override repeats what torch's ``read_metadata`` does after unpickling (a
+    ``StorageMeta`` carrying the reader's ``load_id``), as torch 2.4 - 2.13 do; a per-rank
+    metadata file (``rank=``, not written by partrain) is left to torch."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("rank") is not None:
+                return super().read_metadata(*args, **kwargs)
+            metadata = read_metadata(str(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    return SafeFileSystemReader(path)

@@ -15,6 +15,12 @@ Format (a dict; every producer in partrain writes it, every consumer reads it):
   one starts its optimizer afresh)
 - ``"epoch"``: epochs completed, ``"step"``: optimizer steps taken
 - ``"config"``: the run's settings (JSON-able), ``"metrics"``: history so far
+
+Strategies whose processes each hold part of the model (``fsdp``, ``tp``) write the same
+content as a directory of shards instead (`partrain.sharded_checkpoint`: ``checkpoint.dcp``
+next to ``checkpoint.pt``, one file per process, replaced as atomically); `load_checkpoint`
+reads either form, `load_model` rebuilds the model from either, and the run's end or
+``partrain export`` writes the one-file form of a sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -50,12 +56,21 @@ def save_checkpoint(path: str, state: dict[str, Any]) -> None:
 def load_checkpoint(path: str, mmap: bool = False) -> dict[str, Any]:
     """Read a checkpoint with ``weights_only=True``: no code is unpickled.
 
+    A sharded checkpoint (a directory, `partrain.sharded_checkpoint`) gives everything but its
+    tensors: ``"model"`` holds tensors on the meta device (shapes and dtypes, enough for
+    `fit_weights` to check a model), ``"optimizer"`` is None and ``"sharded_path"`` names the
+    version read; `partrain.sharded_checkpoint.consolidate` reads the tensors.
+
     ``mmap``: the tensors map the file instead of being read into memory (a page is
     read when first touched): a process that uses part of the weights reads only that
     part, and weights used in place (`fit_weights` with ``assign``) are never copied.
     """
     if not os.path.exists(path):
         raise UsageError(f"Expected an existing checkpoint file. Received: {path!r} (no such file)")
+    if os.path.isdir(path):
+        from .sharded_checkpoint import read_state
+
+        return read_state(path)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:
@@ -70,7 +85,9 @@ def fit_weights(model: nn.Module, weights: Any, label: str, assign: bool = False
     """``model.load_state_dict(weights)``, or one line naming the tensors that do not fit.
 
     ``assign``: the model takes the checkpoint's tensors themselves instead of copying
-    them into its own (for a model built on the meta device, which has none).
+    them into its own (for a model built on the meta device, which has none). Weights on
+    the meta device (a sharded checkpoint's shapes, from `load_checkpoint`) are checked,
+    not loaded.
 
     torch's own error lists every key over many lines (a one-line report shows the
     first, which says nothing useful); this names the count and the first few, with
@@ -99,6 +116,8 @@ def fit_weights(model: nn.Module, weights: Any, label: str, assign: bool = False
         problems.append(f"{len(unexpected)} not in the model ({listed(unexpected)})")
     if problems:
         raise UsageError(f"Expected checkpoint weights to fit {label}. Received: " + ", ".join(problems))
+    if any(isinstance(v, torch.Tensor) and v.is_meta for v in weights.values()):
+        return
     try:
         model.load_state_dict(weights, assign=assign)
     except (RuntimeError, TypeError, ValueError) as exc:
@@ -111,8 +130,9 @@ def load_model(path: str) -> tuple[nn.Module, dict[str, Any]]:
     Returns the model in eval mode and the checkpoint's ``model_spec``.
     """
     from .models import build_model
+    from .sharded_checkpoint import consolidate
 
-    state = load_checkpoint(path)
+    state = consolidate(load_checkpoint(path))
     spec = state.get("model_spec")
     if not spec:
         raise UsageError(f"Checkpoint {path!r} has no model_spec: it came from Python code; rebuild the model yourself")

@@ -1,4 +1,4 @@
-"""The ``partrain`` command: ``train``, ``serve``, ``loadtest``, ``population``, ``bench``.
+"""The ``partrain`` command: ``train``, ``serve``, ``loadtest``, ``population``, ``bench``, ``export``, ...
 
 Each subcommand lives beside the code it drives and exposes
 ``register(subparsers)``, which adds its parser (with ``formatter_class=HelpFormatter``)
@@ -49,6 +49,7 @@ SUBCOMMANDS = {
     "loadtest": "partrain.serve.loadtest_cli",
     "bench": "partrain.bench.cli",
     "compare": "partrain.compare.cli",
+    "export": "partrain.checkpoint_cli",
 }
 
 

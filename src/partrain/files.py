@@ -7,7 +7,8 @@ import os
 from .errors import UsageError
 
 #: files a run writes in its directory: their presence means the directory holds a run
-RUN_FILES = ("checkpoint.pt", "best.pt", "metrics.csv", "metrics.jsonl", "config.json", "curves.png")
+RUN_FILES = ("checkpoint.pt", "best.pt", "checkpoint.dcp", "best.dcp", "metrics.csv", "metrics.jsonl", "config.json",
+             "curves.png")
 
 
 def check_output_file(path: str, flag: str) -> None:

@@ -13,6 +13,14 @@ bytes over links of ``bandwidth`` bytes/s with a per-message latency ``latency_s
   link saturate at that rate).
 - local SGD / DiLoCo with period H: one all-reduce every H steps, ``ring / H`` per step.
 - pipeline with p stages and m micro-batches: the bubble, ``(p-1)/(m+p-1)`` of the step idle.
+- fsdp (ZeRO-3): the parameters all-gathered for the forward and again for the backward, the
+  gradients reduce-scattered: three collectives of ``(n-1)/n * S`` each, ``1.5x`` the bytes of
+  an all-reduce, in ``3 (n-1)`` messages per unit (ring); ZeRO-2 (no gather for the backward)
+  moves what an all-reduce does.
+- tp over t processes, L transformer blocks: each block all-reduces its activations
+  (``A = tokens x width x bytes`` per micro-batch) after attention and after the MLP, forward
+  and backward: ``4 L`` all-reduces of A per step, ``4 L * 2 (t-1)/t * A`` bytes, whatever the
+  model's size.
 
 Efficiency is ``compute / (compute + exposed communication)``: the exposed share is the
 whole communication time here (no overlap with backward), a lower bound on efficiency;
@@ -87,6 +95,43 @@ def local_sgd_seconds(n: int, model_bytes: float, link: Link, period: int, tree:
     return allreduce_seconds(n, model_bytes, link, tree) / period
 
 
+def allreduce_bytes(n: int, model_bytes: float) -> float:
+    """Bytes one worker sends in a ring all-reduce of ``model_bytes`` over ``n`` workers."""
+    return 2 * (n - 1) / n * model_bytes
+
+
+def fsdp_bytes(n: int, model_bytes: float, reshard_after_forward: bool = True) -> float:
+    """Bytes one worker sends in a step of fsdp over ``n`` workers: all-gathers for the forward (and
+    for the backward under ZeRO-3) and a reduce-scatter, ``(n-1)/n * S`` each (ring)."""
+    return (3 if reshard_after_forward else 2) * (n - 1) / n * model_bytes
+
+
+def fsdp_seconds(n: int, model_bytes: float, link: Link, units: int = 1,
+                 reshard_after_forward: bool = True) -> float:
+    """Seconds of one step's collectives of fsdp: `fsdp_bytes` over the link, and per sharding unit
+    each collective's ``n - 1`` ring hops."""
+    if units < 1:
+        raise UsageError(f"Expected at least one sharding unit. Received: {units}")
+    if n == 1:
+        return 0.0
+    collectives = 3 if reshard_after_forward else 2
+    return fsdp_bytes(n, model_bytes, reshard_after_forward) / link.bandwidth + \
+        collectives * units * (n - 1) * link.latency_s
+
+
+def tp_bytes(t: int, activation_bytes: float, layers: int) -> float:
+    """Bytes one process sends in a step of tensor parallelism over ``t`` processes: ``4 layers``
+    ring all-reduces of one micro-batch's activations (attention and MLP, forward and backward)."""
+    return 4 * layers * allreduce_bytes(t, activation_bytes)
+
+
+def tp_seconds(t: int, activation_bytes: float, layers: int, link: Link) -> float:
+    """Seconds of one step's all-reduces of tensor parallelism (ring: ``2 (t-1)`` hops each)."""
+    if layers < 1:
+        raise UsageError(f"Expected at least one layer. Received: {layers}")
+    return 4 * layers * allreduce_seconds(t, activation_bytes, link)
+
+
 def pipeline_bubble(stages: int, microbatches: int) -> float:
     """The idle share of a GPipe/1F1B step: ``(p-1)/(m+p-1)``."""
     if stages < 1 or microbatches < 1:
@@ -102,16 +147,19 @@ def efficiency(compute_s: float, comm_s: float, overlap: bool = False) -> float:
 
 def predict(strategy: str, n: int, model_bytes: float, compute_s: float, link: Link, *, shards: int | None = None,
             period: int = 8, tree: bool = False, overlap: bool = False) -> float:
-    """Predicted efficiency of ``strategy`` (allreduce, ps, localsgd) at ``n`` workers."""
+    """Predicted efficiency of ``strategy`` (allreduce, ps, localsgd, fsdp: ZeRO-3 in one unit) at ``n``
+    workers."""
     _check(n, model_bytes, compute_s)
     if strategy == "allreduce":
         comm = allreduce_seconds(n, model_bytes, link, tree)
+    elif strategy == "fsdp":
+        comm = fsdp_seconds(n, model_bytes, link)
     elif strategy == "ps":
         comm = ps_seconds(n, model_bytes, link, shards or max(1, n // 8))
     elif strategy == "localsgd":
         comm = local_sgd_seconds(n, model_bytes, link, period, tree)
     else:
-        raise UsageError(f"Expected a strategy among ['allreduce', 'ps', 'localsgd']. Received: {strategy!r}")
+        raise UsageError(f"Expected a strategy among ['allreduce', 'ps', 'localsgd', 'fsdp']. Received: {strategy!r}")
     return efficiency(compute_s, comm, overlap)
 
 

@@ -141,7 +141,7 @@ def test_a_report_must_state_exactly_its_named_goals():
 
 
 def test_goal_names_are_the_issues():
-    # the names issues 9, 11 to 17 (55: core.startup_s; 50: lm; 53: stream.mqtt_*; 52: generate) gave; readers of --json depend on them
+    # the names issues 9, 11 to 17 (55: core.startup_s; 50: lm; 53: stream.mqtt_*; 52: generate; 51: sharded) gave; readers of --json depend on them
     assert GOALS == {
         "core": ("core.fit_vs_plain", "core.allreduce_vs_ddp", "core.scaling", "core.startup_s"),
         "async": ("async.hogwild_scaling", "async.ps_vs_allreduce", "async.ps_straggler_time",
@@ -161,6 +161,8 @@ def test_goal_names_are_the_issues():
         "lm": ("lm.fit_vs_plain", "lm.scaling", "lm.activation_memory", "lm.loss_vs_plain"),
         "generate": ("generate.vs_sequential", "generate.vs_static", "generate.ttft_p99_over_p50",
                      "generate.vs_hf"),
+        "sharded": ("sharded.state_memory", "sharded.peak_memory", "sharded.largest_model",
+                    "sharded.step_vs_allreduce", "tp.scaling"),
     }
 
 

@@ -35,6 +35,8 @@ GOALS = {
     "data": {"data.overlap_speedup", "data.resident_vs_dataloader", "data.padding_vs_random"},
     "compare": {"compare.regret_max", "compare.prediction_error", "compare.budget_overrun"},
     "rl": {"rl.time_to_475_vs_sb3", "rl.fps_vs_sb3", "rl.policy_lag_p50"},
+    "sharded": {"sharded.state_memory", "sharded.peak_memory", "sharded.largest_model",
+                "sharded.step_vs_allreduce", "tp.scaling"},
 }
 # what each toy run must print besides its goals (a line of its main table)
 TABLE_LINE = {
@@ -49,6 +51,7 @@ TABLE_LINE = {
     "data": "fit data_on_device + compile",
     "compare": "fastest to target",
     "rl": "partrain 1 local",
+    "sharded": "fsdp, 2 processes",
 }
 
 

@@ -157,8 +157,9 @@ def test_a_3x_straggler_recommends_an_asynchronous_strategy():
     (["--straggler", "slowdown=0.5"], "Expected a straggler worker >= 0 and a slowdown >= 1. Received: 'slowdown=0.5'"),
     (["--bandwidth", "fast"], "Expected a positive bandwidth such as 1Gbit, 100Mbit or 10GB. Received: 'fast'"),
     (["--strategies", "allreduce,magic"], "Expected strategies among ['single', 'allreduce', 'ps sync', 'ps async', "
-                                          "'ps s=2', 'hogwild', 'localsgd H=8', 'diloco H=8', 'pipeline']. Received: "
-                                          "['allreduce', 'magic']"),
+                                          "'ps s=2', 'hogwild', 'localsgd H=8', 'diloco H=8', 'pipeline', 'fsdp', "
+                                          "'tp']. Received: ['allreduce', 'magic']"),
+    (["--memory-per-process", "lots"], "Expected a positive memory size such as 4GB or 512MiB. Received: 'lots'"),
     (["--workers", "0"], "Expected a positive number of workers. Received: --workers 0"),
     (["--workers", "2", "--straggler", "worker=2"], "Expected the straggler to be a worker index below workers=2. "
                                                     "Received: worker=2"),

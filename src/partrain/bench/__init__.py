@@ -25,4 +25,5 @@ BENCHMARKS = {
     "rl": "partrain.bench.rl",
     "lm": "partrain.bench.lm",
     "generate": "partrain.bench.generate",
+    "sharded": "partrain.bench.sharded",
 }

@@ -67,6 +67,8 @@ GOALS: dict[str, tuple[str, ...]] = {
     "rl": ("rl.time_to_475_vs_sb3", "rl.fps_vs_sb3", "rl.policy_lag_p50"),
     "lm": ("lm.fit_vs_plain", "lm.scaling", "lm.activation_memory", "lm.loss_vs_plain"),
     "generate": ("generate.vs_sequential", "generate.vs_static", "generate.ttft_p99_over_p50", "generate.vs_hf"),
+    "sharded": ("sharded.state_memory", "sharded.peak_memory", "sharded.largest_model", "sharded.step_vs_allreduce",
+                "tp.scaling"),
 }
 
 SMOKE_NOTE = "smoke run: figures are noise"

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="measure every strategy on your model for a short window and recommend one",
         description=(
             "Run each applicable strategy (single, allreduce, ps sync/async, hogwild, localsgd, DiLoCo, "
-            "pipeline) for a short measured window on your model and data, within --budget; print a "
+            "pipeline; fsdp and tp when named, or when the model only fits sharded) for a short measured window on your model and data, within --budget; print a "
             "ranked table (samples/s, step breakdown, bytes per sample, loss at equal samples, memory), "
             "a recommendation with reasons, and the predicted scaling to 8, 64 and 512 workers."
         ),
@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--bandwidth", default=None, metavar="RATE",
                    help="what if the workers talked over a link of RATE (e.g. 1Gbit): simulated from measured bytes")
     c.add_argument("--links", default=DEFAULT_LINKS, help="link speeds of the scaling prediction")
+    c.add_argument("--memory-per-process", default=None, metavar="SIZE",
+                   help="each process's memory (e.g. 4GB): strategies whose processes would hold more of the "
+                        "model's state are skipped (default: the host's available memory / workers)")
     c.add_argument("--device", default="auto", help="where the workers train: auto (default: the GPUs when "
                    "there is one per worker, else the CPU), cpu, cuda")
     c.add_argument("--threads", type=int, default=None, help="intra-op threads per process (default: cores / workers)")
@@ -105,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
                      strategies=strategies, workers=args.workers, budget=args.budget, batch_size=args.batch_size,
                      loss_fn=args.loss, straggler=args.straggler, bandwidth=args.bandwidth, links=args.links,
                      out_dir=out, threads=args.threads, timeout=args.timeout, seed=args.seed,
-                     device=args.device, progress=None if args.json else _progress)
+                     device=args.device, progress=None if args.json else _progress, memory=args.memory_per_process)
     if args.json:
         print(json.dumps(to_json(result), indent=2))
     else:

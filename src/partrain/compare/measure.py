@@ -84,6 +84,9 @@ class Measurement:
     bytes_per_step: float = 0.0  # per worker
     bytes_per_sample: float = 0.0
     peak_rss_mb: float = math.nan
+    #: the largest process's bytes of parameters, gradients and optimizer state (MiB; the run's
+    #: ``memory_ranks``, `partrain.memory`): what a strategy that shards the model saves
+    state_mb: float = math.nan
     #: (samples trained so far, test loss) at the start and after each epoch of the window
     curve: list[tuple[float, float]] = field(default_factory=list)
     #: the training seconds (worker 0's epochs, evaluations left out) at each point of ``curve``
@@ -234,6 +237,9 @@ def fill_from_history(m: Measurement, history: list[dict[str, Any]], records: li
     m.samples_per_s = rate if rate == rate else (m.samples / m.window_s if m.window_s > 0 else math.nan)
     rss = [rec["peak_rss"] for rec in records if rec.get("peak_rss")]
     m.peak_rss_mb = max(rss) / 2**20 if rss else math.nan
+    ranks = rows[-1].get("memory_ranks") if rows else None
+    if ranks:
+        m.state_mb = max(r["params"] + r["grads"] + r["optimizer"] for r in ranks) / 2**20
     key = "test_loss" if rows and rows[-1].get("test_loss") == rows[-1].get("test_loss") else "train_loss"
     seen, elapsed = 0.0, 0.0
     m.curve = [(0.0, initial_loss)] if initial_loss == initial_loss else []

@@ -1,4 +1,4 @@
-"""The what-if options of ``partrain compare``, parsed from text: budget, straggler, bandwidth, links.
+"""The what-if options of ``partrain compare``, parsed from text: budget, straggler, bandwidth, links, memory.
 
 Each parser takes what a person types (``60s``, ``worker=1,slowdown=2``, ``1Gbit``) and
 returns a number or a small frozen dataclass; bad text is one `UsageError` line saying what
@@ -17,6 +17,9 @@ from ..errors import UsageError
 _BANDWIDTH_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
                     "b": 8.0, "kb": 8e3, "mb": 8e6, "gb": 8e9, "tb": 8e12}
 _SECONDS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+#: bytes of each unit a memory size may be written in
+_MEMORY_UNITS = {"": 1.0, "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2.0**10, "mib": 2.0**20,
+                 "gib": 2.0**30, "tib": 2.0**40}
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,20 @@ def parse_bandwidth(value: str | float | None) -> float | None:
     if not (math.isfinite(bits) and bits > 0):
         raise UsageError(f"Expected a positive bandwidth such as 1Gbit, 100Mbit or 10GB. Received: {value!r}")
     return bits / 8.0
+
+
+def parse_memory(value: str | float | None) -> float | None:
+    """``4GB``, ``512MiB``, a bare number (bytes) -> bytes (None: none given)."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        size = float(value)
+    else:
+        found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*((?:[kmgt]i?)?b)?\s*", str(value), re.IGNORECASE)
+        size = float(found.group(1)) * _MEMORY_UNITS[(found.group(2) or "").lower()] if found else math.nan
+    if not (math.isfinite(size) and size > 0):
+        raise UsageError(f"Expected a positive memory size such as 4GB or 512MiB. Received: {value!r}")
+    return size
 
 
 def parse_links(value: str | list[float]) -> list[float]:

@@ -19,6 +19,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..memory import human_bytes
 from ..scaling import Constants, Link, step_seconds
 from .measure import (
     FIRST_EPOCHS,
@@ -231,4 +232,56 @@ def round_cost(leaders: list[Measurement], planned: dict[str, tuple[Candidate, i
     return sum(m.wall_s * epochs[m.label] / max(1, planned[m.label][1]) for m in leaders)
 
 
-__all__ = ["SAFETY", "WindowPlan", "WindowPlanner", "plan_window", "round_cost", "runoff_epochs"]
+# ----- which strategies fit a process's memory ---------------------------------------------------
+
+#: the strategies whose processes each hold a part of the model's state (parameters, gradients,
+#: optimizer state): ``fsdp`` a shard of every tensor, ``tp`` the split layers' slices, ``pipeline``
+#: its stages; the others hold it whole
+SPLITTING = frozenset({"fsdp", "tp", "pipeline"})
+
+
+def state_parts(cand: Candidate, workers: int) -> int:
+    """In how many parts ``cand``'s processes hold the model's state (1: each holds it whole)."""
+    if cand.strategy == "pipeline":
+        return int(cand.options.get("stages", workers))
+    return (cand.workers or workers) if cand.strategy in SPLITTING else 1
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """Whether the model's state fits a process: ``state_bytes`` is what one process holding it whole
+    holds (parameters, gradients and optimizer state after a step, `partrain.memory.state_bytes`),
+    ``available`` each process's memory (``--memory-per-process``, or the host's available memory
+    over the processes: ``source`` says which). A strategy that splits the state in ``parts`` needs
+    about ``state_bytes / parts`` (its transient buffers aside: a unit's gathered parameters)."""
+
+    state_bytes: float
+    available: float
+    source: str
+
+    def need(self, parts: int) -> float:
+        return self.state_bytes / max(1, parts)
+
+    def fits(self, parts: int) -> bool:
+        return self.need(parts) <= self.available
+
+    def reason(self, parts: int) -> str:
+        """Why a strategy holding the state in ``parts`` parts is skipped."""
+        return (f"does not fit: about {human_bytes(self.need(parts))} of parameters, gradients and optimizer "
+                f"state per process, {human_bytes(self.available)} available ({self.source})")
+
+    def line(self, workers: int) -> str:
+        """The one line a comparison prints when the state does not fit one process (empty when it does)."""
+        if self.fits(1):
+            return ""
+        whole, split = human_bytes(self.need(1)), human_bytes(self.need(workers))
+        avail = f"{human_bytes(self.available)} per process ({self.source})"
+        if self.fits(workers):
+            return (f"the model only fits sharded: {whole} of state per process replicated, about {split} split "
+                    f"over {workers} workers (fsdp, tp, pipeline), {avail}")
+        return (f"the model does not fit even sharded: {whole} of state, about {split} per process over "
+                f"{workers} workers, {avail}; use more workers")
+
+
+__all__ = ["SAFETY", "MemoryFit", "WindowPlan", "WindowPlanner", "plan_window", "round_cost", "runoff_epochs",
+           "state_parts"]

@@ -17,7 +17,7 @@ from .options import bandwidth_text
 from .run import PROBE_LOAD_LIMIT, CompareResult
 
 COLUMNS = ("strategy", "workers", "samples/s", "s to target", "data", "compute", "comm", "bubble",
-           "bytes/sample", "loss/single", "loss/allreduce", "peak MB", "host load")
+           "bytes/sample", "loss/single", "loss/allreduce", "peak MB", "state MB/rank", "host load")
 
 
 def ranked(result: CompareResult) -> list[Measurement]:
@@ -67,7 +67,7 @@ def table_rows(result: CompareResult) -> list[list[Any]]:
                      _pct(shares["bubble"]) if m.strategy == "pipeline" else "-",
                      float(round(m.bytes_per_sample)), _times(m.loss_vs_single),
                      _times(m.loss_ratio) if result.measurement("allreduce") else "-", m.peak_rss_mb,
-                     _pct(m.host_load)])
+                     m.state_mb, _pct(m.host_load)])
     return rows
 
 
@@ -82,6 +82,8 @@ def format_result(result: CompareResult) -> str:
     head = (f"partrain compare: {result.workers} workers, batch {result.batch_size} per worker, model "
             f"{result.model_bytes / 2**20:.2f} MB; {result.elapsed_s:.0f} s of a {result.budget_s:.0f} s budget")
     lines.append(head + (f"; what if: {', '.join(what_if)}" if what_if else ""))
+    if result.memory_note:
+        lines.append(result.memory_note)
     lines.append("")
     lines.append(format_table(COLUMNS, table_rows(result)))
     for m in result.measurements:
@@ -206,6 +208,7 @@ def to_json(result: CompareResult) -> dict[str, Any]:
         "unsure_warning": unsure_warning(rec),
         "depth_warning": depth_warning(result.measurements, rec, result.target_loss),
         "probe_warning": probe_warning(result),
+        "memory_note": result.memory_note or None,
     })
 
 
@@ -214,7 +217,7 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
                                       "samples", "window_s", "wall_s", "samples_per_s", "effective_samples_per_s",
                                       "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
                                       "bytes_per_step", "bytes_per_sample", "loss_ratio", "loss_vs_single",
-                                      "time_to_loss", "speed", "peak_rss_mb", "host_steal", "host_other")}
+                                      "time_to_loss", "speed", "peak_rss_mb", "state_mb", "host_steal", "host_other")}
     out["options"] = {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in m.options.items()}
     out["curve"] = [list(p) for p in m.curve]
     out["curve_s"] = list(m.curve_s)
@@ -228,8 +231,8 @@ def _measurement_json(m: Measurement) -> dict[str, Any]:
 
 CSV_FIELDS = ("label", "strategy", "workers", "status", "reason", "steps", "samples", "samples_per_s",
               "effective_samples_per_s", "data_s", "compute_s", "comm_s", "bubble_s", "simulated_comm_s",
-              "bytes_per_sample", "loss_ratio", "loss_vs_single", "peak_rss_mb", "time_to_loss", "speed",
-              "host_steal", "host_other", "times_to_loss")
+              "bytes_per_sample", "loss_ratio", "loss_vs_single", "peak_rss_mb", "state_mb", "time_to_loss",
+              "speed", "host_steal", "host_other", "times_to_loss")
 
 
 def write_outputs(result: CompareResult, out_dir: str) -> dict[str, str]:

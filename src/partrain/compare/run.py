@@ -59,14 +59,23 @@ from .measure import (
     parameter_bytes,
     sync_period,
 )
-from .options import Straggler, parse_bandwidth, parse_budget, parse_links, parse_straggler
+from .options import (
+    Straggler,
+    parse_bandwidth,
+    parse_budget,
+    parse_links,
+    parse_memory,
+    parse_straggler,
+)
 from .plan import (
     CALIBRATION_STEPS,
     SLOW_STRETCH,
+    MemoryFit,
     WindowPlan,
     WindowPlanner,
     round_cost,
     runoff_epochs,
+    state_parts,
 )
 
 PIPELINE = Candidate("pipeline", "pipeline", {"stages": 2, "microbatches": 4})
@@ -80,10 +89,14 @@ CANDIDATES: tuple[Candidate, ...] = (
     Candidate("localsgd H=8", "localsgd", {"period": 8}),
     Candidate("diloco H=8", "localsgd", {"period": 8, "outer": "nesterov", "outer_lr": 0.8, "outer_momentum": 0.3}),
     PIPELINE,
+    Candidate("fsdp", "fsdp", {}),
+    Candidate("tp", "tp", {}),
 )
 #: run only when asked for (``strategies=[...]``): bounded staleness sits between ps sync and async, and
-#: one more window would shorten every other window of the default budget
-OPT_IN = frozenset({"ps s=2"})
+#: one more window would shorten every other window of the default budget. ``fsdp`` and ``tp`` train as
+#: ``allreduce`` does (the same step) while holding a part of the model each: they run unasked when the
+#: model's state does not fit a process whole (`MemoryFit`)
+OPT_IN = frozenset({"ps s=2", "fsdp", "tp"})
 SCALE_WORKERS = (8, 64, 512)
 DEFAULT_LINKS = "10Gbit,100Gbit"
 #: about how long the host probe's timed parts run in all (seconds; at most this share of the budget),
@@ -163,6 +176,8 @@ class CompareResult:
     target_loss: float = math.nan
     #: seconds of the budget spent before the first window: starting the processes, each importing torch
     startup_s: float = 0.0
+    #: one line when the model's state does not fit a process whole (`MemoryFit.line`), else empty
+    memory_note: str = ""
 
     @property
     def budget_overrun(self) -> float:
@@ -213,7 +228,7 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
             bandwidth: str | float | None = None, links: str | list[float] = DEFAULT_LINKS,
             scale: Sequence[int] = SCALE_WORKERS, out_dir: str | None = None, threads: int | None = None,
             timeout: float = 120.0, seed: int = 0, device: str | None = None,
-            progress: Callable[[str], None] | None = None) -> CompareResult:
+            progress: Callable[[str], None] | None = None, memory: str | float | None = None) -> CompareResult:
     """Measure each applicable strategy on ``model_fn``/``data``/``optimizer_fn`` within ``budget``.
 
     Args:
@@ -229,6 +244,10 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
         threads: intra-op threads per process (default: the cores divided among the workers,
             the same for every strategy, ``single`` included, so the one-worker figures are a
             worker's).
+        memory: each process's memory (``4GB``, ``512MiB``; default: the host's available memory
+            over the workers). A strategy whose processes would hold more of the model's state
+            (parameters, gradients, optimizer state) is skipped; when only the ones that split it fit
+            (``fsdp``, ``tp``, ``pipeline``) they run unasked and one line says so.
 
     The steps: check the options (`_checked_options`), inspect the model and data (`_inspect_job`),
     start the processes, measure a window of each strategy (`_measure_windows`), race the leaders
@@ -241,15 +260,19 @@ def compare(model_fn: Callable[[], nn.Module], data: Any, optimizer_fn: Callable
     say = progress or (lambda _text: None)
     budget_s, strag, bw, link_speeds, n = _checked_options(budget, straggler, bandwidth, links, workers, batch_size,
                                                            scale)
+    memory_bytes = parse_memory(memory)
     device = compare_device(device, n, say)
     if n > 1:  # the fork server imports torch while this process times a step and checks the model
         start_server_early()
     per_process = threads or max(1, available_cores() // n)
     job = Job(model_fn, data, optimizer_fn, batch_size=batch_size, loss_fn=loss_fn, seed=seed,
               threads=per_process, timeout=timeout, device=device)
-    seen = _inspect_job(job, strategies, n, device)
+    seen = _inspect_job(job, strategies, n, device, memory_bytes)
+    if seen.memory_note:
+        say(seen.memory_note)
     session = Session(job, n, budget_s, started, FINISH_S + (FILES_S if out_dir else 0.0), strag, seen.initial, say)
-    result = CompareResult(list(seen.skipped), None, budget_s, 0.0, n, batch_size, seen.model_bytes, strag, bw)
+    result = CompareResult(list(seen.skipped), None, budget_s, 0.0, n, batch_size, seen.model_bytes, strag, bw,
+                           memory_note=seen.memory_note)
     processes = max([c.build().extra_processes(c.workers or n) + (c.workers or n) for c in seen.chosen] + [2])
     pool = WorkerPool.current()
     own_pool = pool is None or pool.processes < processes
@@ -316,6 +339,7 @@ class Inspection:
     task: Any
     initial: float
     step_guess: float
+    memory_note: str = ""
 
 
 def _checked_options(budget: str | float, straggler: str | Straggler | None, bandwidth: str | float | None,
@@ -340,16 +364,33 @@ def _checked_options(budget: str | float, straggler: str | Straggler | None, ban
     return budget_s, strag, bw, link_speeds, n
 
 
-def _inspect_job(job: Job, strategies: Sequence[str] | None, workers: int, device: str | None) -> Inspection:
-    """Check the model and the data (`_inspect`), choose the strategies that apply (`applicable`),
-    and take the untrained loss and one step's time here."""
+def _inspect_job(job: Job, strategies: Sequence[str] | None, workers: int, device: str | None,
+                 memory: float | None = None) -> Inspection:
+    """Check the model and the data (`_inspect`), take the untrained loss and one step's time here
+    (with the state one process holds after it), and choose the strategies that apply and fit
+    (`applicable`)."""
     model, train_ds, test_ds, task = _inspect(job)
-    chosen, skipped = applicable(strategies, model, workers, job.batch_size, device)
     # the first point of every loss curve: the held-out samples the windows evaluate
     held_out = test_ds if test_ds is not None else train_ds
     initial = initial_loss(model, held_out, task, limit=TEST_SAMPLES)
-    step_guess = _time_steps(model, train_ds, task, job.optimizer_fn, job.batch_size, job.threads)
-    return Inspection(chosen, skipped, parameter_bytes(model), held_out, task, initial, step_guess)
+    step_guess, state = _time_steps(model, train_ds, task, job.optimizer_fn, job.batch_size, job.threads)
+    fit = memory_fit(state, memory, workers)
+    chosen, skipped = applicable(strategies, model, workers, job.batch_size, device, fit)
+    note = fit.line(workers) if fit is not None else ""
+    return Inspection(chosen, skipped, parameter_bytes(model), held_out, task, initial, step_guess, note)
+
+
+def memory_fit(state_bytes: float, memory: float | None, workers: int) -> MemoryFit | None:
+    """The `MemoryFit` of a model whose state takes ``state_bytes`` in one process: against ``memory``
+    per process, else the host's available memory over ``workers`` (None: unknown here)."""
+    if memory is not None:
+        return MemoryFit(state_bytes, memory, "--memory-per-process")
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):  # not Linux: nothing to check against
+        return None
+    return MemoryFit(state_bytes, available / max(1, workers), f"the host's available memory / {workers} workers")
 
 
 def _start_processes(session: Session, processes: int, result: CompareResult) -> None:
@@ -539,14 +580,18 @@ def _clock(started: float) -> str:
 
 
 def applicable(labels: Sequence[str] | None, model: nn.Module, workers: int, batch_size: int,
-               device: str | None) -> tuple[list[Candidate], list[Measurement]]:
-    """The candidates to run, and a skipped `Measurement` with its reason for each of the others."""
+               device: str | None, memory: MemoryFit | None = None) -> tuple[list[Candidate], list[Measurement]]:
+    """The candidates to run, and a skipped `Measurement` with its reason for each of the others
+    (one whose processes would hold more of the model's state than ``memory`` says fits, among them;
+    when the state does not fit one process whole, the strategies that split it run unasked)."""
     known = {c.label: c for c in CANDIDATES}
     if labels is not None:
         unknown = [s for s in labels if s not in known]
         if unknown or not labels:
             raise UsageError(f"Expected strategies among {list(known)}. Received: {list(labels)}")
-    wanted = [known[s] for s in labels] if labels is not None else [c for c in CANDIDATES if c.label not in OPT_IN]
+    tight = memory is not None and not memory.fits(1)
+    wanted = [known[s] for s in labels] if labels is not None else \
+        [c for c in CANDIDATES if c.label not in OPT_IN or (tight and c.strategy in ("fsdp", "tp"))]
     chosen, skipped = [], []
     children = len(list(model.children()))
     for c in wanted:
@@ -566,6 +611,13 @@ def applicable(labels: Sequence[str] | None, model: nn.Module, workers: int, bat
                 reason = f"{workers} workers do not divide into {stages} stages"
             elif batch_size < int(c.options["microbatches"]):
                 reason = f"a batch of {batch_size} cannot make {c.options['microbatches']} micro-batches"
+        elif c.strategy in ("fsdp", "tp"):
+            try:  # what its prepare would refuse (a tp plan that names no module, heads that do not divide)
+                c.build().check_model(model, c.workers or workers)
+            except UsageError as exc:
+                reason = str(exc).splitlines()[0]
+        if not reason and memory is not None and not memory.fits(state_parts(c, workers)):
+            reason = memory.reason(state_parts(c, workers))
         if reason:
             skipped.append(Measurement(c.label, c.strategy, dict(c.options), c.workers or workers,
                                        status="skipped", reason=reason))
@@ -627,8 +679,11 @@ def initial_loss(model: nn.Module, ds: Any, task: Any, limit: int = TEST_SAMPLES
 
 
 def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[..., Any], batch_size: int,
-                threads: int, steps: int = 3) -> float:
-    """Seconds of one training step here, on a copy of the model: the first guess of a window's step."""
+                threads: int, steps: int = 3) -> tuple[float, int]:
+    """Seconds of one training step here, on a copy of the model: the first guess of a window's step;
+    and the bytes of parameters, gradients and optimizer state one process then holds."""
+    from ..memory import state_bytes
+
     net = copy.deepcopy(model).train()
     opt = optimizer_fn(net.parameters())
     batch = next(iter(_loader(ds, batch_size, task)))
@@ -638,7 +693,7 @@ def _time_steps(model: nn.Module, ds: Any, task: Any, optimizer_fn: Callable[...
     try:
         step = _training_step(net, opt, task, inputs, target)
         step()  # first-call costs, untimed
-        return _median_time(step, steps)
+        return _median_time(step, steps), sum(state_bytes(net, opt).values())
     finally:
         torch.set_num_threads(before)
 

@@ -20,6 +20,7 @@ _CLASSES = {
     "Pipeline": "pipeline",
     "FullyShard": "fsdp",
     "TensorParallel": "tensor_parallel",
+    "MeshParallel": "mesh",
 }
 
 __all__ = ["StepPlan", "Strategy", "available", "get_strategy", "parse_options", "register", *_CLASSES]

@@ -111,6 +111,10 @@ class Strategy(ABC):
     #: the workers' gradients are averaged every optimizer step (all-reduce): a step's loss is
     #: divided by what the whole global batch holds (`step_units`), not by this worker's share
     averages_gradients: ClassVar[bool] = False
+    #: each process holds part of the model: `fit`'s checkpoints are torch.distributed.checkpoint
+    #: shards that every process writes and reads its own part of (`partrain.sharded_checkpoint`),
+    #: not one file gathered on worker 0
+    sharded_checkpoints: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.env = DistEnv()
@@ -329,6 +333,13 @@ class Strategy(ABC):
         resuming optimizer's parameters."""
         return None
 
+    def checkpoint_layout(self, param: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                                               Callable[[torch.Tensor], torch.Tensor]] | None:
+        """For a sharded checkpoint: ``(to_saved, from_saved)`` when ``param`` (and its optimizer
+        state) is held in another layout than training keeps it (rows reordered for the split),
+        None when it is saved as it is (a DTensor as its shards). Here: None."""
+        return None
+
     def adopt_optimizer_state(self, state: dict[str, Any] | None) -> None:
         """A checkpoint another strategy wrote: the optimizer has just loaded ``state`` (its
         ``state_dict()``, the whole model's). A strategy that keeps the optimizer state
@@ -442,7 +453,7 @@ def _load_builtin() -> None:
     import importlib
 
     for mod in ("single", "allreduce", "parameter_server", "hogwild", "local_sgd", "pipeline", "fsdp",
-                "tensor_parallel"):
+                "tensor_parallel", "mesh"):
         try:
             importlib.import_module(f"partrain.strategies.{mod}")
         except ModuleNotFoundError as exc:

@@ -46,6 +46,9 @@ Checkpoints and the final model: `model_state_dict` gathers the full parameters 
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict``: ``single``, ``partrain
 serve`` and any other strategy load it. Resume loads the whole-model checkpoint in every
 worker before the model is sharded, and the optimizer's whole-model state into the shards.
+`fit`'s own checkpoints are sharded instead (``sharded_checkpoints``: every worker writes and
+reads its own shards, `partrain.sharded_checkpoint`); the whole-model form is what a resume
+from a one-file checkpoint reads and what the run's end exports.
 
 Frozen slices (`partrain.nn.freeze`) stay exact: their masks move onto the sharded
 parameters (checkpoints keep them), and each step of the `ShardedOptimizer` holds the frozen
@@ -83,6 +86,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from .._compat import dtensor_class, fsdp2
+from .._process import tune_allocator
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
 from ..nn.checkpointing import repeated_blocks
@@ -97,6 +101,15 @@ _ONE_WORKER_PRECISION = ("Expected 2 or more workers for fsdp's param_dtype / re
                          "nothing; fit's precision='bf16' runs one process in bfloat16). Received: 1 worker")
 
 
+#: glibc's mmap threshold in a sharded worker: blocks from 8 MiB up are mapped, as in a pipeline
+#: stage (`partrain.strategies.pipeline.STAGE_MMAP_THRESHOLD`). Each step allocates and frees a
+#: unit's gathered parameters, its unsharded gradients and the reduce-scatter's buffers; kept in
+#: the heap (partrain's 32 MiB threshold elsewhere) they fragment it: a GPT of width 1024 and 8
+#: blocks with Adam peaked 1351 MiB above its start per worker, against 1062 with them mapped
+#: (allreduce: 1766 and 1702; bench sharded's memory job).
+SHARD_MMAP_THRESHOLD = 8 * 1024 * 1024
+
+
 @register
 class FullyShard(Strategy):
     name = "fsdp"
@@ -104,6 +117,8 @@ class FullyShard(Strategy):
     checkpoints_within_epoch = True
     #: the reduce-scatter averages the workers' gradients every step, as DDP does
     averages_gradients = True
+    #: each worker writes its own shards (`partrain.sharded_checkpoint`)
+    sharded_checkpoints = True
 
     def __init__(self, wrap: str = "auto", reshard_after_forward: bool = True, param_dtype: str | None = None,
                  reduce_dtype: str | None = None, offload: bool = False) -> None:
@@ -136,9 +151,16 @@ class FullyShard(Strategy):
         elif self.param_dtype or self.reduce_dtype:
             raise UsageError(_ONE_WORKER_PRECISION)
 
-    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT, mesh: Any = None) -> None:
+        """``mesh``: a DeviceMesh to shard over (a composed run's ``("dp", "fsdp")`` sub-mesh: 2-D is
+        FSDP2's HSDP, replicated along the first dimension, sharded along the second); None: a 1-D
+        mesh of every worker."""
         super().setup(env, store=store, timeout=timeout)
-        if self.num_workers > 1 and comm.is_distributed():
+        if env.world_size > 1:  # where the launcher tuned the allocator (`tune_allocator`)
+            tune_allocator(SHARD_MMAP_THRESHOLD)
+        if mesh is not None:
+            self.mesh = mesh
+        elif self.num_workers > 1 and comm.is_distributed():
             self.mesh = worker_mesh(self.device, self.group, self.num_workers)
         elif self.param_dtype or self.reduce_dtype:
             raise UsageError(_ONE_WORKER_PRECISION)
@@ -156,9 +178,10 @@ class FullyShard(Strategy):
                              f"rebuilt on the shards). Received: state for {len(optimizer.state)} parameters")
         api = fsdp2()
         model, optimizer = super().prepare(model, optimizer)  # on the device
-        # start from one model: worker 0's (each worker keeps its piece of its own copy)
-        comm.broadcast_tensors([p.data for p in model.parameters()] + list(model.buffers()),
-                               src=self.worker_ranks[0], group=self.group)
+        # start from one model: worker 0's (each worker keeps its piece of its own copy); parameters
+        # already split (tensor parallel, composed by `partrain.strategies.mesh`) came from one source
+        whole = [t for t in [*model.parameters(), *model.buffers()] if not isinstance(t, dtensor_class())]
+        comm.broadcast_tensors([t.data for t in whole], src=self.worker_ranks[0], group=self.group)
         names = {id(p): name for name, p in model.named_parameters()}
         masks = {name: mask for name, p in model.named_parameters() if (mask := frozen_mask(p)) is not None}
         keep_frozen(optimizer).remove()  # whole-tensor guard: the ShardedOptimizer holds the shards instead
@@ -250,20 +273,24 @@ class FullyShard(Strategy):
     # ----- what moves ---------------------------------------------------------------------
     def _plan_bytes(self, model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
         """The all-reduce-equivalent bytes of one training forward (with its backward's
-        gathers) and of one backward's reduce-scatters, from the unsharded sizes."""
+        gathers) and of one backward's reduce-scatters, from the unsharded sizes (a tensor-parallel
+        slice's: what this worker's group gathers). On a 2-D mesh (HSDP) the gathers and
+        reduce-scatters run along the second dimension (none when it has one process) and each
+        gradient shard, 1/shards of the whole, is all-reduced along the first."""
         prefixes = [name for name, _ in units]
         gathered: dict[str, int] = {name: 0 for name in [*prefixes, ""]}
         reduced = 0
         for name, p in model.named_parameters():
             owner = max((u for u in prefixes if name.startswith(f"{u}.")), key=len, default="")
             compute = _dtype(self.param_dtype) or p.dtype
-            gathered[owner] += p.numel() * compute.itemsize
+            gathered[owner] += _local(p).numel() * compute.itemsize
             if p.requires_grad:
-                reduced += p.numel() * (_dtype(self.reduce_dtype) or compute).itemsize
+                reduced += _local(p).numel() * (_dtype(self.reduce_dtype) or compute).itemsize
         root_again = not prefixes and self.reshard_after_forward
         again = sum(n for u, n in gathered.items() if u) * self.reshard_after_forward + gathered[""] * root_again
-        self._bytes_per_forward = (sum(gathered.values()) + again) // 2
-        self._bytes_per_sync = reduced // 2
+        replicas, shards = (self.mesh.size(0), self.mesh.size(1)) if self.mesh.ndim == 2 else (1, self.mesh.size())
+        self._bytes_per_forward = (sum(gathered.values()) + again) // 2 if shards > 1 else 0
+        self._bytes_per_sync = (reduced // 2 if shards > 1 else 0) + (reduced // shards if replicas > 1 else 0)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """A forward without gradients (evaluation): no backward will reshard what it gathered
@@ -339,8 +366,8 @@ class ShardedOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         names = self._names()
         if not self.inner.state:  # nothing stepped yet (torch's call would take a step of lr 0 to make some)
-            return _numbered({"state": {}, "param_groups": [{**_settings(g), "params": n}
-                                                             for g, n in zip(self.inner.param_groups, names)]})
+            return self._hooked(_numbered({"state": {}, "param_groups": [{**_settings(g), "params": n}
+                                                                         for g, n in zip(self.inner.param_groups, names)]}))
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
@@ -348,7 +375,14 @@ class ShardedOptimizer(Optimizer):
 
         named = get_optimizer_state_dict(self.model, self.inner,
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return _numbered(named) if named else {}
+        return self._hooked(_numbered(named)) if named else {}
+
+    def _hooked(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The whole-model state through the state-dict post hooks (``register_state_dict_post_hook``),
+        as torch's optimizers run them."""
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -356,6 +390,8 @@ class ShardedOptimizer(Optimizer):
             set_optimizer_state_dict,
         )
 
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():  # as torch's optimizers run them
+            state_dict = hook(self, state_dict) or state_dict
         names = self._names()
         groups = state_dict["param_groups"]
         if [len(g["params"]) for g in groups] != [len(n) for n in names]:

@@ -13,8 +13,9 @@ run ``virtual_stages`` chunks per process, 2 by default).
 
 With more processes than stages the job is *hybrid*: ``workers / stages`` pipeline replicas
 (the ``dp`` axis) each train on their share of the data, and every stage all-reduces its
-gradients with the same stage of the other replicas (the ``pp`` axis runs one pipeline).
-Global rank ``r`` is stage ``r % stages`` of replica ``r // stages``.
+gradients with the same stage of the other replicas (the ``pp`` axis runs one pipeline). The
+groups are the dimensions of the job's DeviceMesh (`partrain.mesh`, ``("dp", "pp")``):
+global rank ``r`` is stage ``r % stages`` of replica ``r // stages``.
 
 What torch's API leaves to the user, this strategy does:
 
@@ -48,7 +49,6 @@ pipeline's index (``dp``), the data-parallel worker rank (``strategy.rank``).
 
 from __future__ import annotations
 
-import datetime
 import gc
 import time
 from collections.abc import Callable
@@ -64,6 +64,7 @@ from .._process import tune_allocator
 from ..batch import batch_size
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
+from ..mesh import MeshSpec, build_mesh
 from ..nn.partial import build_part
 from ..nn.split import (
     SCHEDULES,
@@ -170,12 +171,9 @@ class Pipeline(Strategy):
         self.replicas = world // p
         self.pp_rank, self.dp_rank = env.rank % p, env.rank // p
         self.pp_ranks = [self.dp_rank * p + i for i in range(p)]
-        if self.replicas > 1:
-            wait = datetime.timedelta(seconds=timeout)
-            self.pp_group, _ = dist.new_subgroups_by_enumeration(
-                [[d * p + i for i in range(p)] for d in range(self.replicas)], timeout=wait)
-            self.dp_group, _ = dist.new_subgroups_by_enumeration(
-                [[d * p + i for d in range(self.replicas)] for i in range(p)], timeout=wait)
+        if self.replicas > 1:  # the job's mesh: replicas outside (dp), stages inside (pp)
+            mesh = build_mesh(MeshSpec(dp=self.replicas, pp=p), env.device.type, timeout=timeout)
+            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         else:
             self.pp_group = None  # the default group: every process is one pipeline
 
@@ -266,17 +264,29 @@ class Pipeline(Strategy):
             if self.split == "time":
                 split_points(model, (), 0, self.split)  # the one line, now rather than at the first batch
             return module, optim
+        children = self._cuttable(model)
+        chunks = self.stages * self.virtual_stages
+        if self._built_cuts is not None:
+            module._cut(self._built_cuts)
+        elif self.split != "time":
+            module._cut(plan_cuts(children, chunks, self.split))
+        return module, optim
+
+    def check_model(self, model: nn.Module, workers: int) -> None:
+        """One line in the caller, before any process starts: an ``nn.Sequential`` with fewer
+        children than chunks to cut (other models are cut at the first batch)."""
+        if isinstance(model, nn.Sequential):
+            self._cuttable(model)
+
+    def _cuttable(self, model: nn.Sequential) -> list[tuple[str, nn.Module]]:
+        """The children a Sequential is cut between; one line when they are fewer than the chunks."""
         children = sequential_children(model)
         chunks = self.stages * self.virtual_stages
         if chunks > len(children):
             names = ", ".join(n for n, _ in children)
             raise UsageError(f"Expected at least {chunks} top-level children to cut into {chunks} stages. "
                              f"Received: a model with {len(children)} ({names})")
-        if self._built_cuts is not None:
-            module._cut(self._built_cuts)
-        elif self.split != "time":
-            module._cut(plan_cuts(children, chunks, self.split))
-        return module, optim
+        return children
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model

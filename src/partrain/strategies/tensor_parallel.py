@@ -22,8 +22,10 @@ What the strategy adds around torch's API:
   (its hyperparameters, hooks and class unchanged); its ``state_dict()`` holds whole tensors
   and ``load_state_dict()`` takes whole tensors (a checkpoint of any strategy);
 - gradient clipping and the NaN policy use the whole model's gradient norm (one all-reduce);
-- checkpoints and ``model_state_dict`` hold the whole model in plain tensors, which ``single``,
-  every other strategy and ``partrain serve`` load;
+- ``model_state_dict`` holds the whole model in plain tensors, which ``single``, every other
+  strategy and ``partrain serve`` load; `fit`'s checkpoints are sharded (each process writes
+  its slices, `partrain.sharded_checkpoint`; a fused layer whole, in its own order:
+  `checkpoint_layout`) and exported in that whole form at the run's end;
 - optional sequence parallel (norms on each process's share of the positions: the all-reduces
   become all-gathers and reduce-scatters) and loss parallel (the output layer's logits stay
   split by vocabulary into the loss).
@@ -63,6 +65,8 @@ class TensorParallel(Strategy):
 
     name = "tp"
     checkpoints_within_epoch = True
+    #: each process writes its own slices (`partrain.sharded_checkpoint`)
+    sharded_checkpoints = True
 
     def __init__(self, plan: str = "auto", sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
         super().__init__()
@@ -89,6 +93,9 @@ class TensorParallel(Strategy):
         self._loss_parallel_now = False
         self._param_bytes = 0
         self._param_bytes_whole = 0
+        #: the optimizer's state-dict hooks (whole tensors out, split ones in); a strategy that gathers the
+        #: state itself (fsdp on top, `partrain.strategies.mesh`) removes them
+        self.optimizer_hooks: list[Any] = []
 
     # ----- topology -------------------------------------------------------------------
     def data_parallel_workers(self, workers: int) -> int:
@@ -108,10 +115,14 @@ class TensorParallel(Strategy):
     def is_main(self) -> bool:
         return self.env.rank == 0
 
-    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def setup(self, env: DistEnv, *, store: Any = None, timeout: float = DEFAULT_TIMEOUT, mesh: Any = None) -> None:
+        """``mesh``: a 1-D DeviceMesh to split over (a composed run's ``"tp"`` sub-mesh); None: every
+        process."""
         super().setup(env, store=store, timeout=timeout)
-        self.tp = env.world_size
-        if comm.is_distributed() and self.tp > 1:
+        self.tp = env.world_size if mesh is None else mesh.size()
+        if mesh is not None:
+            self.mesh = mesh
+        elif comm.is_distributed() and self.tp > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             self.mesh = init_device_mesh(env.device.type, (self.tp,), mesh_dim_names=("tp",))
@@ -177,8 +188,8 @@ class TensorParallel(Strategy):
         after = dict(model.named_parameters(remove_duplicate=False))
         self._fused_ids = {id(after[n]): v for n, v in self._fused.items() if n in after}
         _swap_parameters(optimizer, {id(before[n]): after[n] for n in before}, self._shard_like)
-        optimizer.register_state_dict_post_hook(self._whole_optimizer_state)
-        optimizer.register_load_state_dict_pre_hook(self._split_optimizer_state)
+        self.optimizer_hooks = [optimizer.register_state_dict_post_hook(self._whole_optimizer_state),
+                                optimizer.register_load_state_dict_pre_hook(self._split_optimizer_state)]
         self._count_communication(model, found.plan, modules)
         if found.head is not None and self.loss_parallel:
             modules[found.head].register_forward_hook(self._head_output)
@@ -318,6 +329,19 @@ class TensorParallel(Strategy):
             state[name] = value
         return state
 
+    def model_order(self, name: str, value: Any, *, split: bool = False) -> Any:
+        """``value``, whole and shaped like parameter ``name``, from the split layout's order to the
+        model's own (``split=True``: back). A fused layer's parts (q, k, v) are held interleaved, each
+        process's slices side by side, while split (`_fuse`); any other value is returned as it is.
+        For a strategy composing tp with another that gathers the tensors (`partrain.strategies.mesh`)."""
+        if name not in self._fused or not isinstance(value, torch.Tensor):
+            return value
+        dim, parts = self._fused[name]
+        if value.dim() <= dim:
+            return value
+        order = _fused_order(value.shape[dim], parts, self.tp)
+        return value.index_select(dim, order if split else order.argsort())
+
     def _whole_optimizer_state(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``optimizer.state_dict()`` in whole, plain tensors (collective: every process calls it)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -355,6 +379,14 @@ class TensorParallel(Strategy):
             dim, parts = self._fused_ids[id(param)]
             value = value.index_select(dim, _fused_order(value.shape[dim], parts, self.tp))
         return dt.distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+
+    def checkpoint_layout(self, param: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                                               Callable[[torch.Tensor], torch.Tensor]] | None:
+        """A fused layer's parameter is saved whole in its own order (its split order depends on
+        ``tp``: another split reads it back), everything else as its slices."""
+        if id(param) not in self._fused_ids:
+            return None
+        return (functools.partial(self._whole_like, param), functools.partial(self._shard_like, param))
 
     def state_dict(self) -> dict[str, Any]:
         return {"tp": self.tp, "plan": self.plan}

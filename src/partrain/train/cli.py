@@ -28,6 +28,7 @@ from .cli_args import (
     add_model_data_arguments,
     add_optimizer_arguments,
     data_spec,
+    mesh_strategy_of,
     model_kwargs,
     optimizer_fn_of,
 )
@@ -57,6 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "one process finishes first; the start line says which and why)")
     s.add_argument("-o", "--strategy-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="a strategy option, repeatable (e.g. -o staleness=2 -o servers=2)")
+    s.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="one device mesh for every axis, e.g. dp=2,tp=2 or fsdp=2,tp=2: dp (data-parallel "
+                        "replicas), fsdp (sharded data parallel; with dp: HSDP), tp (tensor parallel, inside "
+                        "fsdp), pp (pipeline stages, with dp only). It picks the strategy (leave --strategy "
+                        "out; -o passes wrap, reshard_after_forward, plan or the pipeline's options) and "
+                        "--workers (the product of the axes). See docs/strategies/fsdp.md, 'Choosing the mesh'")
     s.add_argument("--workers", type=int, default=None,
                    help="worker processes on this machine (default: one per core, or one per GPU with CUDA "
                         "and NCCL; 1 for 'single')")
@@ -119,13 +126,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"{DEFAULT_OUT}-2, -3, ... when that holds a run)")
     r.add_argument("--overwrite", action="store_true", help="replace the run already in --out")
     r.add_argument("--resume", default=None, metavar="PATH|auto",
-                   help="continue from a checkpoint ('auto': OUT/checkpoint.pt when present)")
+                   help="continue from a checkpoint ('auto': OUT/checkpoint.pt or OUT/checkpoint.dcp when present)")
     r.add_argument("--config", default=None, metavar="CONFIG_JSON",
                    help="repeat a run: take every option from its config.json (options given here win)")
     r.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
                    help="also checkpoint within an epoch every STEPS optimizer steps (exact resume from there)")
     r.add_argument("--checkpoint-seconds", type=float, default=None, metavar="SECONDS",
                    help="also checkpoint within an epoch when SECONDS have passed since the last checkpoint")
+    r.add_argument("--checkpoint-async", action="store_true",
+                   help="write sharded checkpoints (fsdp, tp) in the background while training goes on")
     r.add_argument("--tensorboard", action="store_true", help="TensorBoard event files in OUT/tensorboard")
     r.add_argument("--quiet", action="store_true", help="no progress bar, no per-epoch lines")
     r.add_argument("--json", default=None, metavar="FILE",
@@ -149,11 +158,15 @@ def run(args: argparse.Namespace) -> int:
         _apply_config(args)
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"Expected a positive number of workers. Received: --workers {args.workers}")
-    auto = args.strategy is None and args.workers is None  # the start line says what was chosen
-    args.strategy = args.strategy or "allreduce"
-    options = parse_options(args.strategy, args.strategy_opt)
-    strategy = get_strategy(args.strategy, **options)
-    workers = args.workers or min(available_cores(), strategy.max_workers or available_cores())
+    # the start line says what was chosen
+    auto = args.strategy is None and args.workers is None and args.mesh is None
+    if args.mesh is not None:
+        strategy, workers = mesh_strategy_of(args)
+    else:
+        args.strategy = args.strategy or "allreduce"
+        options = parse_options(args.strategy, args.strategy_opt)
+        strategy = get_strategy(args.strategy, **options)
+        workers = args.workers or min(available_cores(), strategy.max_workers or available_cores())
     gpus = gpus_for(args.device)
     if not args.workers and (args.backend or "nccl") == "nccl" and gpus:
         workers = min(workers, gpus)  # on GPUs: one worker per GPU (NCCL's rule)
@@ -197,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         precision=args.precision, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps,
         early_stop=args.early_stop, monitor=args.monitor, tensorboard=args.tensorboard,
         checkpoint_every=args.checkpoint_every, checkpoint_seconds=args.checkpoint_seconds,
+        checkpoint_async=args.checkpoint_async,
         overwrite=args.overwrite, return_state=False, model_spec=model_spec,
         loader=args.loader, loader_workers=args.loader_workers, prefetch=args.prefetch,
         data_on_device=args.data_on_device, compile=args.compile,
@@ -244,6 +258,7 @@ def _run_dir(args: argparse.Namespace, one_launcher: bool) -> tuple[str, str | N
     """The run's directory (--out, else runs/train numbered when taken) checked, and what it resumes
     (``--resume auto`` with no checkpoint there yet: None)."""
     from ..files import numbered_dir
+    from ..sharded_checkpoint import latest_checkpoint
     from .prepare import check_run_dir
 
     out = args.out
@@ -254,7 +269,7 @@ def _run_dir(args: argparse.Namespace, one_launcher: bool) -> tuple[str, str | N
                   "--overwrite to replace, --resume auto to continue)", flush=True)
     resume = args.resume
     if resume == "auto":
-        resume = "auto" if os.path.exists(os.path.join(out, "checkpoint.pt")) else None
+        resume = "auto" if latest_checkpoint(out) is not None else None
     if one_launcher or (global_rank_from_environ() == 0 and args.node_rank == 0):
         check_run_dir(out, resume=bool(args.resume), overwrite=args.overwrite, label="--out")
     return out, resume

@@ -95,3 +95,22 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if not shape or any(v < 1 for v in shape):
         raise UsageError(f"Expected --synthetic-shape as positive integers separated by commas. Received: {text!r}")
     return shape
+
+
+def mesh_strategy_of(args: argparse.Namespace) -> tuple[Any, int]:
+    """--mesh: the strategy it picks (``args.strategy`` set to its name, for the lines and the
+    summary) and the workers, the product of its axes unless --workers says (then they must agree)."""
+    from ..mesh import MeshSpec
+    from ..strategies.base import parse_options
+    from ..strategies.mesh import strategy_for, strategy_name
+
+    spec = MeshSpec.of(args.mesh)
+    picked = strategy_name(spec)
+    if args.strategy not in (None, picked):  # the picked one: a run repeated by --config records it
+        raise UsageError(f"Expected either --strategy or --mesh (the mesh picks the strategy). Received: "
+                         f"--strategy {args.strategy} --mesh {args.mesh}")
+    args.strategy = picked
+    strategy = strategy_for(spec, **parse_options(args.strategy, args.strategy_opt))
+    workers = args.workers or spec.size // max(args.nnodes, 1)
+    spec.check_workers(workers * args.nnodes)
+    return strategy, workers

@@ -55,9 +55,13 @@ class FitConfig:
     drop_last: bool = False
     #: where metrics, curves and checkpoints go (nothing is written without it)
     out_dir: str | None = None
-    #: a checkpoint to continue from; ``"auto"``: ``out_dir/checkpoint.pt`` if it exists
+    #: a checkpoint to continue from; ``"auto"``: ``out_dir/checkpoint.pt`` (or ``checkpoint.dcp``,
+    #: a sharded one) if it exists, whichever went further
     resume: str | None = None
     checkpoint: bool = True
+    #: a sharded checkpoint (``fsdp``, ``tp``) is written in the background while training goes on;
+    #: the next checkpoint or the run's end waits for it
+    checkpoint_async: bool = False
     #: also checkpoint within an epoch, every this many optimizer steps (exact resume from there)
     checkpoint_every: int | None = None
     #: also checkpoint within an epoch when this many seconds have passed since the last one

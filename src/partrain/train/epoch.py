@@ -203,7 +203,8 @@ class EagerSteps:
                                 before_update=guard if guard.active else None)
                 if not tokens:  # a token count's scale changes every step
                     plans[scale, update] = plan
-            out, per_sample = strategy.train_step(t.model, t.optimizer, inputs, target, plan)
+            with t.memory.watch(t.model):  # the first step's activations; later ones: nothing
+                out, per_sample = strategy.train_step(t.model, t.optimizer, inputs, target, plan)
             self.pending = not update
             if update:
                 t.position.step += 1

@@ -50,6 +50,7 @@ from ..env import external_launcher, global_rank_from_environ
 from ..errors import UsageError, first_line
 from ..launch import launch, starts_processes
 from ..nn.checkpointing import blocks_to_checkpoint
+from ..sharded_checkpoint import consolidate, latest_checkpoint
 from ..strategies.base import Strategy, get_strategy
 from .config import FitConfig, LaunchConfig, split_options
 from .prepare import (
@@ -78,7 +79,7 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         forward_fn: Callable[[nn.Module, Any], Any] | None = None,
         collate_fn: Callable[[list], Any] | None = None, task: Task | None = None,
         scheduler_fn: SchedulerFn | None = None, launch_config: LaunchConfig | None = None,
-        **options: Any) -> RunResult | None:
+        parallel: Mapping[str, int] | str | None = None, **options: Any) -> RunResult | None:
     """Train ``model_fn()`` on ``data`` with ``optimizer_fn(params)`` under ``strategy``.
 
     Args:
@@ -107,6 +108,9 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
             ``lr_schedule`` for a per-step built-in one).
         launch_config: where the workers run (`LaunchConfig`: workers, timeout, backend,
             device, threads, nnodes, node_rank, master_addr, master_port, pool).
+        parallel: one device mesh for every axis, ``{"dp": 2, "fsdp": 2, "tp": 2, "pp": 2}`` or
+            ``"dp=2,tp=2"``: it picks the strategy (`partrain.strategies.mesh`; leave ``strategy``
+            unset) and, without ``workers``, the processes (the product of the axes).
         **options: any field of either config by name (``epochs=5, workers=2``);
             they override the objects' values.
 
@@ -114,7 +118,15 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
         Worker 0's `RunResult` (``None`` on the other machines of a multi-node job).
     """
     check_not_bootstrapping()  # a worker importing a script that calls fit unguarded: before any check
+    if parallel is not None:  # the mesh names the strategy, and the processes unless told
+        from ..strategies.mesh import MeshSpec, mesh_strategy
+
+        strategy, spec = mesh_strategy(parallel, strategy), MeshSpec.of(parallel)
+        if launch_config is None:
+            options.setdefault("workers", max(spec.size // options.get("nnodes", 1), 1))
     cfg, launch_cfg = split_options(config, launch_config, options)
+    if parallel is not None and external_launcher() is None:  # torchrun's job size is checked in setup
+        spec.check_workers(launch_cfg.workers * launch_cfg.nnodes)
     task = _task_from(task, loss_fn, metrics, forward_fn, collate_fn, cfg.precision)
     if scheduler_fn is not None and cfg.lr_schedule not in (None, "constant"):
         raise UsageError(f"Expected either scheduler_fn or lr_schedule. Received both (lr_schedule="
@@ -130,7 +142,7 @@ def fit(model_fn: Callable[[], nn.Module], data: DataArg, optimizer_fn: Callable
     if ckpt is not None and not check_resume(cfg, ckpt, cfg.resume or "", auto):
         history = list(ckpt.get("metrics") or [])
         return RunResult(history=history, out_dir=cfg.out_dir, checkpoint=cfg.resume,
-                         model_state=ckpt["model"] if cfg.return_state else None, model_fn=model_fn)
+                         model_state=consolidate(ckpt)["model"] if cfg.return_state else None, model_fn=model_fn)
     if starts_processes(launch_cfg.workers, strat, launch_cfg.nnodes, launch_cfg.master_addr):
         start_server_early()  # it imports torch while this process loads the data and checks the model
     train_ds, test_ds = _check_data(data, cfg, launch_cfg, strat, task, ckpt)
@@ -156,8 +168,7 @@ def _check_run(cfg: FitConfig, launch_cfg: LaunchConfig, strat: Strategy) -> dic
     """The checkpoint to resume (``resume="auto"`` resolved in ``cfg``, the file read once and
     its model checked against ``cfg.model_spec``), the run directory and the checkpoint cadence."""
     if cfg.resume == "auto":
-        candidate = os.path.join(cfg.out_dir or ".", "checkpoint.pt")
-        cfg.resume = candidate if os.path.exists(candidate) else None
+        cfg.resume = latest_checkpoint(cfg.out_dir or ".")  # checkpoint.pt or checkpoint.dcp
         resuming = True  # resume="auto" continues whatever is there: a restart before the first checkpoint starts again
     else:
         resuming = cfg.resume is not None
@@ -170,6 +181,9 @@ def _check_run(cfg: FitConfig, launch_cfg: LaunchConfig, strat: Strategy) -> dic
         raise UsageError("Expected checkpoint_every / checkpoint_seconds with a strategy whose workers agree on "
                          "every step (allreduce, single). Received: strategy "
                          f"{strat.name!r}, which checkpoints at epoch ends only")
+    if cfg.checkpoint_async and not strat.sharded_checkpoints:
+        raise UsageError("Expected checkpoint_async with a strategy that writes sharded checkpoints (fsdp, tp). "
+                         f"Received: strategy {strat.name!r}, whose checkpoint is one file written by worker 0")
     return ckpt
 
 

@@ -205,8 +205,9 @@ def check_run_dir(out: str, *, resume: bool, overwrite: bool, label: str = "out_
     if not os.access(out, os.W_OK | os.X_OK):
         raise UsageError(f"Expected a writable {label}. Received: {out!r} (not writable)")
     if existing and overwrite and not resume:
-        for name in existing:
-            os.unlink(os.path.join(out, name))
+        for name in existing:  # a sharded checkpoint is a directory
+            path = os.path.join(out, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
         shutil.rmtree(os.path.join(out, "tensorboard"), ignore_errors=True)
 
 

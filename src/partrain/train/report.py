@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..memory import summary as memory_summary
+
 if TYPE_CHECKING:
     from .epoch import EpochTotals
     from .trainer import Trainer
@@ -83,7 +85,8 @@ def summary(row: dict[str, Any], epochs: int, has_test: bool = True) -> str:
             f"{row['samples_per_s']:,.0f} samples/s  "
             f"{format(row['tokens_per_s'], ',.0f') + ' tokens/s  ' if 'tokens_per_s' in row else ''}"
             f"[data {share(row['time_data']):.0f}% compute {share(row['time_compute']):.0f}% "
-            f"comm {share(row['time_comm']):.0f}%{device}]{skipped}{_input_bound(row, share(row['time_data']))}")
+            f"comm {share(row['time_comm']):.0f}%{device}]{memory_summary(row)}{skipped}"
+            f"{_input_bound(row, share(row['time_data']))}")
 
 
 def _input_bound(row: dict[str, Any], data_percent: float) -> str:

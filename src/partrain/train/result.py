@@ -45,6 +45,12 @@ class RunResult:
     def train_loss(self) -> float:
         return float(self.final.get("train_loss", math.nan))
 
+    @property
+    def memory(self) -> list[dict[str, float]]:
+        """Each process's memory in the last epoch, in bytes by kind (`partrain.memory`: ``params``,
+        ``grads``, ``optimizer``, ``activations``, ``peak``; ``cuda_peak`` on a GPU), in rank order."""
+        return list(self.final.get("memory_ranks", []))
+
     def metric(self, name: str) -> float:
         """A figure of the last epoch by its column name (``test_mse``, ``train_loss``, ...)."""
         return float(self.final.get(name, math.nan))

@@ -7,9 +7,11 @@ strategy (`restore`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
 from ..errors import UsageError
 from ..optim import keep_run_settings
@@ -18,7 +20,8 @@ from .epoch import Position
 
 
 def restore(strategy: Strategy, trainer: Any, ckpt: dict[str, Any] | None, quiet: bool = False,
-            batch_size: int | None = None) -> Position:
+            batch_size: int | None = None,
+            load_shards: Callable[[Optimizer | None], None] | None = None) -> Position:
     """Optimizer, strategy and scheduler state of a checkpoint, and where it stopped.
 
     ``trainer`` holds the worker's ``optimizer``, ``optimizer_class``, ``scheduler``,
@@ -32,6 +35,10 @@ def restore(strategy: Strategy, trainer: Any, ckpt: dict[str, Any] | None, quiet
     schedule sets. Each of these says so in one line. A mid-epoch checkpoint resumed with
     another ``batch_size`` goes on after the same samples (or refuses in one line when its
     batches cannot be counted in the new size).
+
+    ``load_shards(optimizer)``: a sharded checkpoint's tensors are read into this process's
+    shards of the model and of ``optimizer`` (None: the model only) instead of ``ckpt``'s
+    ``model`` and ``optimizer`` entries (`partrain.train.checkpointer.Checkpointer.shard_loader`).
     """
     if ckpt is None:
         return Position()
@@ -43,6 +50,9 @@ def restore(strategy: Strategy, trainer: Any, ckpt: dict[str, Any] | None, quiet
     new_optimizer = written_with is not None and written_with != trainer.optimizer_class
     asked = [dict(group) for group in optimizer.param_groups]  # this run's settings, before loading
     optimizer_state = None if new_optimizer else ckpt.get("optimizer")
+    if load_shards is not None:
+        load_shards(None if new_optimizer else optimizer)
+    loaded = load_shards is not None and not new_optimizer
     writer = strategy_class(written_by) if foreign else None
     if writer is not None and optimizer_state is not None and ckpt.get("strategy") is not None:
         numels = [p.numel() for group in optimizer.param_groups for p in group["params"]]
@@ -66,7 +76,7 @@ def restore(strategy: Strategy, trainer: Any, ckpt: dict[str, Any] | None, quiet
     elif foreign and ckpt.get("strategy") and say:
         print(f"partrain: resuming a {written_by} checkpoint with {strategy.name}: the model, the optimizer "
               f"state and the position carry over; {written_by}'s own state does not", flush=True)
-    if optimizer_state is not None:
+    if optimizer_state is not None or loaded:
         # an lr that a schedule sets stays the schedule's (a torch scheduler's state; partrain's
         # own schedule already starts from this run's base lr)
         scheduled_lr = (trainer.scheduler is not None or trainer.schedule.kind != "constant"

@@ -23,6 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import Dataset
 
+from .. import comm
 from ..batch import batch_size, to_device
 from ..checkpoint import load_checkpoint
 from ..data.bucketing import BucketBatchSampler, lengths_of
@@ -30,10 +31,12 @@ from ..data.generated import Generated, GeneratedSampler
 from ..data.pipeline import Feeder, InlineBatches
 from ..env import available_cores
 from ..errors import UsageError, first_line
+from ..memory import MemoryMeter, per_rank
 from ..metrics import MetricsWriter
 from ..nn.checkpointing import checkpoint_blocks
 from ..nn.freeze import load_freeze_state_dict
 from ..nn.partial import move_model
+from ..sharded_checkpoint import consolidate
 from ..strategies.base import Strategy
 from .checkpointer import Checkpointer, checkpoint_path
 from .compiling import FusedStep, compile_model, compile_settings, fused_blocker, optimizer_blocker
@@ -93,11 +96,15 @@ class Trainer:
         self.lengths: torch.Tensor | None = None
         #: ``time.time()`` when this run's first optimizer step was done (the start-up's end)
         self.first_step_at: float | None = None
+        #: this process's memory by kind (the first step's activations: not under compile)
+        self.memory = MemoryMeter(strategy.device, count_activations=job.cfg.compile is False)
 
     # ----- the outer loop -----------------------------------------------------------------
     def run(self) -> RunResult | None:
         cfg = self.cfg
         ckpt = load_checkpoint(cfg.resume) if cfg.resume else None
+        if ckpt is not None and not self.strategy.sharded_checkpoints:
+            ckpt = consolidate(ckpt)  # a sharded one read whole: this strategy holds the whole model
         self.build(ckpt)
         self.restore(ckpt)
         position = self.position
@@ -128,7 +135,9 @@ class Trainer:
         finally:
             if writer is not None:
                 writer.close()
-        return self.result(stopped)
+        result = self.result(stopped)
+        self.checkpointer.finish()  # a background write done; a sharded checkpoint exported as one file
+        return result
 
     # ----- the steps ------------------------------------------------------------------------
     def build(self, ckpt: dict[str, Any] | None) -> None:
@@ -140,7 +149,8 @@ class Trainer:
         # compiling tries the whole model on a batch first: it is built whole
         model = job.model_fn() if settings is not None else strategy.build_model(job.model_fn)
         if ckpt is not None:
-            model.load_state_dict(ckpt["model"])
+            if not ckpt.get("sharded_path"):  # a sharded checkpoint loads into the shards (restore)
+                model.load_state_dict(ckpt["model"])
             if ckpt.get("freeze"):  # frozen slices stay frozen across a resume
                 load_freeze_state_dict(model, ckpt["freeze"], strict=False)
         model = move_model(model, strategy.device)
@@ -183,7 +193,8 @@ class Trainer:
 
     def restore(self, ckpt: dict[str, Any] | None) -> None:
         """A checkpoint's optimizer, strategy and scheduler state, and where it stopped."""
-        self.position = restore(self.strategy, self, ckpt, quiet=self.cfg.quiet, batch_size=self.cfg.batch_size)
+        self.position = restore(self.strategy, self, ckpt, quiet=self.cfg.quiet, batch_size=self.cfg.batch_size,
+                                load_shards=self.checkpointer.shard_loader(ckpt))
 
     def train_epoch(self, epoch: int) -> EpochTotals:
         return run_epoch(self, epoch)
@@ -207,7 +218,12 @@ class Trainer:
         strategy.all_reduce_sum(train)
         totals.max_steps_anywhere = train[-1].item() > 0
         totals.seconds_everywhere = train[-3].item() / max(train[-2].item(), 1.0)
-        return epoch_row(self, epoch, step, totals, train, test_loss, test_metrics)
+        row = epoch_row(self, epoch, step, totals, train, test_loss, test_metrics)
+        # every process's memory (a strategy that survives a worker's loss: this one's alone)
+        memory = self.memory.figures(self.model, self.optimizer)
+        row.update(per_rank([memory] if strategy.survives_worker_loss
+                            else comm.all_gather_object(memory, strategy.group)))
+        return row
 
     def publish(self, writer: MetricsWriter | None, checkpoint: bool = True) -> None:
         """The end of an epoch: metrics files, checkpoint and the epoch line (worker 0 writes)."""
