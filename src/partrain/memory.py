@@ -41,7 +41,8 @@ KINDS = ("params", "grads", "optimizer", "activations", "peak")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what this process holds), or ``t``."""
+    """A DTensor's local shard (what this process holds: its storage, so in-place changes reach the
+    DTensor), or ``t``."""
     return t.to_local() if isinstance(t, dtensor_class()) else t  # type: ignore[attr-defined]
 
 

@@ -89,6 +89,7 @@ from .._compat import dtensor_class, fsdp2
 from .._process import tune_allocator
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
+from ..memory import local_tensor, state_bytes
 from ..nn.checkpointing import repeated_blocks
 from ..nn.freeze import freeze, frozen_mask, keep_frozen
 from .base import Strategy, register
@@ -255,7 +256,7 @@ class FullyShard(Strategy):
         with torch.no_grad():
             for p, mask in frozen_shards(params):
                 if p.grad is not None:
-                    _local(p.grad).masked_fill_(mask, 0)
+                    local_tensor(p.grad).masked_fill_(mask, 0)
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return torch.zeros(())
@@ -283,9 +284,9 @@ class FullyShard(Strategy):
         for name, p in model.named_parameters():
             owner = max((u for u in prefixes if name.startswith(f"{u}.")), key=len, default="")
             compute = _dtype(self.param_dtype) or p.dtype
-            gathered[owner] += _local(p).numel() * compute.itemsize
+            gathered[owner] += local_tensor(p).numel() * compute.itemsize
             if p.requires_grad:
-                reduced += _local(p).numel() * (_dtype(self.reduce_dtype) or compute).itemsize
+                reduced += local_tensor(p).numel() * (_dtype(self.reduce_dtype) or compute).itemsize
         root_again = not prefixes and self.reshard_after_forward
         again = sum(n for u, n in gathered.items() if u) * self.reshard_after_forward + gathered[""] * root_again
         replicas, shards = (self.mesh.size(0), self.mesh.size(1)) if self.mesh.ndim == 2 else (1, self.mesh.size())
@@ -446,18 +447,12 @@ def sharding_units(model: nn.Module, wrap: str = "auto") -> list[tuple[str, nn.M
 
 
 def shard_bytes(model: nn.Module, optimizer: Optimizer | None = None) -> dict[str, int]:
-    """This process's persistent bytes: its shards of the parameters (whole tensors where
-    nothing is sharded), of their gradients (as large as the shards of the parameters that
-    train, whether a step holds them now or not) and of the optimizer's state."""
-    params = list(model.parameters())
-    param_bytes = sum(_nbytes(p) for p in params)
-    grad_bytes = sum(_nbytes(p) for p in params if p.requires_grad)
-    optimizer_bytes = 0
-    if optimizer is not None:
-        for state in optimizer.state.values():
-            optimizer_bytes += sum(_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes,
-            "rank_bytes": param_bytes + grad_bytes + optimizer_bytes}
+    """This process's persistent bytes (`partrain.memory.state_bytes`: its shards of the
+    parameters, of their gradients and of the optimizer's state) under this strategy's metric
+    names, with their sum."""
+    held = state_bytes(model, optimizer)
+    return {"param_bytes": held["params"], "grad_bytes": held["grads"], "optimizer_bytes": held["optimizer"],
+            "rank_bytes": held["params"] + held["grads"] + held["optimizer"]}
 
 
 def frozen_shards(params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -479,18 +474,18 @@ def hold_frozen_shards(optimizer: Optimizer) -> Iterator[None]:
     with torch.no_grad():
         for p, mask in frozen_shards(q for group in optimizer.param_groups for q in group["params"]):
             if p.grad is not None:
-                _local(p.grad).masked_fill_(mask, 0)
-            state = {k: _local(v).masked_select(mask) for k, v in optimizer.state.get(p, {}).items()
+                local_tensor(p.grad).masked_fill_(mask, 0)
+            state = {k: local_tensor(v).masked_select(mask) for k, v in optimizer.state.get(p, {}).items()
                      if isinstance(v, torch.Tensor) and k != "step" and v.shape == p.shape}
-            held.append((p, mask, _local(p).masked_select(mask), state))
+            held.append((p, mask, local_tensor(p).masked_select(mask), state))
     yield
     with torch.no_grad():
         for p, mask, values, state in held:
-            _local(p).masked_scatter_(mask, values)
+            local_tensor(p).masked_scatter_(mask, values)
             now = optimizer.state.get(p, {})
             for k, kept in state.items():
                 if isinstance(now.get(k), torch.Tensor):
-                    _local(now[k]).masked_scatter_(mask, kept)
+                    local_tensor(now[k]).masked_scatter_(mask, kept)
 
 
 def local_part(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -511,16 +506,6 @@ def local_part(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"fsdp: a shard of shape {tuple(local.shape)} where the frozen mask's piece has "
                            f"{tuple(part.shape)} (placements {sharded.placements})")
     return part.to(local.device)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local tensor (its storage: in-place changes reach the DTensor), or ``t``."""
-    return cast(Any, t).to_local() if isinstance(t, dtensor_class()) else t
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    local = _local(t)
-    return local.numel() * local.element_size()
 
 
 def _holds_parameters(module: nn.Module) -> bool:

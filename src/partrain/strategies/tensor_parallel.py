@@ -50,6 +50,7 @@ from .. import comm
 from .._compat import dtensor_module
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
+from ..memory import local_tensor
 from ..nn.freeze import frozen_mask
 from . import _tp_plan as plans
 from ._tp_styles import conv1d_style, first_input_style
@@ -193,7 +194,7 @@ class TensorParallel(Strategy):
         self._count_communication(model, found.plan, modules)
         if found.head is not None and self.loss_parallel:
             modules[found.head].register_forward_hook(self._head_output)
-        self._param_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters())
+        self._param_bytes = sum(local_tensor(p).numel() * p.element_size() for p in model.parameters())
         return model, optimizer
 
     def _style(self, split: plans.Split, module: nn.Module, head: bool) -> Any:
@@ -313,7 +314,7 @@ class TensorParallel(Strategy):
         scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for p in params:
             if p.grad is not None:
-                _local(p.grad).detach().mul_(scale.to(p.grad.dtype))
+                local_tensor(p.grad).detach().mul_(scale.to(p.grad.dtype))
         return norm
 
     # ----- checkpoints --------------------------------------------------------------------
@@ -427,10 +428,6 @@ class TensorParallel(Strategy):
         numel = t.numel() * (self.tp if part and not isinstance(t, dtensor_module().DTensor) else 1)
         passes = 2 if torch.is_grad_enabled() else 1
         self.comm_bytes += ring * passes * numel * t.element_size() * (self.tp - 1) // self.tp
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, dtensor_module().DTensor) else t
 
 
 def _whole(t: Any) -> Any:
