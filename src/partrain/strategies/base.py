@@ -40,6 +40,7 @@ from .._tree import map_tensors
 from ..data.sharding import ClaimingBatchSampler, ShardedBatchSampler
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
+from ..memory import local_tensor
 from ..nn.freeze import keep_frozen
 from ..nn.partial import move_model
 
@@ -357,6 +358,18 @@ class Strategy(ABC):
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
 
+
+
+def clip_with_norm_(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> torch.Tensor:
+    """Every gradient of ``params`` scaled by ``min(1, max_norm / (norm + 1e-6))``, as
+    ``torch.nn.utils.clip_grad_norm_`` scales them, for a ``norm`` a strategy computed over the
+    whole model (each process holding part of it); a sharded gradient (a DTensor) is scaled in
+    its local shard. Returns ``norm``."""
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            local_tensor(p.grad).detach().mul_(scale.to(p.grad.dtype))
+    return norm
 
 
 def detach(obj: Any) -> Any:

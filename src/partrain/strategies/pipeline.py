@@ -77,7 +77,7 @@ from ..nn.split import (
 from ._pipeline_module import PipelineModule, pipeline_module
 from ._pipeline_optim import StageOptimizer, recv_object, send_object
 from ._pipeline_trace import split_points
-from .base import LossFn, StepPlan, Strategy, register
+from .base import LossFn, StepPlan, Strategy, clip_with_norm_, register
 
 if TYPE_CHECKING:  # the runtime imports torch.distributed.pipelining: seconds, paid by a pipeline only
     from ._pipeline_runtime import Runtime
@@ -348,12 +348,7 @@ class Pipeline(Strategy):
     def clip_grad_norm_(self, params: Any, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` with the whole model's norm (collective, as `grad_norm`)."""
         params = list(params)
-        norm = self.grad_norm(params)
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                p.grad.detach().mul_(scale.to(p.grad.dtype))
-        return norm
+        return clip_with_norm_(params, max_norm, self.grad_norm(params))
 
     def _agree(self, before_update: Callable[[], bool] | None) -> bool:
         """``before_update`` on every stage; the step's gradient is kept only if every stage agrees

@@ -54,7 +54,7 @@ from ..memory import local_tensor
 from ..nn.freeze import frozen_mask
 from . import _tp_plan as plans
 from ._tp_styles import conv1d_style, first_input_style
-from .base import LossFn, StepPlan, Strategy, detach, register
+from .base import LossFn, StepPlan, Strategy, clip_with_norm_, detach, register
 
 
 @register
@@ -310,12 +310,7 @@ class TensorParallel(Strategy):
     def clip_grad_norm_(self, params: Any, max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` by the whole model's norm (see `grad_norm`)."""
         params = list(params)
-        norm = self.grad_norm(params)
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in params:
-            if p.grad is not None:
-                local_tensor(p.grad).detach().mul_(scale.to(p.grad.dtype))
-        return norm
+        return clip_with_norm_(params, max_norm, self.grad_norm(params))
 
     # ----- checkpoints --------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
