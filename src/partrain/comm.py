@@ -112,6 +112,17 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int = 0, group: Grou
         unflatten_into(flat, tensors)
 
 
+def broadcast_into(tensor: torch.Tensor, src: int, group: Group = None) -> torch.Tensor:
+    """``tensor`` made equal to ``src``'s on every rank of ``group``, in place (a CPU tensor goes
+    through the device NCCL needs and back)."""
+    device = _group_device(group)
+    staged = tensor.to(device) if tensor.device != device else tensor
+    dist.broadcast(staged, src=src, group=group)
+    if staged is not tensor:
+        tensor.copy_(staged)
+    return tensor
+
+
 def broadcast_object(obj: Any, src: int = 0, group: Group = None) -> Any:
     """Broadcast a small picklable object (between the processes of one job only)."""
     if not is_distributed() or group_size(group) <= 1:

@@ -10,7 +10,6 @@ under ``single`` or ``allreduce`` and theirs under a pipeline.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -19,9 +18,10 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ..errors import UsageError
+from ._wrapped_optim import WrappedOptimizer
 
 
-class StageOptimizer(Optimizer):
+class StageOptimizer(WrappedOptimizer):
     """The user's optimizer restricted to this stage's parameters, with a whole-model state dict.
 
     ``state_dict()`` is collective over the pipeline's processes (every stage calls it;
@@ -30,49 +30,14 @@ class StageOptimizer(Optimizer):
     whole-model dict and keeps this stage's part (no communication).
     """
 
+    strategy_name = "pipeline"
+
     def __init__(self, inner: Optimizer, kept: list[list[int]], total: list[int],
                  gather: Callable[[dict[str, Any]], list[dict[str, Any]] | None]) -> None:
-        # Optimizer.__init__ would copy the groups; sharing them is the point (an LR scheduler,
-        # fit's warm-up and the user's code change the inner optimizer's rates through them)
-        self.inner = inner
-        self.defaults = inner.defaults
+        super().__init__(inner)
         self._kept = kept  # per group: global indices (within the group) of the parameters kept here
         self._total = total  # per group: parameters of the whole model's optimizer
         self._gather = gather
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, OrderedDict())
-
-    # the inner optimizer's, always: its load_state_dict replaces its lists
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = groups
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self.inner.state
-
-    @state.setter
-    def state(self, state: Any) -> None:
-        self.inner.state = state
-
-    def __repr__(self) -> str:
-        return f"StageOptimizer({self.inner!r})"
-
-    def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
-        return self.inner.step(closure) if closure is not None else self.inner.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise UsageError("Expected the optimizer's parameter groups to be complete before strategy.prepare for "
-                         "strategy 'pipeline'. Received: add_param_group afterwards")
 
     def _offsets(self) -> list[int]:
         offsets, start = [], 0

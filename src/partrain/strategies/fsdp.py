@@ -76,7 +76,6 @@ gradient shards take during a step), ``optimizer_bytes`` and their sum ``rank_by
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
@@ -92,6 +91,7 @@ from ..errors import UsageError
 from ..memory import local_tensor, state_bytes
 from ..nn.checkpointing import repeated_blocks
 from ..nn.freeze import freeze, frozen_mask, keep_frozen
+from ._wrapped_optim import WrappedOptimizer
 from .base import Strategy, register
 
 #: the dtype names ``param_dtype`` and ``reduce_dtype`` take, and their canonical name
@@ -308,7 +308,7 @@ class FullyShard(Strategy):
             self.comm_bytes += self._bytes_per_forward + (self._bytes_per_sync if self._syncing else 0)
 
 
-class ShardedOptimizer(Optimizer):
+class ShardedOptimizer(WrappedOptimizer):
     """The user's optimizer over the sharded parameters, with the whole model's state dict.
 
     Its ``param_groups`` and ``state`` are the user's optimizer's (shared: a scheduler
@@ -319,45 +319,15 @@ class ShardedOptimizer(Optimizer):
     each worker's shards (no communication).
     """
 
+    strategy_name = "fsdp"
+
     def __init__(self, inner: Optimizer, model: nn.Module) -> None:
-        # Optimizer.__init__ would copy the groups; sharing them is the point
-        self.inner = inner
+        super().__init__(inner)
         self.model = model
-        self.defaults = inner.defaults
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-                     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, OrderedDict())
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        self.inner.param_groups = groups
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self.inner.state
-
-    @state.setter
-    def state(self, state: Any) -> None:
-        self.inner.state = state
-
-    def __repr__(self) -> str:
-        return f"ShardedOptimizer({self.inner!r})"
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:  # type: ignore[override]
         with hold_frozen_shards(self.inner):
-            return self.inner.step(closure) if closure is not None else self.inner.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise UsageError("Expected the optimizer's parameter groups to be complete before strategy.prepare for "
-                         "strategy 'fsdp'. Received: add_param_group afterwards")
+            return super().step(closure)
 
     def _names(self) -> list[list[str]]:
         """Each group's parameters by their names in the model."""

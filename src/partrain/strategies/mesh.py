@@ -31,7 +31,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -190,10 +189,7 @@ class MeshParallel(Strategy):
             return tensor
         comm.all_reduce_sum(tensor, self._dp_group)
         if self._tp is not None:
-            staged = tensor.to(self.device) if self.env.backend == "nccl" else tensor
-            dist.broadcast(staged, src=self._tp_ranks[0], group=self.mesh.get_group("tp"))
-            if staged is not tensor:
-                tensor.copy_(staged)
+            comm.broadcast_into(tensor, self._tp_ranks[0], self.mesh.get_group("tp"))
         return tensor
 
     def barrier(self) -> None:

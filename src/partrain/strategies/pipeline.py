@@ -209,10 +209,7 @@ class Pipeline(Strategy):
         if self.replicas > 1:
             comm.all_reduce_sum(tensor, self.dp_group)
         if self.stages > 1:
-            staged = tensor.to(self.device) if self.env.backend == "nccl" else tensor  # NCCL: device tensors
-            dist.broadcast(staged, src=self.pp_ranks[0], group=self.pp_group)
-            if staged is not tensor:
-                tensor.copy_(staged)
+            comm.broadcast_into(tensor, self.pp_ranks[0], self.pp_group)
         return tensor
 
     def barrier(self) -> None:
