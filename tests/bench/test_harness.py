@@ -173,10 +173,38 @@ def test_a_goal_over_rounds_carries_its_interval_and_says_when_the_rounds_stradd
     straddling = report.goal("core.fit_vs_plain", Spread.of([0.977, 0.99, 0.891]), ">=", 0.98, "fit / plain")
     clear = report.goal("core.scaling", Spread.of([1.82, 1.78, 1.77]), ">=", 1.6, "2 / 1 workers")
     assert (straddling.value, straddling.interval) == (0.977, (0.891, 0.99)) and not straddling.met
-    assert straddling.verdict() == "NO (rounds on both sides)" and straddling.cell() == "0.977 (0.891-0.99)"
+    assert straddling.verdict() == "NO (interval spans the target)" and straddling.cell() == "0.977 (0.891-0.99)"
     assert clear.verdict() == "yes" and clear.to_json()["interval"] == [1.77, 1.82]
     one_round = report.goal("core.allreduce_vs_ddp", Spread.of([1.05]), ">=", 0.98, "allreduce / ddp")
     assert one_round.interval is None and one_round.verdict() == "yes"
+
+
+def test_the_median_interval_is_the_order_statistics_a_binomial_table_gives():
+    """The 95% interval of a median by order statistics, against the ranks worked out by hand:
+    n = 12 gives the 3rd lowest and 3rd highest (P(Binomial(12, 1/2) <= 2) = 79/4096 = 0.019 <=
+    0.025 < P(<= 3) = 299/4096); n = 9 the 2nd (10/512 = 0.0195); n = 15 the 4th (576/32768); and
+    fewer than 6 values no interval narrower than min-max (1/32 > 0.025 at n = 5)."""
+    values = [0.91, 1.02, 0.95, 0.99, 1.0, 0.97, 0.93, 1.04, 0.98, 0.96, 1.01, 0.94]
+    assert Spread.of(values).median_interval() == (0.94, 1.01)  # sorted: 0.91 0.93 [0.94] ... [1.01] 1.02 1.04
+    assert Spread.of(values[:9]).median_interval() == (0.93, 1.02)
+    assert Spread.of([float(v) for v in range(15)]).median_interval() == (3.0, 11.0)
+    assert Spread.of([3.0, 1.0, 2.0, 5.0, 4.0]).median_interval() == (1.0, 5.0)
+    assert Spread.of([1.0, math.nan, 2.0]).median_interval() == (1.0, 2.0)  # a missing round is left out
+    # a goal over many rounds carries that interval, not the min-max
+    goal = Report("core").goal("core.fit_vs_plain", Spread.of(values), ">=", 0.98, "fit / plain")
+    assert goal.interval == (0.94, 1.01) and goal.straddles
+
+
+def test_paired_rounds_run_each_pair_back_to_back_and_alternate_which_goes_first():
+    from partrain.bench.harness import alternate_pairs
+
+    ran = []
+    variants = {name: (lambda name=name: ran.append(name) or len(ran)) for name in "abcd"}
+    results = alternate_pairs(variants, [("a", "b"), ("c", "d")], 3)
+    assert ran == ["a", "b", "c", "d",  "d", "c", "b", "a",  "a", "b", "c", "d"]
+    assert results == {"a": [1, 8, 9], "b": [2, 7, 10], "c": [3, 6, 11], "d": [4, 5, 12]}
+    with pytest.raises(ValueError, match="Expected pairs of the variants"):
+        alternate_pairs(variants, [("a", "e")], 1)
 
 
 def test_a_baseline_noisier_than_the_goals_margin_is_said():

@@ -101,6 +101,25 @@ class Spread:
             return cls(math.nan, math.nan, math.nan, tuple(float(v) for v in values))
         return cls(statistics.median(kept), min(kept), max(kept), tuple(float(v) for v in values))
 
+    def median_interval(self, confidence: float = 0.95) -> tuple[float, float]:
+        """A distribution-free interval for the median at ``confidence``: the k-th lowest and k-th
+        highest value, k the largest rank whose binomial tail stays within (1 - confidence) / 2.
+
+        It needs no assumption about the machine's noise (rounds interrupted by other tenants make
+        it skewed). Where the rounds are too few for one (fewer than 6 at 95%), the min-max.
+        """
+        kept = sorted(v for v in self.values if not math.isnan(v))
+        n, k, tail = len(kept), 0, 0.0
+        while k < n // 2:
+            tail += math.comb(n, k) / 2 ** n  # P(fewer than k + 1 of n values below the median)
+            if tail > (1 - confidence) / 2:
+                break
+            k += 1
+        if not kept:
+            return (math.nan, math.nan)
+        k = max(k, 1)
+        return (kept[k - 1], kept[n - k])
+
     def cell(self) -> str:
         """``median (min-max)`` for a table cell; the bare median when every round agreed."""
         if math.isnan(self.median):
@@ -137,6 +156,29 @@ def alternate(variants: Mapping[str, Callable[[], T]], rounds: int,
     return results
 
 
+def alternate_pairs(variants: Mapping[str, Callable[[], T]], pairs: Sequence[tuple[str, str]], rounds: int,
+                    on_result: Callable[[int, str, T], None] | None = None) -> dict[str, list[T]]:
+    """Like `alternate`, for variants compared two by two: each round runs every pair's two
+    variants back to back, the pair's first variant alternating from round to round and the pairs'
+    order rotating. A ratio taken round by round then compares two runs made seconds apart, not
+    minutes, and neither side always runs first."""
+    if rounds < 1:
+        raise ValueError(f"Expected at least one round. Received: {rounds}")
+    missing = sorted({name for pair in pairs for name in pair} - set(variants))
+    if missing:
+        raise ValueError(f"Expected pairs of the variants {sorted(variants)}. Received: {missing}")
+    results: dict[str, list[T]] = {name: [] for pair in pairs for name in pair}
+    for r in range(rounds):
+        for i in range(len(pairs)):
+            pair = pairs[(r + i) % len(pairs)]
+            for name in (pair if r % 2 == 0 else pair[::-1]):
+                result = variants[name]()
+                results[name].append(result)
+                if on_result is not None:
+                    on_result(r, name, result)
+    return results
+
+
 def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Spread:
     """Round-by-round ratios of two variants measured in the same rounds, as a `Spread`."""
     if len(numerator) != len(denominator):
@@ -164,7 +206,8 @@ class Goal:
     op: str
     target: float
     about: str = ""
-    #: the value's lowest and highest round (a ratio taken round by round), where it has rounds
+    #: where the value is a median over rounds: its 95% interval (`Spread.median_interval`; the
+    #: lowest and highest round where the rounds are too few for one)
     interval: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
@@ -181,15 +224,15 @@ class Goal:
 
     @property
     def straddles(self) -> bool:
-        """The rounds fell on both sides of the target: the median's verdict is the rounds' majority,
-        not a difference the rounds resolve."""
+        """The value's interval lies on both sides of the target: the verdict is the rounds'
+        majority, not a difference the rounds resolve."""
         return self.interval is not None and self.measured and \
             OPS[self.op](self.interval[0], self.target) != OPS[self.op](self.interval[1], self.target)
 
     def verdict(self) -> str:
         if not self.measured:
             return "not measured"
-        return ("yes" if self.met else "NO") + (" (rounds on both sides)" if self.straddles else "")
+        return ("yes" if self.met else "NO") + (" (interval spans the target)" if self.straddles else "")
 
     def cell(self) -> str:
         """The value for the goals table, with its rounds' interval where it has one."""
@@ -256,12 +299,13 @@ class Report:
 
     def goal(self, name: str, value: float | Spread | None, op: str, target: float, about: str) -> Goal:
         """Record one of this benchmark's named goals (`GOALS`). A `Spread` (a figure over rounds)
-        gives its median as the value and its min-max as the goal's interval."""
+        gives its median as the value and the median's 95% interval (`Spread.median_interval`) as
+        the goal's interval."""
         if name not in GOALS[self.benchmark]:
             raise ValueError(f"Expected a goal among {GOALS[self.benchmark]}. Received: {name!r}")
         interval = None
         if isinstance(value, Spread):
-            interval = (value.low, value.high) if len(value.values) > 1 else None
+            interval = value.median_interval() if len(value.values) > 1 else None
             value = value.median
         self.goals[name] = Goal(name, value, op, target, about, interval)
         return self.goals[name]
