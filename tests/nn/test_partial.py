@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from partrain.launch import launch
-from partrain.nn.partial import build_part, move_model
+from partrain.nn.partial import build_part, build_shards, chunk_rows, move_model
 from partrain.strategies.pipeline import Pipeline
 
 
@@ -177,3 +177,73 @@ def test_each_pipeline_stage_builds_its_own_layers_with_the_whole_builds_values(
         assert torch.equal(value, whole[name]), name
     sizes = [sum(v.numel() for v in part.values()) for part in (first, second)]
     assert max(sizes) < 0.75 * sum(v.numel() for v in whole.values())  # about half each
+
+
+# ----- build_shards: every parameter by rows, a worker's chunk (fsdp) ---------------------------
+def hf_style() -> nn.Module:
+    """Initialisation as Hugging Face writes it: through ``.data`` (a view of all of the parameter),
+    a fill, an element-wise product, a copy from a whole tensor; and a model cast to float64."""
+    model = nn.Sequential(nn.Embedding(9, 4), nn.Linear(4, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+    model[0].weight.data.normal_(mean=0.0, std=0.5)
+    model[1].weight.data.uniform_(-1, 1).mul_(0.25)
+    model[1].bias.data.fill_(0.1)
+    with torch.no_grad():
+        model[3].weight.copy_(torch.arange(21.0).view(3, 7))
+    return model.double()
+
+
+def tiny_gpt() -> nn.Module:
+    from partrain.models import gpt
+
+    return gpt(vocab_size=11, n_layer=2, n_head=2, n_embd=8, block_size=8)
+
+
+@pytest.mark.parametrize("model_fn", [sequential, hf_style, tiny_gpt], ids=["sequential", "hf_style", "gpt"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_workers_chunks_have_the_whole_builds_rows(model_fn, world):
+    """Chunk r of every parameter is rows [r * ceil(n / world), ...) of the whole build's, bit for
+    bit (3 workers: uneven chunks, and none for a bias of 2 rows); buffers are the whole
+    build's; every parameter is meta; the generator stands where the whole build left it."""
+    torch.manual_seed(7)
+    whole = model_fn()
+    after_whole = torch.rand(8)
+    for rank in range(world):
+        torch.manual_seed(7)
+        built = build_shards(model_fn, rank, world)
+        assert built is not None
+        model, shards = built
+        assert torch.equal(torch.rand(8), after_whole)
+        reference = dict(whole.named_parameters(remove_duplicate=False))
+        assert shards.keys() == reference.keys()
+        for name, value in reference.items():
+            rows = torch.chunk(value.detach(), world)
+            expected = rows[rank] if rank < len(rows) else value.detach()[:0]
+            assert shards[name].dtype == value.dtype and torch.equal(shards[name], expected), name
+        assert all(p.is_meta and type(p) is nn.Parameter for p in model.parameters())
+        for name, buffer in whole.named_buffers():
+            assert torch.equal(dict(model.named_buffers())[name], buffer), name
+    assert chunk_rows(9, 2, 3) == (6, 9) and chunk_rows(4, 2, 3) == (4, 4)  # torch.chunk: 2 + 2 rows, none
+
+
+def test_what_a_chunk_cannot_follow_is_left_to_a_whole_build():
+    """``orthogonal_`` copies a QR factor of the whole matrix in, a row written through a view of
+    part of a parameter, a buffer computed from a weight, frozen elements: no chunks (the
+    caller builds the model whole), and the random generator untouched."""
+
+    def row_view() -> nn.Module:
+        model = sequential()
+        model[0].weight.data[0].zero_()
+        return model
+
+    def frozen() -> nn.Module:
+        from partrain.nn import freeze, idx
+
+        model = sequential()
+        freeze(model[0].weight, idx[0])
+        return model
+
+    for model_fn in (Reinitialised, row_view, frozen):
+        torch.manual_seed(7)
+        state = torch.get_rng_state()
+        assert build_shards(model_fn, 0, 2) is None, model_fn
+        assert torch.equal(torch.get_rng_state(), state)

@@ -224,10 +224,13 @@ def tiny_gpt64():
 
 
 def gpt_job(strategy):
-    """A GPT sharded block by block (its repeated blocks, then the root with the tied embedding)
-    takes 3 Adam steps on this worker's half of a batch; worker 0 returns the full state."""
+    """A GPT built by shards (no worker holds a whole parameter: each builds its rows of every
+    one, `FullyShard.build_model`) and sharded block by block (its repeated blocks, then the
+    root with the tied embedding) takes 3 Adam steps on this worker's half of a batch; worker 0
+    returns the full state."""
     torch.manual_seed(0)
-    model = tiny_gpt64()
+    model = strategy.build_model(tiny_gpt64)
+    whole_parameters = [n for n, p in model.named_parameters() if not p.is_meta]
     model, optimizer = strategy.prepare(model, adam(model.parameters()))
     tokens = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(1))
     mine = tokens.chunk(2)[strategy.rank]
@@ -238,12 +241,13 @@ def gpt_job(strategy):
     for _ in range(3):
         strategy.train_step(model, optimizer, mine[:, :-1], mine[:, 1:], loss_fn, loss_scale=2 / 4)
     units = sorted(type(m).__name__ for m in model.modules() if type(m).__name__.startswith("FSDP"))
-    return {"state": strategy.model_state_dict(model), "units": units}
+    return {"state": strategy.model_state_dict(model), "units": units, "whole_parameters": whole_parameters}
 
 
 def test_a_gpt_is_sharded_by_its_blocks_and_trains_as_one_process():
     first, second = launch(gpt_job, workers=2, strategy="fsdp", threads=1, timeout=60)
     assert first["units"] == ["FSDPBlock", "FSDPBlock", "FSDPGPT"] and second["state"] == {}
+    assert first["whole_parameters"] == second["whole_parameters"] == []
     torch.manual_seed(0)
     model = tiny_gpt64()
     optimizer = adam(model.parameters())

@@ -9,7 +9,8 @@ Every job runs 2 processes of 1 thread on the CPU, Adam, random tokens (vocabula
   the rounds each process counts its persistent state (`partrain.memory.state_bytes`:
   parameters, gradients, Adam's moments, as the run's ``memory_*`` columns count them).
 - *memory jobs* (fresh processes per measurement: peak RSS is a process's lifetime high):
-  a larger GPT, 3 steps on a small batch, built as `fit` builds it (whole, then the strategy's
+  a larger GPT, 3 steps on a small batch, built as `fit` builds it (the strategy's
+  ``build_model``: whole under allreduce, each process its shards under fsdp; then its
   ``prepare``). The figure is each process's peak RSS above its RSS before the model was
   built (the interpreter and torch are the same in both), and the raw peak. No allocator
   setting is changed by the benchmark: the processes run with what `launch` gives a user.
@@ -141,7 +142,8 @@ class _Variant:
     """One strategy's model and optimizer on this process; `step` is one training step."""
 
     def __init__(self, strategy: Any, shape: Shape, x: torch.Tensor, y: torch.Tensor, active: bool = True) -> None:
-        model = shape.model()
+        torch.manual_seed(0)  # as `fit` seeds every worker
+        model = strategy.build_model(shape.model) if active else shape.model()
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
         self.strategy, self.active, self.x, self.y = strategy, active, x, y
         self.model, self.optimizer = strategy.prepare(model, optimizer) if active else (model, optimizer)
@@ -179,7 +181,7 @@ def _step_worker(strategy: Any, size: Size) -> dict[str, Any]:
 # ----- the memory jobs (fresh processes each) -------------------------------------------------------
 def _memory_worker(strategy: Any, shape: Shape, steps: int, budget: float | None) -> dict[str, float]:
     """Peak RSS above the RSS before the model was built, and the raw peak, in bytes, after ``steps``
-    steps of `fit`'s order: the whole model built, then the strategy's ``prepare``. With a
+    steps of `fit`'s order: the strategy's ``build_model``, then its ``prepare``. With a
     ``budget`` the job stops as soon as a process is over it (both decide together: one small
     all-reduce after the build and after each step)."""
     x, y = tokens(shape)

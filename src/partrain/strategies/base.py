@@ -197,11 +197,16 @@ class Strategy(ABC):
         return self.env.device
 
     # ----- the training loop's side -------------------------------------------------
-    def build_model(self, model_fn: Callable[[], nn.Module]) -> nn.Module:
-        """This process's model, from ``model_fn()`` with the random state the caller seeded:
-        the whole model. A strategy whose processes each train a part of it (``pipeline``) builds
-        that part alone, the rest on the meta device, with the values the whole build gives it."""
-        return model_fn()
+    def build_model(self, model_fn: Callable[[], nn.Module],
+                    weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        """This process's model, from ``model_fn()`` with the random state the caller seeded (and
+        ``weights``, a whole model's state dict, loaded): the whole model. A strategy whose
+        processes each hold a part of it builds that part alone, the rest on the meta device, with
+        the values the whole build gives it: ``pipeline`` its stages, ``fsdp`` its shards."""
+        model = model_fn()
+        if weights is not None:
+            model.load_state_dict(weights)
+        return model
 
     def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
         """Wrap ``model`` and ``optimizer`` for this strategy (they keep their interfaces).

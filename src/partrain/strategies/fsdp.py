@@ -91,6 +91,7 @@ from ..errors import UsageError
 from ..memory import local_tensor, state_bytes
 from ..nn.checkpointing import repeated_blocks
 from ..nn.freeze import freeze, frozen_mask, keep_frozen
+from ..nn.partial import build_shards, chunk_rows
 from ._wrapped_optim import WrappedOptimizer
 from .base import Strategy, register
 
@@ -142,6 +143,8 @@ class FullyShard(Strategy):
         self._syncing = True  # False inside `no_sync`: the backward reduces no gradients
         self._bytes_per_forward = 0  # a training forward's all-gathers (and the backward's again)
         self._bytes_per_sync = 0  # a backward's reduce-scatters
+        #: this worker's rows of each parameter, where `build_model` built only them
+        self._shards: dict[str, torch.Tensor] | None = None
 
     # ----- topology -------------------------------------------------------------------
     def check_model(self, model: nn.Module, workers: int) -> None:
@@ -167,6 +170,29 @@ class FullyShard(Strategy):
             raise UsageError(_ONE_WORKER_PRECISION)
 
     # ----- the training loop's side -------------------------------------------------
+    def build_model(self, model_fn: Callable[[], nn.Module],
+                    weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
+        """The model with each parameter on the meta device and only this worker's shard of it
+        built (`partrain.nn.partial.build_shards`: the rows the whole build from the same seed
+        gives them, or ``weights``' rows): no worker ever holds the whole model. `prepare` puts the
+        shards into the sharded parameters. A model the chunked build cannot follow, one worker,
+        or a composed mesh: the whole model, as every strategy builds it."""
+        self._shards = None
+        if self.mesh is None or self.mesh.ndim != 1:
+            return super().build_model(model_fn, weights)
+        rank, world = self.mesh.get_local_rank(), self.mesh.size()
+        built = build_shards(model_fn, rank, world)
+        if built is None:
+            return super().build_model(model_fn, weights)
+        model, self._shards = built
+        if weights is not None:
+            with torch.no_grad():
+                for name, shard in self._shards.items():
+                    start, stop = chunk_rows(weights[name].shape[0], rank, world)
+                    shard.copy_(weights[name][start:stop])
+            model.load_state_dict({k: v for k, v in weights.items() if k not in self._shards}, strict=False)
+        return model
+
     def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
         """Shard ``model`` (in place: its class becomes FSDP2's, its names stay) and point
         ``optimizer`` at the shards; returns the model and a `ShardedOptimizer` over it."""
@@ -181,7 +207,8 @@ class FullyShard(Strategy):
         model, optimizer = super().prepare(model, optimizer)  # on the device
         # start from one model: worker 0's (each worker keeps its piece of its own copy); parameters
         # already split (tensor parallel, composed by `partrain.strategies.mesh`) came from one source
-        whole = [t for t in [*model.parameters(), *model.buffers()] if not isinstance(t, dtensor_class())]
+        whole = [t for t in [*model.parameters(), *model.buffers()]
+                 if not isinstance(t, dtensor_class()) and not t.is_meta]  # meta: built by shards
         comm.broadcast_tensors([t.data for t in whole], src=self.worker_ranks[0], group=self.group)
         names = {id(p): name for name, p in model.named_parameters()}
         masks = {name: mask for name, p in model.named_parameters() if (mask := frozen_mask(p)) is not None}
@@ -193,6 +220,8 @@ class FullyShard(Strategy):
             api.fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
         # the root's parameters are gathered first in the backward too: torch keeps them (None)
         api.fully_shard(model, reshard_after_forward=None if units else self.reshard_after_forward, **options)
+        if self._shards is not None:
+            self._fill_shards(model)
         sharded = dict(model.named_parameters())
         for name, mask in masks.items():  # the record of what is frozen moves to the sharded parameter
             freeze(sharded[name], mask)
@@ -206,6 +235,20 @@ class FullyShard(Strategy):
         model.register_forward_hook(self._after_forward)
         self.model, self.optimizer = model, ShardedOptimizer(optimizer, model)
         return model, self.optimizer
+
+    def _fill_shards(self, model: nn.Module) -> None:
+        """The sharded parameters of a model `build_model` built by shards: storage on the device
+        (``to_empty``, which empties everything: the tensors built for real are put back), then
+        this worker's rows, as built."""
+        def tensors() -> dict[str, torch.Tensor]:
+            return {name: local_tensor(t) for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+        built = {name: t.clone() for name, t in tensors().items() if not t.is_meta}
+        model.to_empty(device=self.device)
+        shards, self._shards = cast(dict[str, torch.Tensor], self._shards), None
+        with torch.no_grad():
+            for name, t in tensors().items():
+                t.copy_(built[name] if name in built else shards[name])
 
     def _fsdp_options(self, api: Any) -> dict[str, Any]:
         options: dict[str, Any] = {"mesh": self.mesh}

@@ -220,14 +220,15 @@ class Pipeline(Strategy):
         return comm.broadcast_object(obj, src * self.stages, None)
 
     # ----- build and prepare: this process's stages of the model -------------------------
-    def build_model(self, model_fn: Callable[[], nn.Module]) -> nn.Module:
+    def build_model(self, model_fn: Callable[[], nn.Module],
+                    weights: dict[str, torch.Tensor] | None = None) -> nn.Module:
         """Only this process's stages of an ``nn.Sequential`` cut by parameters or child names,
         the other stages' parameters on the meta device; each stage's initial values are those
         the whole model built from the same seed has (`partrain.nn.partial`). Any other model, or
         a split by time (it needs a batch), is built whole and cut as before."""
         self._built_cuts = None
         if self.split == "time":
-            return model_fn()
+            return super().build_model(model_fn, weights)
         found: dict[str, Any] = {}
 
         def keep(skeleton: nn.Module) -> set[str] | None:
@@ -246,6 +247,8 @@ class Pipeline(Strategy):
         model, partial = build_part(model_fn, keep)
         if partial:
             self._built_cuts = found["cuts"]  # prepare cuts where the build did
+        if weights is not None:
+            model.load_state_dict(weights)  # the other stages' parameters stay on meta
         return model
 
     def prepare(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:

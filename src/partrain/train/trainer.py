@@ -146,13 +146,13 @@ class Trainer:
         self.train_ds, self.test_ds = resolve_data(job.data)
         torch.manual_seed(cfg.seed)  # same initial weights on every worker
         settings = compile_settings(cfg.compile, strategy.device)
+        # a sharded checkpoint loads into the shards (restore); a whole one into what is built
+        weights = ckpt["model"] if ckpt is not None and not ckpt.get("sharded_path") else None
         # compiling tries the whole model on a batch first: it is built whole
-        model = job.model_fn() if settings is not None else strategy.build_model(job.model_fn)
-        if ckpt is not None:
-            if not ckpt.get("sharded_path"):  # a sharded checkpoint loads into the shards (restore)
-                model.load_state_dict(ckpt["model"])
-            if ckpt.get("freeze"):  # frozen slices stay frozen across a resume
-                load_freeze_state_dict(model, ckpt["freeze"], strict=False)
+        model = (Strategy.build_model(strategy, job.model_fn, weights) if settings is not None
+                 else strategy.build_model(job.model_fn, weights))
+        if ckpt is not None and ckpt.get("freeze"):  # frozen slices stay frozen across a resume
+            load_freeze_state_dict(model, ckpt["freeze"], strict=False)
         model = move_model(model, strategy.device)
         checkpoint_blocks(model, cfg.activation_checkpointing)
         self.feeder = Feeder(self.train_ds, strategy.device, cfg.loader_settings(), self.task.collate_fn,
