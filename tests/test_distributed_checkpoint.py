@@ -32,6 +32,7 @@ from partrain.checkpoint import load_checkpoint, load_model, save_checkpoint
 from partrain.cli import main
 from partrain.errors import UsageError, WorkerError
 from partrain.launch import launch
+from partrain.serve.loading import load_model_spec, module_from_source
 from partrain.sharded_checkpoint import (
     STATE_FILE,
     commit,
@@ -179,6 +180,35 @@ def test_a_gpts_fused_attention_reshards_from_tp_to_fsdp(tmp_path):
     assert_states_close(resumed.model_state, reference.model_state)
 
 
+def test_an_fsdp_by_tp_mesh_writes_its_own_pieces_and_resumes_on_the_mesh_and_under_tp(tmp_path):
+    """A GPT on a 2 x 2 mesh (fsdp over 2, each matrix split over tp inside them) writes sharded
+    checkpoints: the split matrices in four pieces, one per process, the fused q, k, v whole in the
+    model's order. Its epoch-1 shards go on on the same mesh and under tp on 2 processes, each
+    ending as one process does."""
+    common = dict(COMMON, epochs=2)
+    reference = fit(small_gpt, shifted_text, lm_sgd, strategy="single", **dict(common, workers=1, batch_size=6))
+    out = str(tmp_path / "mesh")
+    fit(small_gpt, shifted_text, lm_sgd, parallel={"fsdp": 2, "tp": 2}, out_dir=out,
+        **dict(common, batch_size=3, epochs=1))
+    os.remove(os.path.join(out, "checkpoint.pt"))  # the run's end exported it: go on from the shards
+    metadata = read_metadata(latest_version(os.path.join(out, "checkpoint.dcp")))
+    pieces: dict[str, set] = {}
+    for index, where in metadata.storage_data.items():
+        pieces.setdefault(index.fqn, set()).add(where.relative_path)
+    assert len(pieces["model/blocks.0.mlp.fc.weight"]) == 4  # each process its own quarter
+    assert len(pieces["optimizer/blocks.0.mlp.fc.weight/momentum_buffer"]) == 4
+    assert len(pieces["model/blocks.0.attn.qkv.weight"]) == 1  # whole, in the model's own order
+    for label, how in (("again", {"parallel": {"fsdp": 2, "tp": 2}, "batch_size": 3}),
+                       ("tp", {"strategy": "tp", "workers": 2, "batch_size": 6})):
+        again = str(tmp_path / label)
+        shutil.copytree(out, again)
+        resumed = fit(small_gpt, shifted_text, lm_sgd, out_dir=again, resume="auto", **dict(common, **how))
+        for got, want in zip(resumed.history, reference.history, strict=True):
+            assert got["step"] == want["step"] and got["train_token_accuracy"] == want["train_token_accuracy"]
+            assert got["train_loss"] == pytest.approx(want["train_loss"], abs=1e-10)
+        assert_states_close(resumed.model_state, reference.model_state)
+
+
 def test_background_writes_equal_synchronous_ones(tmp_path):
     """``checkpoint_async``: the shards are copied, then written while training goes on; the
     checkpoints (mid-epoch every 4 steps, then at max_steps) are bit for bit the synchronous ones,
@@ -214,6 +244,11 @@ def test_export_writes_one_file_that_serve_loads_and_single_resumes(tmp_path, ca
     model, spec = load_model(os.path.join(out, "checkpoint.pt"))
     assert spec["name"] == "mlp" and model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
     assert load_model(os.path.join(out, "checkpoint.dcp"))[0](torch.zeros(1, 1, 8, 8)).shape == (1, 10)
+    # `partrain serve RUN/checkpoint.dcp` serves the shards as the exported file
+    served, _ = module_from_source(os.path.join(out, "checkpoint.dcp"))
+    x = torch.randn(3, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(served(x), module_from_source(os.path.join(out, "checkpoint.pt"))[0](x))
+    assert load_model_spec(os.path.join(out, "checkpoint.dcp")).name == "checkpoint"
 
     state, history = by_hand()
     sharded = first_epoch_sharded(tmp_path)

@@ -71,7 +71,8 @@ def spec_parameters(spec: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def model_from_checkpoint(path: str, weights: bool = True) -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild the model a ``partrain train`` checkpoint describes, in eval mode, and its spec.
+    """Rebuild the model a ``partrain train`` checkpoint (a file, or a sharded checkpoint's
+    directory: ``checkpoint.dcp``) describes, in eval mode, and its spec.
 
     The spec names a built-in model or ``module:function`` (imported from the
     current directory or the spec's ``path``); its weights must fit (`fit_weights`);
@@ -87,8 +88,9 @@ def model_from_checkpoint(path: str, weights: bool = True) -> tuple[nn.Module, d
     """
     from ..checkpoint import fit_weights, load_checkpoint
     from ..models import build_model, resolve_callable
+    from ..sharded_checkpoint import consolidate
 
-    state = load_checkpoint(path, mmap=True)
+    state = consolidate(load_checkpoint(path, mmap=True))  # a sharded one (fsdp's, tp's): read whole here
     spec = state.get("model_spec")
     if not spec:
         raise UsageError(f"Expected a model spec in checkpoint {path!r} to rebuild its model. Received: none "

@@ -199,10 +199,10 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
     keywords = False
     max_shape: tuple[int, ...] | None = None
     lm: LanguageModel | None = None
-    if os.path.isdir(source):
+    if os.path.isdir(source) and not _sharded_checkpoint(source):
         lm = hf_causal_lm(source)
         module, shapes, max_shape = lm.logits, shape or (-1,), None if shape else (lm.context,)
-    elif os.path.isfile(source):
+    elif os.path.isfile(source) or os.path.isdir(source):  # a file, or a sharded checkpoint's directory
         if source.endswith(".pt2"):
             module, found, found_dtypes, static = _exported(source, dev)
             if static is not None and static != 1:
@@ -212,7 +212,7 @@ def load_model_spec(text: str, *, input_shape: str | Sequence[int] | None = None
                 settings["max_batch_size"] = 1  # a static batch of 1: batching is impossible
             if shape is None:
                 shapes, dtypes = (found if len(found) > 1 else found[0]), (found_dtypes if len(found) > 1 else found_dtypes[0])
-        elif _is_torchscript(source):
+        elif os.path.isfile(source) and _is_torchscript(source):
             try:
                 module = torch.jit.load(source, map_location=dev or "cpu")
             except Exception as exc:  # noqa: BLE001
@@ -347,6 +347,14 @@ def _call_factory(source: str) -> Any:
                          f"Received: {exc}") from None
 
 
+def _sharded_checkpoint(path: str) -> bool:
+    """``path`` is a sharded checkpoint's directory (``RUN/checkpoint.dcp``: fsdp's, tp's), not a
+    Hugging Face model's."""
+    from ..sharded_checkpoint import latest_version
+
+    return os.path.isdir(path) and latest_version(path) is not None
+
+
 def module_from_source(source: str, weights: bool = True) -> tuple[nn.Module, dict[str, Any]]:
     """The ``nn.Module`` a partrain checkpoint or a ``module:factory`` gives, and its model spec
     (the checkpoint's; for a factory, its name and the current directory). One line otherwise.
@@ -355,7 +363,7 @@ def module_from_source(source: str, weights: bool = True) -> tuple[nn.Module, di
     (it trains it) and ``partrain serve --stages`` (it cuts it: ``weights=False``, then
     `materialize` on its part).
     """
-    if os.path.isfile(source):
+    if os.path.isfile(source) or _sharded_checkpoint(source):
         return model_from_checkpoint(source, weights)
     if ":" in source and not os.path.exists(source):
         module = _call_factory(source)

@@ -27,7 +27,7 @@ import contextlib
 import functools
 import logging
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,13 +35,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .. import comm
+from .._compat import dtensor_module
 from ..env import DEFAULT_TIMEOUT, DistEnv
 from ..errors import UsageError
 from ..mesh import MeshSpec, build_mesh
 from ..nn.freeze import frozen_mask
 from .base import Strategy, get_strategy, register
 from .fsdp import FullyShard
-from .tensor_parallel import TensorParallel
+from .tensor_parallel import TensorParallel, _whole
 
 #: the options `strategy_for` hands to the strategy it picks, by that strategy's name
 PART_OPTIONS = {"fsdp": ("wrap", "reshard_after_forward"), "tp": ("plan",),
@@ -96,6 +97,9 @@ class MeshParallel(Strategy):
     name = "mesh"
     checkpoints_within_epoch = True
     averages_gradients = True
+    #: each process writes its own shards and slices (`partrain.sharded_checkpoint`): no process
+    #: gathers the whole model; any mesh, process count or strategy reads them back
+    sharded_checkpoints = True
 
     def __init__(self, dp: int = 1, fsdp: int = 1, tp: int = 1, wrap: str = "auto",
                  reshard_after_forward: bool = True, plan: str = "auto") -> None:
@@ -111,6 +115,7 @@ class MeshParallel(Strategy):
         self.mesh: Any = None
         self._dp_group: Any = None  # this process's data-parallel group (the world without tp)
         self._tp_ranks: list[int] = [0]
+        self._names: dict[int, str] = {}  # the prepared model's parameters' names, by id
 
     # ----- topology -------------------------------------------------------------------
     def extra_processes(self, workers: int) -> int:
@@ -222,6 +227,7 @@ class MeshParallel(Strategy):
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
                                     category=UserWarning)
         model, optimizer = self._fsdp.prepare(model, optimizer)
+        self._names = {id(p): name for name, p in model.named_parameters()}
         if self._tp is not None:  # whole optimizer states in the model's order of a fused layer's rows
             optimizer.register_state_dict_post_hook(functools.partial(self._reorder, model, split=False))
             optimizer.register_load_state_dict_pre_hook(functools.partial(self._reorder, model, split=True))
@@ -264,6 +270,26 @@ class MeshParallel(Strategy):
 
     def clip_grad_norm_(self, params: Any, max_norm: float) -> torch.Tensor:
         return self._fsdp.clip_grad_norm_(params, max_norm)
+
+    def checkpoint_layout(self, param: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                                               Callable[[torch.Tensor], torch.Tensor]] | None:
+        """As under ``tp``: a fused layer's parameter (q, k, v in one matrix, held in the split's
+        order) is saved whole in the model's own order, so that another tp reads it back; every
+        other tensor as it is laid out, each process writing its own pieces."""
+        name = self._names.get(id(param))
+        if self._tp is None or name is None or not self._tp.is_fused(name):
+            return None
+        tp = self._tp
+
+        def to_saved(value: torch.Tensor) -> torch.Tensor:
+            return tp.model_order(name, _whole(value))
+
+        def from_saved(whole: torch.Tensor) -> torch.Tensor:
+            split = tp.model_order(name, whole, split=True).to(param.device)
+            placed: Any = param
+            return dtensor_module().distribute_tensor(split, placed.device_mesh, placed.placements)
+
+        return to_saved, from_saved
 
     def state_dict(self) -> dict[str, Any]:
         return {"mesh": str(self.spec)}

@@ -325,6 +325,10 @@ class TensorParallel(Strategy):
             state[name] = value
         return state
 
+    def is_fused(self, name: str) -> bool:
+        """Parameter ``name`` is a fused layer's (q, k, v in one matrix), held in the split's order."""
+        return name in self._fused
+
     def model_order(self, name: str, value: Any, *, split: bool = False) -> Any:
         """``value``, whole and shaped like parameter ``name``, from the split layout's order to the
         model's own (``split=True``: back). A fused layer's parts (q, k, v) are held interleaved, each
