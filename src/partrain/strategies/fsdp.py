@@ -176,9 +176,11 @@ class FullyShard(Strategy):
         built (`partrain.nn.partial.build_shards`: the rows the whole build from the same seed
         gives them, or ``weights``' rows): no worker ever holds the whole model. `prepare` puts the
         shards into the sharded parameters. A model the chunked build cannot follow, one worker,
-        or a composed mesh: the whole model, as every strategy builds it."""
+        CPU offload on an accelerator, or a composed mesh: the whole model, as every strategy
+        builds it."""
         self._shards = None
-        if self.mesh is None or self.mesh.ndim != 1:
+        # offload on an accelerator keeps the shards in host memory, where FSDP2 puts them itself
+        if self.mesh is None or self.mesh.ndim != 1 or self.offload and self.device.type != "cpu":
             return super().build_model(model_fn, weights)
         rank, world = self.mesh.get_local_rank(), self.mesh.size()
         built = build_shards(model_fn, rank, world)
