@@ -32,6 +32,12 @@ as the ``strategy`` of `fit`):
 - ``offload``: FSDP2's ``CPUOffloadPolicy`` on CUDA (shards, gradients and optimizer state in
   host memory, the step on the CPU). On CPU a no-op: everything already lives in host memory.
 
+Building: no worker builds the whole model. `build_model` (which `fit` calls) builds each
+parameter as this worker's rows only, with the values a whole build from the same seed gives
+them (`partrain.nn.partial.build_shards`); `prepare` shards the meta model and copies the rows
+in. What the rows cannot follow (``orthogonal_``, a write into part of a parameter, frozen
+slices set in ``model_fn``) is built whole and broadcast from worker 0, as before.
+
 The optimizer: `prepare` takes the user's optimizer as built on the model's parameters
 (before any step: it refuses one with state) and points its parameter groups at the
 sharded parameters in place (same object, same groups and settings, so schedulers, the
