@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -191,3 +193,18 @@ def assert_history_matches(got: list[dict[str, Any]], want: list[dict[str, Any]]
             assert g[key] == w[key], (w["epoch"], key, g[key], w[key])
         for key in ("train_loss", "test_loss", "lr"):
             assert math.isclose(g[key], w[key], rel_tol=0, abs_tol=atol), (w["epoch"], key, g[key], w[key])
+
+
+class KillOnRank(nn.Module):
+    """Identity, except on global rank ``rank`` at its third training forward: SIGKILL (no
+    unwinding, as ``kill -9`` or the OOM killer), for the tests of a rank dying mid-step."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.rank, self.calls = rank, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.training and os.environ.get("RANK") == str(self.rank) and self.calls == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x

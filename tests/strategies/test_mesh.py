@@ -19,8 +19,6 @@ on two cores: the models are tiny, the runs short. Precision: float64, to `F64_A
 from __future__ import annotations
 
 import functools
-import os
-import signal
 
 import pytest
 import torch
@@ -35,6 +33,7 @@ from partrain.models.gpt import gpt
 from partrain.strategies.mesh import MeshParallel, strategy_for, strategy_name
 from partrain.train.fit import fit
 from tests.helpers import (
+    KillOnRank,
     assert_history_matches,
     assert_states_close,
     digits64,
@@ -167,23 +166,9 @@ def test_the_pipelines_groups_are_the_meshs_dimensions():
     assert groups == [([0, 1], [0, 2]), ([0, 1], [1, 3]), ([2, 3], [0, 2]), ([2, 3], [1, 3])]
 
 
-class _KillOnRank3(torch.nn.Module):
-    """Identity, except on global rank 3 (fsdp 1, tp 1) at its third training forward: SIGKILL."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.training and os.environ.get("RANK") == "3" and self.calls == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return x
-
-
 def _mortal_mlp() -> torch.nn.Module:
     layers = list(small_mlp64())
-    return torch.nn.Sequential(_KillOnRank3(), *layers)
+    return torch.nn.Sequential(KillOnRank(3), *layers)
 
 
 @pytest.mark.timeout(60)

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import signal
 from typing import Any
 
 import pytest
@@ -44,6 +42,7 @@ from partrain.strategies._pipeline_trace import culprit
 from partrain.strategies.pipeline import SCHEDULES, Pipeline
 from partrain.train.fit import fit
 from tests.helpers import (
+    KillOnRank,
     assert_history_matches,
     assert_states_close,
     digits64,
@@ -263,23 +262,9 @@ def test_checkpoints_cross_strategies_pipeline_single_pipeline(tmp_path):
     assert_states_close(third.model_state, state)
 
 
-class _KillOnStage1(nn.Module):
-    """Identity, except on global rank 1 (stage 1) at its third training forward: SIGKILL."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if self.training and os.environ.get("RANK") == "1" and self.calls == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return x
-
-
 def _mortal_mlp() -> nn.Module:
     layers = list(mlp64())
-    return nn.Sequential(*layers[:5], _KillOnStage1(), *layers[5:])
+    return nn.Sequential(*layers[:5], KillOnRank(1), *layers[5:])
 
 
 @pytest.mark.timeout(60)

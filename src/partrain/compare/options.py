@@ -38,14 +38,8 @@ class Straggler:
 
 def parse_budget(value: str | float | int) -> float:
     """``60s``, ``2m``, ``90`` (seconds) -> seconds."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h)?\s*", str(value).lower())
-        seconds = float(found.group(1)) * _SECONDS[found.group(2) or ""] if found else math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise UsageError(f"Expected a positive time budget such as 60s or 2m. Received: {value!r}")
-    return seconds
+    return _quantity(value, r"\s*([0-9]*\.?[0-9]+)\s*(s|m|min|h)?\s*", _SECONDS, "",
+                     "a positive time budget such as 60s or 2m")
 
 
 def parse_straggler(value: str | Straggler | None) -> Straggler | None:
@@ -72,16 +66,9 @@ def parse_bandwidth(value: str | float | None) -> float | None:
     """``1Gbit``, ``100Mbit``, ``10GB`` (bytes), a bare number (bits/s) -> bytes per second."""
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        bits = float(value)
-    else:
-        found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?(?:bit|b))?(?:/s|ps)?\s*", str(value),
-                             re.IGNORECASE)
-        unit = (found.group(2) or "bit") if found else ""
-        # b is a byte, bit a bit: 1GB is 8 Gbit
-        bits = float(found.group(1)) * _BANDWIDTH_UNITS[unit.lower()] if found else math.nan
-    if not (math.isfinite(bits) and bits > 0):
-        raise UsageError(f"Expected a positive bandwidth such as 1Gbit, 100Mbit or 10GB. Received: {value!r}")
+    # b is a byte, bit a bit: 1GB is 8 Gbit
+    bits = _quantity(value, r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]?(?:bit|b))?(?:/s|ps)?\s*", _BANDWIDTH_UNITS,
+                     "bit", "a positive bandwidth such as 1Gbit, 100Mbit or 10GB")
     return bits / 8.0
 
 
@@ -89,14 +76,21 @@ def parse_memory(value: str | float | None) -> float | None:
     """``4GB``, ``512MiB``, a bare number (bytes) -> bytes (None: none given)."""
     if value is None:
         return None
+    return _quantity(value, r"\s*([0-9]*\.?[0-9]+)\s*((?:[kmgt]i?)?b)?\s*", _MEMORY_UNITS, "",
+                     "a positive memory size such as 4GB or 512MiB")
+
+
+def _quantity(value: str | float, pattern: str, units: dict[str, float], default_unit: str, expected: str) -> float:
+    """A bare number, or a number and a unit (``pattern``'s two groups, case-insensitive) times the
+    unit's factor in ``units``; one line unless the result is positive and finite."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        size = float(value)
+        amount = float(value)
     else:
-        found = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*((?:[kmgt]i?)?b)?\s*", str(value), re.IGNORECASE)
-        size = float(found.group(1)) * _MEMORY_UNITS[(found.group(2) or "").lower()] if found else math.nan
-    if not (math.isfinite(size) and size > 0):
-        raise UsageError(f"Expected a positive memory size such as 4GB or 512MiB. Received: {value!r}")
-    return size
+        found = re.fullmatch(pattern, str(value), re.IGNORECASE)
+        amount = float(found.group(1)) * units[(found.group(2) or default_unit).lower()] if found else math.nan
+    if not (math.isfinite(amount) and amount > 0):
+        raise UsageError(f"Expected {expected}. Received: {value!r}")
+    return amount
 
 
 def parse_links(value: str | list[float]) -> list[float]:
