@@ -12,6 +12,11 @@ at the first launch only, and replaces a process whose job failed. A test that n
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -81,3 +86,51 @@ def _fresh_processes(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     with no_pool():
         yield
+
+
+#: seconds before pytest-timeout fails a test at which its processes' stacks are written
+STACKS_BEFORE_TIMEOUT = 30
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its ``SigCgt`` mask in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def write_child_stacks(reason: str) -> None:
+    """Every child of this process that dumps its stacks on SIGUSR1 (partrain's do) writes them
+    to its stderr, which the test's captured output shows: where a job that hangs is stuck."""
+    pids = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
+    dumping = [pid for pid in pids if _catches(pid, signal.SIGUSR1)]
+    print(f"\n{reason}: the stacks of processes {dumping} follow", file=sys.stderr, flush=True)
+    for pid in dumping:
+        try:
+            os.kill(pid, signal.SIGUSR1)
+        except OSError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def _stacks_before_timeout(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that runs close to its timeout has its processes' stacks written first: a hang in a
+    worker process (the timeout shows only this process's stack) can then be read off the report."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 0)
+    if limit <= STACKS_BEFORE_TIMEOUT or not hasattr(signal, "SIGUSR1"):
+        yield
+        return
+    timer = threading.Timer(limit - STACKS_BEFORE_TIMEOUT, write_child_stacks,
+                            args=(f"{request.node.nodeid} still runs {STACKS_BEFORE_TIMEOUT} s before its timeout",))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

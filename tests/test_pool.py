@@ -96,6 +96,34 @@ def test_a_worker_ignores_ctrl_c_and_stops_on_sigterm():
     assert partrain.launch(signal_self_on_rank_1, signal.SIGINT, workers=2, timeout=30) == [2.0, 2.0]
 
 
+def stacks_on_sigusr1(strategy):
+    """This process's stderr while it sends itself SIGUSR1, then a collective (the job goes on)."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as out:
+        saved = os.dup(2)
+        os.dup2(out.fileno(), 2)
+        try:
+            os.kill(os.getpid(), signal.SIGUSR1)  # the handler (C, faulthandler's) runs before the next line
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        written = out.read().decode(errors="replace")
+    t = torch.ones(1)
+    strategy.all_reduce_sum(t)
+    return written, t.item()
+
+
+def test_sigusr1_writes_every_threads_stack_and_the_job_goes_on():
+    """``kill -USR1`` on a worker that seems stuck shows where each of its threads is."""
+    results = partrain.launch(stacks_on_sigusr1, workers=2, timeout=30)
+    for written, total in results:
+        assert total == 2.0
+        assert "stacks_on_sigusr1" in written and "test_pool.py" in written
+        assert "Current thread" in written and "in watch" in written  # every thread: the parent watch's too
+
+
 def collective_on_rank_1_only(strategy):
     import torch.distributed as dist
 

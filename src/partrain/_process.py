@@ -365,6 +365,26 @@ def child_started(*, sigterm_raises: bool = True, grace: float = 5.0,
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     unblock_interrupts()
     watch_parent(grace, on_death)
+    dump_stacks_on_signal()
+
+
+#: the signal on which a process partrain started writes every thread's Python stack to stderr
+DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+
+def dump_stacks_on_signal() -> bool:
+    """``kill -USR1 PID`` makes this process write every thread's Python stack to its stderr
+    and go on (`faulthandler`): where a worker of a job that seems stuck is. Left alone when
+    the process already handles SIGUSR1 (the user's code) or has no such signal (Windows)."""
+    if DUMP_SIGNAL is None or signal.getsignal(DUMP_SIGNAL) not in (signal.SIG_DFL, None):
+        return False
+    import faulthandler
+
+    try:
+        faulthandler.register(DUMP_SIGNAL, all_threads=True)
+    except (ValueError, RuntimeError, OSError, AttributeError):  # no usable stderr
+        return False
+    return True
 
 
 def stop_processes(procs: Iterable[Any], grace: float = 0.0, kill_after: float = 5.0) -> list[Any]:
