@@ -24,10 +24,10 @@ from partrain.errors import UsageError
 @pytest.fixture
 def fresh_probes():
     """The cached probes asked again, before the test and after it (after its monkeypatching)."""
-    for probe in (_compat.ddp_accepts, _compat.batchnorm_takes_bias):
+    for probe in (_compat.ddp_accepts, _compat.batchnorm_takes_bias, _compat.engine_backward):
         probe.cache_clear()
     yield
-    for probe in (_compat.ddp_accepts, _compat.batchnorm_takes_bias):
+    for probe in (_compat.ddp_accepts, _compat.batchnorm_takes_bias, _compat.engine_backward):
         probe.cache_clear()
 
 
@@ -159,3 +159,31 @@ def test_all_gather_into_puts_rows_in_rank_order(tmp_path):
         assert out.tolist() == [1.0, 2.0, 3.0]
     finally:
         dist.destroy_process_group()
+
+
+def _grads_after(backward) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+    for _ in range(2):  # gradients accumulate, as over micro-batches
+        per_sample = nn.functional.cross_entropy(model(x), y, reduction="none")
+        backward(per_sample, torch.full_like(per_sample, 0.25))
+    return [p.grad for p in model.parameters()]
+
+
+def test_backward_with_equals_tensor_backward_and_falls_back_without_the_engine_call(monkeypatch, fresh_probes):
+    """Straight into the engine (this torch) or through ``Tensor.backward`` (no usable private
+    call): the gradients ``Tensor.backward`` gives, accumulated alike."""
+    reference = _grads_after(lambda out, grad: out.backward(grad))
+    assert _compat.engine_backward() is not None  # this torch has the call the fast path uses
+    for got, want in zip(_grads_after(_compat.backward_with), reference):
+        assert torch.equal(got, want)
+    import torch.autograd.graph as graph
+
+    monkeypatch.setattr(graph, "_engine_run_backward", lambda *a, **k: (_ for _ in ()).throw(TypeError("moved")))
+    _compat.engine_backward.cache_clear()
+    assert _compat.engine_backward() is None
+    for got, want in zip(_grads_after(_compat.backward_with), reference):
+        assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        _compat.backward_with(torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))

@@ -232,6 +232,10 @@ class InlineBatches:
                 for index in indices:
                     yield gather(index)
                 return
+            if all(t.device == self.device for t in self.tensors):  # a gather is the whole load
+                for index in indices:
+                    yield tuple(t.index_select(0, index) for t in self.tensors)
+                return
             for index in indices:
                 yield tuple(t.index_select(0, index).to(self.device) for t in self.tensors)
             return
