@@ -86,8 +86,8 @@ def fit_weights(model: nn.Module, weights: Any, label: str, assign: bool = False
 
     ``assign``: the model takes the checkpoint's tensors themselves instead of copying
     them into its own (for a model built on the meta device, which has none). Weights on
-    the meta device (a sharded checkpoint's shapes, from `load_checkpoint`) are checked,
-    not loaded.
+    the meta device (a sharded checkpoint's shapes, from `load_checkpoint`), or a model
+    there (the caller's check of a sharded run), are checked, not loaded.
 
     torch's own error lists every key over many lines (a one-line report shows the
     first, which says nothing useful); this names the count and the first few, with
@@ -116,8 +116,9 @@ def fit_weights(model: nn.Module, weights: Any, label: str, assign: bool = False
         problems.append(f"{len(unexpected)} not in the model ({listed(unexpected)})")
     if problems:
         raise UsageError(f"Expected checkpoint weights to fit {label}. Received: " + ", ".join(problems))
-    if any(isinstance(v, torch.Tensor) and v.is_meta for v in weights.values()):
-        return
+    if any(isinstance(v, torch.Tensor) and v.is_meta for v in weights.values()) or \
+            (not assign and any(v.is_meta for v in own.values())):
+        return  # shapes without values on one side, and nothing to assign: checked, nothing to load
     try:
         model.load_state_dict(weights, assign=assign)
     except (RuntimeError, TypeError, ValueError) as exc:

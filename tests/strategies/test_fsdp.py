@@ -352,3 +352,37 @@ def test_the_compat_probes_name_torchs_fsdp2_and_dtensor():
 
     assert _compat.fsdp2().fully_shard is fully_shard and _compat.fsdp2().FSDPModule is FSDPModule
     assert _compat.dtensor_class() is DTensor
+
+
+class ItemInForward(torch.nn.Module):
+    """small_mlp64 with a forward that reads a value (a data-dependent branch, as some models have)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = small_mlp64()
+
+    def forward(self, x):
+        return self.net(x) * (1.0 if x.abs().sum().item() >= 0 else -1.0)
+
+
+def recorded_build(path, kind="mlp"):
+    """The model, after appending ``pid device`` (where a new tensor goes while it is built) to ``path``."""
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()} {torch.empty(0).device.type}\n")
+    return ItemInForward() if kind == "item" else small_mlp64()
+
+
+def test_the_caller_checks_the_model_on_the_meta_device_and_never_builds_it_whole(tmp_path):
+    """Under fsdp the caller (under torchrun every process is one) checks the model against the data on
+    its shapes; the workers build their shards. Shape errors are still one line before any worker
+    starts; a forward that needs values is left to the workers' first step."""
+    log = tmp_path / "builds"
+    run(2, GLOBAL_BATCH // 2, model=functools.partial(recorded_build, str(log)), epochs=1, max_steps=2)
+    builds = [line.split() for line in log.read_text().splitlines()]
+    assert [device for pid, device in builds if int(pid) == os.getpid()] == ["meta"]  # the caller's one build
+    assert {pid for pid, _ in builds} - {str(os.getpid())}  # the workers built too, in their processes
+    with pytest.raises(UsageError, match=r"Expected samples that model can take\. Received: dataset with inputs tensor \(2, 1, 8, 8\)"):
+        run(2, GLOBAL_BATCH // 2, model=functools.partial(torch.nn.Linear, 16, 10), epochs=1)
+    item = run(2, GLOBAL_BATCH // 2, model=functools.partial(recorded_build, str(log), "item"), epochs=1, max_steps=2)
+    plain = run(2, GLOBAL_BATCH // 2, epochs=1, max_steps=2)
+    assert_states_close({k.removeprefix("net."): v for k, v in item.model_state.items()}, plain.model_state)

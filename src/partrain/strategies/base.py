@@ -36,6 +36,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .. import comm
+from .._compat import backward_with
 from .._tree import map_tensors
 from ..data.sharding import ClaimingBatchSampler, ShardedBatchSampler
 from ..env import DEFAULT_TIMEOUT, DistEnv
@@ -78,7 +79,7 @@ class StepPlan:
                 or grad.device != per_sample.device):
             grad = torch.full_like(per_sample, self.loss_scale, requires_grad=False)
             object.__setattr__(self, "_grad", grad)  # a cache on a frozen plan: not one of its fields
-        per_sample.backward(grad)
+        backward_with(per_sample, grad)
 
     @classmethod
     def of(cls, plan: StepPlan | LossFn, **options: Any) -> StepPlan:
@@ -116,6 +117,9 @@ class Strategy(ABC):
     #: shards that every process writes and reads its own part of (`partrain.sharded_checkpoint`),
     #: not one file gathered on worker 0
     sharded_checkpoints: ClassVar[bool] = False
+    #: with more than one worker, no process holds the whole model (shards, stages, split
+    #: matrices): the caller checks the model against the data on the meta device, never built whole
+    holds_part_of_model: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self.env = DistEnv()

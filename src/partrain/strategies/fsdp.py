@@ -127,6 +127,7 @@ class FullyShard(Strategy):
     averages_gradients = True
     #: each worker writes its own shards (`partrain.sharded_checkpoint`)
     sharded_checkpoints = True
+    holds_part_of_model = True
 
     def __init__(self, wrap: str = "auto", reshard_after_forward: bool = True, param_dtype: str | None = None,
                  reduce_dtype: str | None = None, offload: bool = False) -> None:

@@ -100,6 +100,7 @@ class MeshParallel(Strategy):
     #: each process writes its own shards and slices (`partrain.sharded_checkpoint`): no process
     #: gathers the whole model; any mesh, process count or strategy reads them back
     sharded_checkpoints = True
+    holds_part_of_model = True
 
     def __init__(self, dp: int = 1, fsdp: int = 1, tp: int = 1, wrap: str = "auto",
                  reshard_after_forward: bool = True, plan: str = "auto") -> None:

@@ -99,6 +99,7 @@ class Pipeline(Strategy):
     name = "pipeline"
     checkpoints_within_epoch = True
     averages_gradients = True
+    holds_part_of_model = True
 
     def __init__(self, stages: int = 2, microbatches: int = 4, schedule: str = "1f1b", split: str = "params",
                  virtual_stages: int = 0) -> None:

@@ -68,6 +68,7 @@ class TensorParallel(Strategy):
     checkpoints_within_epoch = True
     #: each process writes its own slices (`partrain.sharded_checkpoint`)
     sharded_checkpoints = True
+    holds_part_of_model = True
 
     def __init__(self, plan: str = "auto", sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
         super().__init__()

@@ -28,6 +28,7 @@ workers receive what it resolved (`WorkerJob`) and run `partrain.train.trainer.T
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pickle
@@ -63,6 +64,7 @@ from .prepare import (
     describe_callable,
     describe_data,
     infer_model_spec,
+    on_meta,
     resolve_data,
     warn_one_step_epochs,
     write_config,
@@ -225,7 +227,9 @@ def _check_model(model_fn: Callable[[], nn.Module], optimizer_fn: Callable[..., 
     """One model built (with the run's seed) and checked against the data, the loss, the optimizer
     settings, the monitored figure, the checkpoint's weights and the strategy (for ``workers``
     processes, when known here); ``cfg.model_spec`` filled in. Returns the task resolved on the data."""
-    with torch.random.fork_rng(devices=[]):
+    # a strategy whose processes each hold a part: never the whole model here (under torchrun every
+    # process is a caller), its shapes on the meta device
+    with torch.random.fork_rng(devices=[]), torch.device("meta") if strat.holds_part_of_model else contextlib.nullcontext():
         torch.manual_seed(cfg.seed)
         model = model_fn()
     if not isinstance(model, nn.Module):
@@ -261,9 +265,13 @@ def _data_name(data: Any) -> str:
 
 
 def _check_optimizer(optimizer_fn: Callable[..., Optimizer], model: nn.Module) -> None:
-    """Bad optimizer settings (a NaN lr, a negative momentum) are one line here, not one per worker."""
+    """Bad optimizer settings (a NaN lr, a negative momentum) are one line here, not one per worker.
+    A model on the meta device lends the optimizer one-value stand-ins of its parameters' dtypes
+    (an optimizer's device checks, e.g. ``fused=True``'s, know no meta device)."""
+    params = ([torch.zeros(1, dtype=p.dtype, requires_grad=p.requires_grad) for p in model.parameters()]
+              if on_meta(model) else model.parameters())
     try:
-        optimizer_fn(model.parameters())
+        optimizer_fn(params)
     except UsageError:
         raise
     except (ValueError, TypeError) as exc:  # torch.optim's own checks of its settings

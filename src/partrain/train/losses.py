@@ -110,7 +110,8 @@ def check_labels(output: Any, targets: torch.Tensor, loss: str = "cross_entropy"
     """Integer labels all within the model's classes (one line naming the range when not),
     for a named loss whose class dimension is known (`class_dim`); ``-100`` is padding."""
     out = primary(output)
-    if targets.is_floating_point() or targets.numel() == 0 or loss not in ("cross_entropy", "nll", "causal_lm"):
+    if targets.is_floating_point() or targets.numel() == 0 or targets.is_meta or \
+            loss not in ("cross_entropy", "nll", "causal_lm"):
         return
     sample = targets[: out.shape[0]]
     dim = class_dim(out, sample) if sample.shape[0] == out.shape[0] else None

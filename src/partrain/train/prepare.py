@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from .._tree import map_tensors
 from ..batch import describe, split_batch
 from ..data.bucketing import lengths_of
 from ..data.datasets import DataSpec, load_dataset, preprocessing
@@ -151,6 +152,11 @@ def warn_one_step_epochs(train_ds: Dataset, samples_per_epoch: int | None, batch
               "more steps)", file=sys.stderr, flush=True)
 
 
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are on the meta device (shapes without values)."""
+    return any(p.is_meta for p in model.parameters())
+
+
 def all_targets(ds: Dataset, task: Task) -> torch.Tensor | None:
     """Every target of an in-memory dataset (for the label range check), else None."""
     if isinstance(ds, TensorDataset) and task.collate_fn is None and len(ds.tensors) >= 2:
@@ -164,18 +170,26 @@ def check_model_takes(model: nn.Module, ds: Dataset, model_name: str = "model", 
 
     Runs the model on two samples, computes the loss and metrics, and checks class labels
     against the model's outputs. Returns the task, resolved (``"auto"`` made concrete).
+
+    A model on the meta device (`on_meta`: what the caller builds for a strategy whose processes
+    each hold a part) runs on the samples' shapes: shapes, dtypes, the loss and the label range
+    are checked, no value computed. A model whose forward needs values (``.item()``, an operator
+    without a meta kernel) is then left to the workers' first step.
     """
     task = task or Task()
     batch = first_batch(ds, task.collate_fn)
     task.resolve(batch)
     was_training = model.training
+    meta = on_meta(model)
     model.eval()
     try:
         with torch.random.fork_rng(devices=[]):
-            task.check(model, batch, all_targets(ds, task))
+            task.check(model, map_tensors(batch, lambda t: t.to("meta")) if meta else batch, all_targets(ds, task))
     except UsageError:
         raise
     except Exception as exc:
+        if meta and "meta" in str(exc).lower():
+            return task  # values needed: the workers' first step is the check
         inputs, _ = split_batch(batch, task.target_key)
         raise UsageError(f"Expected samples that {model_name} can take. Received: {data_name} with inputs "
                          f"{describe(inputs)} ({first_line(exc)[:300]})") from None
