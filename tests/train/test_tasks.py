@@ -440,28 +440,3 @@ def test_resume_auto_starts_again_where_a_run_stopped_before_its_first_checkpoin
     result = fit(regressor64, regression64, sgd, epochs=1, out_dir=str(out), resume="auto", **COMMON)
     assert len(result.history) == 1 and (out / "checkpoint.pt").exists()
 
-
-def test_metrics_a_window_at_a_time_equal_batch_by_batch_across_shapes():
-    """An eager epoch keeps small CPU outputs until the window's sum and computes partrain's own
-    metrics on runs of equal shapes at once: the same sums as one batch at a time."""
-    from types import SimpleNamespace
-
-    from partrain.train.epoch import EagerSteps, EpochTotals
-
-    task = Task("mse", metrics=["mse", "mae"])
-    task.resolve((torch.zeros(2, 3, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64)))
-    assert task.samplewise_metrics
-    g = torch.Generator().manual_seed(0)
-    pairs = [(torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(n, d, generator=g, dtype=torch.float64))
-             for n, d in ((5, 3), (4, 3), (6, 2), (3, 3))]  # three runs of equal trailing shapes
-    steps = EagerSteps.__new__(EagerSteps)
-    steps.trainer, steps.losses, steps.metrics = SimpleNamespace(task=task), [], []
-    steps.totals = EpochTotals.zeros(torch.device("cpu"), 2, 0)
-    steps.outputs = list(pairs)
-    steps.add_up()
-    by_batch = sum(torch.stack([v.sum() for v in task.metric_samples(out, y)]) for out, y in pairs)
-    torch.testing.assert_close(steps.totals.metric_sums, by_batch, rtol=1e-12, atol=0)
-    assert steps.outputs == [] and steps.metrics == []
-    custom = Task("mse", metrics={"mse": None, "max_error": lambda out, y: (out - y).abs().amax(1)})
-    custom.resolve(pairs[0])
-    assert not custom.samplewise_metrics  # a metric of the user's: batch by batch, as it was written

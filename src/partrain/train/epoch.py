@@ -34,11 +34,11 @@ if TYPE_CHECKING:
 #: fused epochs read the device's loss sum (the finiteness check) every this many steps
 CHECK_EVERY = 64
 #: eager epochs add the micro-batches' losses and metrics into the epoch's sums every this many
-#: micro-batches, and whenever the sums are read: a step adds nothing up itself
+#: micro-batches, and whenever the sums are read: a step adds nothing up itself. (The metrics are
+#: computed each step: keeping the outputs for the window's sum instead, one metric call per
+#: window, made a 2-thread CNN step on the CPU 3-5% slower, the heap between its large
+#: activations holding 32 small live tensors; the per-sample losses kept here did not show.)
 SUM_EVERY = 32
-#: outputs of up to this many values (a classifier's logits) wait for the window's sum to have their
-#: metrics computed (`Task.samplewise_metrics`): one call per window, not a few small kernels per step
-KEEP_OUTPUT_VALUES = 1 << 16
 
 
 @dataclass
@@ -160,13 +160,9 @@ class EagerSteps:
         self.count = len(self.batches)
         self.guard = UpdateGuard(trainer.strategy, trainer.model, trainer.optimizer, trainer.task, trainer.cfg, epoch)
         self.pending = False  # gradients of an unfinished accumulation window
-        # the micro-batches' per-sample losses and metric values since the sums were last added up,
-        # and the (output, target) pairs whose metrics are computed then
+        # the micro-batches' per-sample losses and metric values since the sums were last added up
         self.losses: list[torch.Tensor] = []
         self.metrics: list[list[torch.Tensor]] = []
-        self.outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # CPU outputs only: a CUDA graph's output is overwritten by the next replay
-        self.keep_outputs = trainer.task.samplewise_metrics and trainer.strategy.device.type == "cpu"
 
     def __iter__(self) -> Iterator[tuple[int, bool]]:
         t, totals, guard, sampler = self.trainer, self.totals, self.guard, self.sampler
@@ -216,10 +212,7 @@ class EagerSteps:
             if update:
                 t.position.step += 1
             self.losses.append(per_sample)
-            if self.keep_outputs and type(out) is torch.Tensor and type(target) is torch.Tensor \
-                    and out.numel() <= KEEP_OUTPUT_VALUES:
-                self.outputs.append((out, target))
-            elif task.metric_names:
+            if task.metric_names:
                 self.metrics.append(task.metric_samples(out, target))
             if len(self.losses) >= SUM_EVERY:
                 self.add_up()
@@ -252,12 +245,6 @@ class EagerSteps:
         if self.losses:
             totals.loss_sum += torch.cat(self.losses).sum(dtype=torch.float64)
             self.losses = []
-        if self.outputs:  # runs of equal shapes, concatenated: one metric call per run
-            task = self.trainer.task
-            for _, run in itertools.groupby(self.outputs, key=_signature):
-                outputs, targets = zip(*run)
-                self.metrics.append(task.metric_samples(torch.cat(outputs), torch.cat(targets)))
-            self.outputs = []
         if self.metrics:
             totals.metric_sums += torch.stack([torch.cat(values).sum(dtype=torch.float64)
                                                for values in zip(*self.metrics)])
@@ -277,12 +264,6 @@ class EagerSteps:
         self.totals.skipped = self.guard.skipped
         times = self.totals.times
         t.tuned = t.feeder.tune(times.data, times.compute + times.comm, t.cores_left())  # type: ignore[union-attr]
-
-
-def _signature(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, ...]:
-    """What must agree for outputs and targets to be concatenated along the batch."""
-    out, target = pair
-    return out.shape[1:], out.dtype, target.shape[1:], target.dtype
 
 
 class FusedSteps:

@@ -91,9 +91,6 @@ from .losses import (  # noqa: F401 - re-exported: the task's vocabulary is impo
     token_accuracy,
 )
 
-#: partrain's metrics whose value for a sample depends on that sample alone (`Task.samplewise_metrics`)
-SAMPLEWISE = (accuracy, squared_error, absolute_error)
-
 
 # ----- the task --------------------------------------------------------------------------
 class Task:
@@ -273,13 +270,6 @@ class Task:
     def metric_names(self) -> list[str]:
         """The metrics summed per batch (`metric_values`' order)."""
         return list(self.metric_fns)
-
-    @property
-    def samplewise_metrics(self) -> bool:
-        """Every summed metric is one of partrain's own whose value for a sample depends on that
-        sample alone (accuracy, mse, mae): the outputs of many batches, concatenated, give the
-        same values as batch by batch, so an epoch can compute them a window at a time."""
-        return bool(self.metric_fns) and all(fn in SAMPLEWISE for fn in self.metric_fns.values())
 
     @property
     def reported_metrics(self) -> list[str]:
