@@ -71,7 +71,7 @@ from .prepare import (
 )
 from .result import RunResult
 from .resume import resume_batch, same_samples_per_epoch, same_workers
-from .task import LossFn, MetricFn, Task
+from .task import LossFn, MetricFn, OwnLossOnMeta, Task
 from .trainer import SchedulerFn, WorkerJob, run_worker
 
 
@@ -234,7 +234,13 @@ def _check_model(model_fn: Callable[[], nn.Module], optimizer_fn: Callable[..., 
         model = model_fn()
     if not isinstance(model, nn.Module):
         raise UsageError(f"Expected model_fn to return a torch.nn.Module. Received: {type(model).__name__}")
-    task = check_model_takes(model, train_ds, _model_name(cfg.model_spec), _data_name(data), task=task)
+    try:
+        task = check_model_takes(model, train_ds, _model_name(cfg.model_spec), _data_name(data), task=task)
+    except OwnLossOnMeta:  # a Hugging Face head's own loss: how it reduces is read off values
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = model_fn()
+        task = check_model_takes(model, train_ds, _model_name(cfg.model_spec), _data_name(data), task=task)
     if cfg.activation_checkpointing:
         blocks_to_checkpoint(model, cfg.activation_checkpointing)  # one line here when it names nothing
     _check_optimizer(optimizer_fn, model)

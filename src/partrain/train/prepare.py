@@ -32,7 +32,7 @@ from ..data.pipeline import collate
 from ..errors import UsageError, first_line
 from ..files import RUN_FILES, numbered_dir
 from .config import FitConfig
-from .task import Task
+from .task import OwnLossOnMeta, Task
 
 DataArg = DataSpec | str | Callable[[], Any] | tuple[Dataset, Dataset]
 
@@ -174,7 +174,8 @@ def check_model_takes(model: nn.Module, ds: Dataset, model_name: str = "model", 
     A model on the meta device (`on_meta`: what the caller builds for a strategy whose processes
     each hold a part) runs on the samples' shapes: shapes, dtypes, the loss and the label range
     are checked, no value computed. A model whose forward needs values (``.item()``, an operator
-    without a meta kernel) is then left to the workers' first step.
+    without a meta kernel) is then left to the workers' first step; one that returns a loss of its
+    own raises `OwnLossOnMeta` (adopting it reads values: the caller builds the model for real).
     """
     task = task or Task()
     batch = first_batch(ds, task.collate_fn)
@@ -185,7 +186,7 @@ def check_model_takes(model: nn.Module, ds: Dataset, model_name: str = "model", 
     try:
         with torch.random.fork_rng(devices=[]):
             task.check(model, map_tensors(batch, lambda t: t.to("meta")) if meta else batch, all_targets(ds, task))
-    except UsageError:
+    except (UsageError, OwnLossOnMeta):
         raise
     except Exception as exc:
         if meta and "meta" in str(exc).lower():

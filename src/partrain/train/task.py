@@ -92,6 +92,11 @@ from .losses import (  # noqa: F401 - re-exported: the task's vocabulary is impo
 )
 
 
+class OwnLossOnMeta(Exception):
+    """A model on the meta device returns a loss of its own: how it reduces it (`Task.adopt_own_loss`)
+    needs values, so the check needs the model built for real."""
+
+
 # ----- the task --------------------------------------------------------------------------
 class Task:
     """How `fit` computes a batch's output, per-sample loss and metrics (picklable).
@@ -211,6 +216,8 @@ class Task:
             inputs if isinstance(inputs, Mapping) else {}) else None
         self.input_name = first_input_name(model)
         self.own_reduction = "mean"
+        if self.labels_key is not None and any(p.is_meta for p in model.parameters()):
+            raise OwnLossOnMeta(type(model).__name__)  # whether and how it computes a loss: values only
         try:
             with torch.no_grad():
                 loss = own_loss_of(self.forward(model, self.split(batch)[0]))
@@ -218,6 +225,8 @@ class Task:
             if self.own_loss or self.labels_key is None:
                 raise
             self.labels_key, loss = None, None
+        if loss is not None and loss.is_meta:  # how the model reduces its loss is read off values
+            raise OwnLossOnMeta(type(model).__name__)
         if loss is None:
             self.labels_key = None
             if self.own_loss:
