@@ -439,4 +439,3 @@ def test_resume_auto_starts_again_where_a_run_stopped_before_its_first_checkpoin
     (out / "config.json").write_text("{}")
     result = fit(regressor64, regression64, sgd, epochs=1, out_dir=str(out), resume="auto", **COMMON)
     assert len(result.history) == 1 and (out / "checkpoint.pt").exists()
-
