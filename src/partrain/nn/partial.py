@@ -120,6 +120,11 @@ def build_shards(model_fn: Callable[[], nn.Module], rank: int, world: int
     return model, shards
 
 
+def on_meta(module: nn.Module) -> bool:
+    """Whether any of ``module``'s parameters is on the meta device (a shape without values)."""
+    return any(p.is_meta for p in module.parameters())
+
+
 def chunk_rows(length: int, rank: int, world: int) -> tuple[int, int]:
     """The rows ``[start, stop)`` of chunk ``rank`` when ``torch.chunk`` cuts ``length`` rows into
     ``world`` chunks (chunks of ``ceil(length / world)`` rows; the last ones short or empty)."""

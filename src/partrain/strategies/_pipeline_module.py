@@ -23,6 +23,7 @@ from torch import nn
 from .. import comm
 from ..batch import describe
 from ..errors import UsageError
+from ..nn.partial import on_meta
 from ..nn.split import SCHEDULES, as_args, chunk_ranges, first_rows, plan_cuts, rows, stage_ranks
 from ._pipeline_blocks import BlockStage, ForwardFn, plan_blocks
 from ._pipeline_optim import StageOptimizer, keep_stage_params
@@ -86,7 +87,7 @@ class PipelineModule(nn.Module):
                 for key, value in child.state_dict().items():
                     layout.append((f"{name}.{key}", s, tuple(value.shape), value.dtype))
         held = [{id(p) for i in r for p in children[i][1].parameters()} for r in ranges]
-        left_out = [children[i][0] for s in owned for i in ranges[s] if any(p.is_meta for p in children[i][1].parameters())]
+        left_out = [children[i][0] for s in owned for i in ranges[s] if on_meta(children[i][1])]
         if left_out:  # build_model and the cut disagree: never train a meta stage
             raise RuntimeError(f"pipeline: this process's children {left_out} were built without their parameters")
         for name, _ in children:

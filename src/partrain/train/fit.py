@@ -51,6 +51,7 @@ from ..env import external_launcher, global_rank_from_environ
 from ..errors import UsageError, first_line
 from ..launch import launch, starts_processes
 from ..nn.checkpointing import blocks_to_checkpoint
+from ..nn.partial import on_meta
 from ..sharded_checkpoint import consolidate, latest_checkpoint
 from ..strategies.base import Strategy, get_strategy
 from .config import FitConfig, LaunchConfig, split_options
@@ -64,7 +65,6 @@ from .prepare import (
     describe_callable,
     describe_data,
     infer_model_spec,
-    on_meta,
     resolve_data,
     warn_one_step_epochs,
     write_config,

@@ -257,6 +257,11 @@ def first_input_name(model: nn.Module) -> str:
     return params[0].name if params else "input_ids"
 
 
+class OwnLossOnMeta(Exception):
+    """A model on the meta device returns a loss of its own: how it reduces it (`Task.adopt_own_loss`)
+    needs values, so the check needs the model built for real."""
+
+
 def own_loss_of(output: Any) -> torch.Tensor | None:
     loss = output.get("loss") if isinstance(output, Mapping) else None
     return loss if isinstance(loss, torch.Tensor) else None

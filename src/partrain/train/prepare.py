@@ -31,6 +31,7 @@ from ..data.generated import Generated
 from ..data.pipeline import collate
 from ..errors import UsageError, first_line
 from ..files import RUN_FILES, numbered_dir
+from ..nn.partial import on_meta
 from .config import FitConfig
 from .task import OwnLossOnMeta, Task
 
@@ -150,11 +151,6 @@ def warn_one_step_epochs(train_ds: Dataset, samples_per_epoch: int | None, batch
         print(f"partrain: an epoch holds {n:,} training samples, less than one global batch ({batch:,} per worker x "
               f"{workers} = {global_batch:,}): every epoch is one step on {n:,} samples (a smaller batch size gives "
               "more steps)", file=sys.stderr, flush=True)
-
-
-def on_meta(model: nn.Module) -> bool:
-    """Whether ``model``'s parameters are on the meta device (shapes without values)."""
-    return any(p.is_meta for p in model.parameters())
 
 
 def all_targets(ds: Dataset, task: Task) -> torch.Tensor | None:

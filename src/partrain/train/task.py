@@ -60,6 +60,7 @@ from torch import nn
 from .._tree import map_tensors
 from ..batch import batch_size, call_model, describe, primary, split_batch, tensors_of
 from ..errors import UsageError
+from ..nn.partial import on_meta
 from .losses import (  # noqa: F401 - re-exported: the task's vocabulary is imported from here
     CLASSIFICATION_LOSSES,
     DERIVED_METRICS,
@@ -76,6 +77,7 @@ from .losses import (  # noqa: F401 - re-exported: the task's vocabulary is impo
     TOKENS,
     LossFn,
     MetricFn,
+    OwnLossOnMeta,
     absolute_error,
     accuracy,
     causal_lm,
@@ -90,11 +92,6 @@ from .losses import (  # noqa: F401 - re-exported: the task's vocabulary is impo
     takes_argument,
     token_accuracy,
 )
-
-
-class OwnLossOnMeta(Exception):
-    """A model on the meta device returns a loss of its own: how it reduces it (`Task.adopt_own_loss`)
-    needs values, so the check needs the model built for real."""
 
 
 # ----- the task --------------------------------------------------------------------------
@@ -216,7 +213,7 @@ class Task:
             inputs if isinstance(inputs, Mapping) else {}) else None
         self.input_name = first_input_name(model)
         self.own_reduction = "mean"
-        if self.labels_key is not None and any(p.is_meta for p in model.parameters()):
+        if self.labels_key is not None and on_meta(model):
             raise OwnLossOnMeta(type(model).__name__)  # whether and how it computes a loss: values only
         try:
             with torch.no_grad():
