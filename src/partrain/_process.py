@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import multiprocessing
 import os
 import signal
@@ -78,6 +79,11 @@ def run_in_process(fn: Callable[..., Any], args: tuple, kwargs: dict, strat: Str
             strat.close()
         finally:
             if own_group and dist.is_initialized():
+                # the job's garbage first (a DDP Reducer in a reference cycle holds the group): freed
+                # later by a collection at any moment, the group's destructor joins gloo's threads while
+                # holding the GIL that a thread freeing a finished all-gather's tensors waits for - a
+                # deadlock (CI: a worker stuck in pickling its result, ~ProcessGroupGloo under gc)
+                gc.collect()
                 dist.destroy_process_group()
                 comm.forget_groups()
 
